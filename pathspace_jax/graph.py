@@ -1,0 +1,195 @@
+"""The static IR of a traced network: node groups, edge tensors and the `PathSpace`.
+
+A `PathSpace` is what `pathspace_jax.trace` finds in a forward function: the
+*reduction graph* of its ReLU part (seed 001). Nodes are numbered globally:
+
+* node 0 is the **bias node** (its output is the constant 1);
+* every other node belongs to exactly one **node group** — the input features, a
+  hidden layer's units (or a conv layer's channels), the outputs, or a group that
+  was **pinned** because something that is not positively homogeneous per node
+  touches it (tanh, a normalisation, a product of activations, ...).
+
+Every parameter entry is an edge ``src -> dst`` between two nodes: a Dense
+kernel entry ``W[i, j]`` goes from node i of its input group to node j of its
+output group, a conv kernel tap ``K[kh, kw, i, j]`` from channel i to channel j
+(each tap its own edge), a bias entry from the bias node, an embedding row from a
+one-hot input node, and a recurrent kernel entry from a group to itself.
+
+Node-wise rescaling T_α multiplies every edge ``u -> v`` by ``α_v / α_u``, with
+α = 1 on the bias, input, output and pinned nodes. Only the **hidden** nodes carry
+free factors; their number is ``num_hidden`` (H).
+
+The object is frozen and hashable and holds no JAX arrays (only Python values and
+read-only numpy index arrays), so it can be closed over by ``jit``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Any, Callable, Literal
+
+import jax
+import numpy as np
+
+GroupKind = Literal["input", "hidden", "output", "pinned"]
+LeafKind = Literal["weight", "bias", "other"]
+
+BIAS_NODE = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeGroup:
+    """A set of nodes that one rescaling vector acts on.
+
+    Attributes:
+      name: short label used by `describe` (``g0``, ``g1``, ...).
+      size: number of nodes.
+      kind: ``"input"``, ``"hidden"`` (rescalable), ``"output"`` or ``"pinned"``.
+      offset: global index of the group's first node (node 0 is the bias node).
+      reasons: why the group is pinned (primitive and source line), if it is.
+    """
+
+    name: str
+    size: int
+    kind: GroupKind
+    offset: int
+    reasons: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class EdgeLeaf:
+    """How one parameter leaf sits in the graph.
+
+    Attributes:
+      path: the leaf's key path, e.g. ``"Dense_1/kernel"``.
+      shape, dtype: the leaf's shape and dtype name.
+      kind: ``"weight"`` (edges between node groups), ``"bias"`` (edges from the
+        bias node) or ``"other"`` (not an edge of the homogeneous part: left
+        unchanged by rescaling, e.g. a LayerNorm scale).
+      src_groups, dst_groups: indices of the groups its edges leave / enter
+        (empty for the bias node or for ``"other"`` leaves).
+      src, dst: int32 arrays of ``shape`` with the global node index of every
+        entry's source and destination node (``BIAS_NODE`` for biases, -1 for
+        ``"other"`` leaves).
+      note: why the leaf is ``"other"``.
+    """
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    kind: LeafKind
+    src_groups: tuple[int, ...]
+    dst_groups: tuple[int, ...]
+    src: np.ndarray
+    dst: np.ndarray
+    note: str = ""
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def recurrent(self) -> bool:
+        """True when some edge of the leaf leaves and enters the same group."""
+        return bool(set(self.src_groups) & set(self.dst_groups))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PathSpace:
+    """The reduction graph of a traced function (see the module docstring).
+
+    Attributes:
+      treedef: tree structure of the params it was traced with.
+      leaves: one `EdgeLeaf` per parameter leaf, in ``jax.tree_util`` order.
+      groups: the node groups.
+      num_nodes: total number of nodes, the bias node included.
+      fn: the traced function (keyword arguments bound), kept so that later
+        computations (κ, path norms) can re-trace it.
+      arg_specs: ``jax.ShapeDtypeStruct`` pytree of the positional arguments
+        after ``params`` it was traced with.
+    """
+
+    treedef: Any
+    leaves: tuple[EdgeLeaf, ...]
+    groups: tuple[NodeGroup, ...]
+    num_nodes: int
+    fn: Callable[..., Any] = dataclasses.field(repr=False)
+    arg_specs: Any = dataclasses.field(repr=False)
+
+    # -- sizes --------------------------------------------------------------
+    @property
+    def num_params(self) -> int:
+        """m: the number of parameter entries."""
+        return sum(leaf.size for leaf in self.leaves)
+
+    @property
+    def hidden_groups(self) -> tuple[int, ...]:
+        """Indices of the hidden groups, in the order `rescale` expects its alphas."""
+        return tuple(i for i, g in enumerate(self.groups) if g.kind == "hidden")
+
+    @property
+    def num_hidden(self) -> int:
+        """H: the number of independent rescaling factors."""
+        return sum(self.groups[i].size for i in self.hidden_groups)
+
+    @property
+    def num_coords(self) -> int:
+        """m − H: the dimension of path space."""
+        return self.num_params - self.num_hidden
+
+    def node_kinds(self) -> np.ndarray:
+        """Array of length `num_nodes`: 0 bias, 1 input, 2 hidden, 3 output, 4 pinned."""
+        code = {"input": 1, "hidden": 2, "output": 3, "pinned": 4}
+        kinds = np.zeros(self.num_nodes, np.int8)
+        for g in self.groups:
+            kinds[g.offset : g.offset + g.size] = code[g.kind]
+        return kinds
+
+    def hidden_mask(self) -> np.ndarray:
+        """Bool array of length `num_nodes`, True at hidden nodes."""
+        return self.node_kinds() == 2
+
+    def leaves_of(self, tree, what: str = "params") -> list[Any]:
+        """The leaves of ``tree``, checked against the traced params' structure and shapes."""
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        if treedef != self.treedef:
+            raise ValueError(
+                f"{what} does not have the structure of the params this PathSpace was traced with:\n"
+                f"  expected {self.treedef}\n  got      {treedef}"
+            )
+        for spec, leaf in zip(self.leaves, leaves):
+            shape = tuple(getattr(leaf, "shape", ()))
+            if shape != spec.shape:
+                raise ValueError(f"{what} leaf {spec.path!r} has shape {shape}, expected {spec.shape}")
+        return leaves
+
+    # -- hashing ------------------------------------------------------------
+    @property
+    def fingerprint(self) -> str:
+        fp = self.__dict__.get("_fingerprint")
+        if fp is None:
+            h = hashlib.sha256()
+            h.update(repr((self.treedef, self.groups, self.num_nodes)).encode())
+            for leaf in self.leaves:
+                h.update(repr((leaf.path, leaf.shape, leaf.dtype, leaf.kind)).encode())
+                h.update(leaf.src.tobytes())
+                h.update(leaf.dst.tobytes())
+            fp = h.hexdigest()
+            object.__setattr__(self, "_fingerprint", fp)
+        return fp
+
+    def __hash__(self) -> int:
+        return hash(self.fingerprint)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, PathSpace):
+            return NotImplemented
+        return self.fingerprint == other.fingerprint
+
+    def __repr__(self) -> str:
+        return (
+            f"PathSpace(num_params={self.num_params}, num_hidden={self.num_hidden}, "
+            f"num_coords={self.num_coords}, groups={len(self.groups)}, "
+            f"leaves={len(self.leaves)})"
+        )

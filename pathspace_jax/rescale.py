@@ -1,0 +1,125 @@
+"""Node-wise rescaling T_α, random power-of-two rescalings, and `describe`."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pathspace_jax.graph import PathSpace
+
+__all__ = ["rescale", "random_alphas", "random_rescale", "describe", "node_vector"]
+
+
+def node_vector(space: PathSpace, alphas: Sequence[Any], fill: float = 1.0) -> jax.Array:
+    """Concatenate one vector per hidden group into a vector over all nodes.
+
+    Boundary nodes (bias, inputs, outputs, pinned groups) get ``fill``.
+    """
+    hidden = space.hidden_groups
+    if len(alphas) != len(hidden):
+        raise ValueError(
+            f"expected one vector per hidden group ({len(hidden)}: "
+            f"{[space.groups[i].name for i in hidden]}), got {len(alphas)}"
+        )
+    dtype = jnp.result_type(*alphas) if len(alphas) else jnp.float32
+    given = dict(zip(hidden, alphas))
+    parts = [jnp.full((1,), fill, dtype)]
+    for i, g in enumerate(space.groups):
+        if i in given:
+            a = jnp.asarray(given[i], dtype)
+            if a.shape != (g.size,):
+                raise ValueError(f"alpha for hidden group {g.name} has shape {a.shape}, expected ({g.size},)")
+            parts.append(a)
+        else:
+            parts.append(jnp.full((g.size,), fill, dtype))
+    return jnp.concatenate(parts)
+
+
+def rescale(space: PathSpace, params, alphas: Sequence[Any]):
+    """Apply the node-wise rescaling T_α: ``w[u -> v] ↦ (α_v / α_u) · w[u -> v]``.
+
+    ReLU networks compute the same function before and after; the parameters
+    change. α = 1 on the bias node, inputs, outputs and pinned groups.
+
+    Args:
+      space: from `pathspace_jax.trace`.
+      params: a params pytree of the traced structure.
+      alphas: one positive vector per hidden group, in the order of
+        ``space.hidden_groups`` (group ``space.groups[i]`` takes a vector of
+        shape ``(space.groups[i].size,)``).
+
+    Returns:
+      The rescaled params, same structure and dtypes.
+
+    References:
+      Neyshabur et al., "Path-SGD", NeurIPS 2015; seed 000, Thm 1.
+    """
+    leaves = space.leaves_of(params)
+    for a in alphas:
+        if not isinstance(a, jax.core.Tracer) and not np.all(np.asarray(a) > 0):
+            raise ValueError("rescaling factors must be positive (T_α needs α > 0)")
+    a = node_vector(space, alphas)
+    out = []
+    for spec, w in zip(space.leaves, leaves):
+        if spec.kind == "other":
+            out.append(w)
+        else:
+            factor = a[spec.dst] / a[spec.src]
+            out.append(w * factor.astype(w.dtype))
+    return jax.tree_util.tree_unflatten(space.treedef, out)
+
+
+def random_alphas(space: PathSpace, key, *, max_exponent: int = 4) -> list[jax.Array]:
+    """Power-of-two factors 2^k, k uniform in [-max_exponent, max_exponent], per hidden node."""
+    keys = jax.random.split(key, max(len(space.hidden_groups), 1))
+    return [
+        jnp.exp2(jax.random.randint(k, (space.groups[i].size,), -max_exponent, max_exponent + 1).astype(jnp.float32))
+        for k, i in zip(keys, space.hidden_groups)
+    ]
+
+
+def random_rescale(space: PathSpace, params, key, *, max_exponent: int = 4):
+    """`rescale` by random powers of two, which is exact in floating point.
+
+    Each hidden node gets its own factor 2^k with k uniform in
+    ``[-max_exponent, max_exponent]``, so the network function is unchanged
+    bit for bit (barring overflow) while the parameters change.
+    """
+    return rescale(space, params, random_alphas(space, key, max_exponent=max_exponent))
+
+
+def describe(space: PathSpace) -> str:
+    """A readable table of the parameter leaves' roles and of the node groups."""
+    names = [g.name for g in space.groups]
+
+    def side(idx):
+        return "|".join(names[i] for i in idx) if idx else "bias"
+
+    rows = []
+    for leaf in space.leaves:
+        if leaf.kind == "other":
+            role = f"not an edge ({leaf.note})"
+        else:
+            role = f"{side(leaf.src_groups)} -> {side(leaf.dst_groups)}"
+            if leaf.recurrent:
+                role += " (recurrent)"
+        rows.append((leaf.path, "x".join(map(str, leaf.shape)) or "scalar", role))
+    w = max(len(r[0]) for r in rows)
+    ws = max(len(r[1]) for r in rows)
+    lines = [
+        f"PathSpace: {space.num_params} parameters (m), {space.num_hidden} hidden nodes (H), "
+        f"{space.num_coords} path coordinates (m - H)",
+        "",
+        f"{'parameter':<{w}}  {'shape':<{ws}}  role",
+    ]
+    lines += [f"{p:<{w}}  {s:<{ws}}  {r}" for p, s, r in rows]
+    lines += ["", "group  size    kind"]
+    for g in space.groups:
+        line = f"{g.name:<5}  {g.size:<6}  {g.kind}"
+        if g.reasons:
+            line += ": " + "; ".join(g.reasons)
+        lines.append(line)
+    return "\n".join(lines)
