@@ -230,6 +230,8 @@ class _Interpreter:
         self.leaf_axes: list[list[list[int]]] = []
         self.step = 0
         self.eqn = None
+        self.vals: dict[Any, _Val] = {}  # every Var seen, in every (sub-)jaxpr
+        self.root_group: dict[int, int] = {}  # atom root -> group index, filled by _build
 
     # -- helpers -------------------------------------------------------------
     def reason(self, what: str = "") -> str:
@@ -280,6 +282,7 @@ class _Interpreter:
                 shape = getattr(var.aval, "shape", ())
                 assert len(val.axes) == len(shape), (eqn.primitive.name, val.axes, shape)
                 env[var] = val
+        self.vals.update(env)
         return [self.read(env, x) for x in jaxpr.outvars]
 
     def run_closed(self, cj, args: Sequence[_Val]) -> list[_Val]:
@@ -987,6 +990,27 @@ def trace(fn: Callable[..., Any], params, *args, strict: bool = False, **kwargs)
     leaves, treedef, paths = _check_params(params)
     bound = functools.partial(fn, **kwargs) if kwargs else fn
     arg_specs = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a)), args)
+    return _run_trace(bound, leaves, treedef, paths, arg_specs, strict)[0]
+
+
+@functools.lru_cache(maxsize=64)
+def analyze(space: PathSpace) -> tuple[jcore.ClosedJaxpr, _Interpreter]:
+    """Re-trace ``space.fn`` and return its jaxpr with the interpreter that labelled it.
+
+    For code that walks the jaxpr again (the squared network of κ, the
+    data-dependent recursion of DDP): ``interp.vals[var]`` is the abstract value
+    of every variable (its ``kind`` and, per axis, atoms), ``interp.atoms.find``
+    gives an atom's root and ``interp.root_group[root]`` the index into
+    ``space.groups`` of the node group it belongs to (absent for positions:
+    batch, time, space). The jaxpr takes ``(param leaves list, args tuple)``.
+    """
+    leaves = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in space.leaves]
+    paths = [leaf.path for leaf in space.leaves]
+    _, closed, interp = _run_trace(space.fn, leaves, space.treedef, paths, space.arg_specs, False)
+    return closed, interp
+
+
+def _run_trace(bound, leaves, treedef, paths, arg_specs, strict):
     param_specs = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in leaves]
     try:
         closed, out_shape = jax.make_jaxpr(
@@ -1028,7 +1052,7 @@ def trace(fn: Callable[..., Any], params, *args, strict: bool = False, **kwargs)
             f"params leaves {unused} are not used by fn: remove them from the params pytree passed to trace "
             "(or make fn use them)."
         )
-    return _build(interp, treedef, leaves, paths, bound, arg_specs, strict)
+    return _build(interp, treedef, leaves, paths, bound, arg_specs, strict), closed, interp
 
 
 def _resolve_alias_roots(atoms: _Atoms, xs: Sequence[int]) -> list[int]:
@@ -1127,6 +1151,8 @@ def _build(interp: _Interpreter, treedef, leaves, paths, fn, arg_specs, strict) 
             kind = "hidden"
         groups.append(NodeGroup(f"g{gi}", size, kind, offset, reasons if kind != "input" else ()))
         key_index[key] = gi
+        if len(key) == 1:
+            interp.root_group[key[0]] = gi
         offset += size
     num_nodes = offset
     offsets = np.array([g.offset for g in groups])
