@@ -1,0 +1,127 @@
+"""Shared models and a timing harness for the benchmarks.
+
+Every benchmark reports a *ratio* against plain optax measured in the same
+process (same model, batch, jit), never an absolute time in a test.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+RESULTS = Path(__file__).parent / "results"
+
+
+class MLP(nn.Module):
+    """784-512-512-10 ReLU MLP."""
+
+    widths: tuple[int, ...] = (512, 512)
+    out: int = 10
+
+    @nn.compact
+    def __call__(self, x):
+        for w in self.widths:
+            x = nn.relu(nn.Dense(w)(x))
+        return nn.Dense(self.out)(x)
+
+
+class ReluRNN(nn.Module):
+    """Single-layer ReLU RNN (hidden 100) read out at the last step."""
+
+    hidden: int = 100
+    out: int = 10
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.RNN(nn.SimpleCell(self.hidden, activation_fn=nn.relu))(x)
+        return nn.Dense(self.out)(h[:, -1])
+
+
+class SmallCNN(nn.Module):
+    """conv(16)-pool-conv(32)-pool-dense(10) on 28x28x1 images."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Conv(16, (3, 3))(x))
+        x = nn.max_pool(x, (2, 2), (2, 2))
+        x = nn.relu(nn.Conv(32, (3, 3))(x))
+        x = nn.max_pool(x, (2, 2), (2, 2))
+        return nn.Dense(10)(x.reshape(x.shape[0], -1))
+
+
+def setups() -> dict[str, tuple[nn.Module, jax.Array, jax.Array]]:
+    """name -> (model, inputs, integer labels) at the batch sizes of the issues."""
+    k = jax.random.key(0)
+    return {
+        "mlp_784_512_512_10_b128": (MLP(), jax.random.normal(k, (128, 784)), jnp.arange(128) % 10),
+        "relu_rnn_h100_t28_b64": (ReluRNN(), jax.random.normal(k, (64, 28, 28)), jnp.arange(64) % 10),
+        "small_cnn_b64": (SmallCNN(), jax.random.normal(k, (64, 28, 28, 1)), jnp.arange(64) % 10),
+    }
+
+
+def make_step(model: nn.Module, tx: optax.GradientTransformation, extra: Callable[[Any], dict] | None = None):
+    """A jitted train step ``(params, opt_state, x, y) -> (params, opt_state, loss)``.
+
+    ``extra(x)`` gives extra keyword arguments for ``tx.update`` (e.g. ``inputs=x``).
+    """
+
+    def loss_fn(p, x, y):
+        logits = model.apply({"params": p}, x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    @jax.jit
+    def step(params, opt_state, x, y):
+        loss, g = jax.value_and_grad(loss_fn)(params, x, y)
+        kw = extra(x) if extra is not None else {}
+        updates, opt_state = tx.update(g, opt_state, params, **kw)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return step
+
+
+def time_steps(step, params, opt_state, x, y, *, repeats: int = 50, warmup: int = 3) -> float:
+    """Median seconds per step of a jitted step (compile excluded)."""
+    for _ in range(warmup):
+        params, opt_state, loss = step(params, opt_state, x, y)
+    jax.block_until_ready(loss)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        params, opt_state, loss = step(params, opt_state, x, y)
+        jax.block_until_ready(loss)
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def interleaved_ratio(step_a, step_b, params, state_a, state_b, x, y, *, rounds: int = 5, repeats: int = 20) -> float:
+    """Median over rounds of time(step_a) / time(step_b), alternating to cancel drift."""
+    ratios = []
+    for _ in range(rounds):
+        ta = time_steps(step_a, params, state_a, x, y, repeats=repeats)
+        tb = time_steps(step_b, params, state_b, x, y, repeats=repeats)
+        ratios.append(ta / tb)
+    ratios.sort()
+    return ratios[len(ratios) // 2]
+
+
+def write_results(name: str, rows: dict[str, Any]) -> Path:
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    meta = {
+        "backend": jax.default_backend(),
+        "devices": [str(d) for d in jax.devices()],
+        "jax": jax.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+    }
+    path.write_text(json.dumps({"meta": meta, "results": rows}, indent=2) + "\n")
+    return path
