@@ -58,7 +58,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -147,10 +148,10 @@ def _flatten(closed: jcore.ClosedJaxpr, n_params: int) -> _Program:
 
     def walk(jaxpr, const_vals, in_ids):
         env = {}
-        for v, c in zip(jaxpr.constvars, const_vals):
+        for v, c in zip(jaxpr.constvars, const_vals, strict=False):
             i = next(counter)
             consts[i], kinds[i], env[v] = c, "const", i
-        for v, i in zip(jaxpr.invars, in_ids):
+        for v, i in zip(jaxpr.invars, in_ids, strict=False):
             env[v] = i
 
         def read(x):
@@ -184,7 +185,7 @@ def _flatten(closed: jcore.ClosedJaxpr, n_params: int) -> _Program:
                         x = i
                     sub_in.append(x)
                 outs = walk(inner, cj.consts, sub_in[len(sub_in) - len(inner.invars) :])
-                for v, o in zip(e.outvars, outs):
+                for v, o in zip(e.outvars, outs, strict=False):
                     if isinstance(o, tuple):
                         i = next(counter)
                         consts[i], kinds[i] = o[1], "const"
@@ -290,7 +291,7 @@ def _read(env, x):
 def _forward(prog: _Program, params: Sequence, inputs: Sequence, want: Sequence[int]) -> list:
     """The real forward pass (one example, batch of one); returns the values of the vars in ``want``."""
     env = dict(prog.consts)
-    env.update(zip(prog.in_ids, list(params) + list(inputs)))
+    env.update(zip(prog.in_ids, list(params) + list(inputs), strict=False))
     for e in prog.eqns:
         vals = [_read(env, x) for x in e.ins]
         if e.prim.name == "max" and prog.kinds[e.outs[0]] == "act":
@@ -300,7 +301,7 @@ def _forward(prog: _Program, params: Sequence, inputs: Sequence, want: Sequence[
             if isinstance(zero, tuple) and not np.any(np.asarray(zero[1])) and jnp.ndim(zero[1]) == 0:
                 env[e.outs[0]] = jax.nn.relu(x)
                 continue
-        for o, v in zip(e.outs, _bind(e, vals)):
+        for o, v in zip(e.outs, _bind(e, vals), strict=False):
             env[o] = v
     return [env[i] for i in want]
 
@@ -310,7 +311,7 @@ def _gamma_net(prog: _Program, sq_params: Sequence, ones: Sequence, stats: Seque
     kinds = prog.kinds
     node_pos = {v: k for k, v in enumerate(prog.nodes)}
     env = dict(prog.consts)
-    env.update(zip(prog.in_ids, list(sq_params) + list(ones)))
+    env.update(zip(prog.in_ids, list(sq_params) + list(ones), strict=False))
 
     def fin(v):
         if v in node_pos:
@@ -325,11 +326,11 @@ def _gamma_net(prog: _Program, sq_params: Sequence, ones: Sequence, stats: Seque
         if kinds[e.outs[0]] == "const":
             outs = _bind(e, vals)
         elif name in ("mul", "div") and sum(k != "const" for k in ks) == 1:
-            vals = [v if k != "const" else v * v for v, k in zip(vals, ks)]
+            vals = [v if k != "const" else v * v for v, k in zip(vals, ks, strict=False)]
             outs = _bind(e, vals)
         elif name in ("dot_general", "conv_general_dilated"):
             if ks.count("const") == 0 and "act" in ks and "param" in ks or ks.count("const") == 1:
-                vals = [v if k != "const" else v * v for v, k in zip(vals, ks)]
+                vals = [v if k != "const" else v * v for v, k in zip(vals, ks, strict=False)]
                 outs = _bind(e, vals)
             else:
                 raise DDPUnsupportedError(
@@ -341,12 +342,14 @@ def _gamma_net(prog: _Program, sq_params: Sequence, ones: Sequence, stats: Seque
         elif name in ("neg", "abs"):
             outs = [vals[0]]
         elif name in _AS_IS or name.startswith("custom_"):  # custom_*: kept whole only around ReLU-like code
-            if name in ("max", "min") and ks.count("act") == 1 and any(
-                k == "const" and np.any(np.asarray(_read(env, x))) for k, x in zip(ks, e.ins)
+            if (
+                name in ("max", "min")
+                and ks.count("act") == 1
+                and any(k == "const" and np.any(np.asarray(_read(env, x))) for k, x in zip(ks, e.ins, strict=False))
             ):
                 raise DDPUnsupportedError(f"ddp_kappa: {name} with a non-zero constant at {e.where}")
             if name == "add" and "const" in ks:
-                for k, x in zip(ks, e.ins):
+                for k, x in zip(ks, e.ins, strict=False):
                     if k == "const" and not isinstance(_read(env, x), jax.core.Tracer):
                         if np.any(np.asarray(_read(env, x))):
                             raise DDPUnsupportedError(f"ddp_kappa: adds a non-zero constant at {e.where}")
@@ -356,7 +359,7 @@ def _gamma_net(prog: _Program, sq_params: Sequence, ones: Sequence, stats: Seque
                 f"ddp_kappa: primitive {name!r} at {e.where} is not positively homogeneous (or not supported by "
                 "the γ² recursion); DDP-SGD's κ is defined here for ReLU networks only."
             )
-        for o, v in zip(e.outs, outs):
+        for o, v in zip(e.outs, outs, strict=False):
             env[o] = v
             fin(o)
     total = 0.0
@@ -498,7 +501,7 @@ def ddp_kappa(
         ones = [jnp.ones((1, *jnp.shape(x)[1:]), dtype) for x in xs]
         sq = [p * p for p in leaves]
         kappa_a, nus = jax.grad(lambda w, s: _gamma_net(prog, w, ones, s, alpha), argnums=(0, 1))(sq, stats)
-        kappa = [k + a for k, a in zip(kappa, kappa_a)]
+        kappa = [k + a for k, a in zip(kappa, kappa_a, strict=False)]
         nus = [nus[node_index[v]] for v in want]
     else:
         nus = [jnp.ones(jnp.shape(z)[1:], dtype) for z in zs]
@@ -506,12 +509,12 @@ def ddp_kappa(
     # -- the second-order term Σ_t ν_t mean_i (∂z_t(x_i)/∂w)²
     if alpha > 0.0:
         if estimator == "probes":
-            scale = [jnp.sqrt(jnp.maximum(nu, 0.0)).astype(z.dtype) for nu, z in zip(nus, zs)]
+            scale = [jnp.sqrt(jnp.maximum(nu, 0.0)).astype(z.dtype) for nu, z in zip(nus, zs, strict=False)]
 
             def one(k):
                 ks = jax.random.split(k, len(zs))
                 cots = []
-                for kk, z, s in zip(ks, zs, scale):
+                for kk, z, s in zip(ks, zs, scale, strict=False):
                     r = jax.random.rademacher(kk, z.shape, z.dtype)
                     if moment == "variance":
                         r = r - jnp.mean(r, axis=0, keepdims=True)
@@ -520,7 +523,7 @@ def ddp_kappa(
                 return [gi * gi for gi in g]
 
             sqs = jax.vmap(one)(jax.random.split(key, int(num_probes)))
-            kappa = [k + jnp.mean(s, axis=0) / n for k, s in zip(kappa, sqs)]
+            kappa = [k + jnp.mean(s, axis=0) / n for k, s in zip(kappa, sqs, strict=False)]
         else:
 
             def per_example(*x):
@@ -530,11 +533,13 @@ def ddp_kappa(
                 return jax.jacrev(flat)(leaves)
 
             jac = jax.vmap(per_example)(*xs)  # per leaf: (n, N, *leaf)
-            weights = jnp.concatenate([jnp.broadcast_to(nu, jnp.shape(z)[1:]).ravel() for nu, z in zip(nus, zs)])
+            weights = jnp.concatenate(
+                [jnp.broadcast_to(nu, jnp.shape(z)[1:]).ravel() for nu, z in zip(nus, zs, strict=False)]
+            )
             for j, J in enumerate(jac):
                 if moment == "variance":
                     J = J - jnp.mean(J, axis=0, keepdims=True)
                 wj = weights.reshape((1, -1) + (1,) * (J.ndim - 2))
                 kappa[j] = kappa[j] + jnp.sum(wj * J * J, axis=(0, 1)) / n
-    kappa = [k.astype(p.dtype) for k, p in zip(kappa, leaves)]
+    kappa = [k.astype(p.dtype) for k, p in zip(kappa, leaves, strict=False)]
     return jax.tree_util.tree_unflatten(space.treedef, kappa)

@@ -1,0 +1,53 @@
+"""User-facing optimizers of pathspace_jax: path_sgd, ddp_sgd, g_sgd, g_adam."""
+
+from __future__ import annotations
+
+import optax
+
+from pathspace_jax import transforms
+
+# ---------------------------------------------------------------------------- DDP-SGD (issue 5)
+
+
+def ddp_sgd(
+    space,
+    learning_rate,
+    *,
+    alpha: float,
+    moment: str = "second",
+    estimator: str = "exact",
+    num_probes: int = 1,
+    momentum: float | None = None,
+    every: int = 1,
+    eps: float = 1e-8,
+) -> optax.GradientTransformationExtraArgs:
+    """DDP-SGD (seed 002): w ← w − η g / κ, κ = ½ ∂²γ²_net/∂w² on the current batch.
+
+    ``optax.chain(scale_by_ddp(...), [optax.trace(momentum)], optax.scale_by_learning_rate(lr))``: the
+    κ-scaled gradient, optionally with heavy-ball momentum on the scaled gradient, times −η.
+
+    Args:
+      space: the `PathSpace` of the network (``pathspace_jax.trace``).
+      learning_rate: η, a float or an optax schedule.
+      alpha, moment, estimator, num_probes, every, eps: see `pathspace_jax.scale_by_ddp`.
+      momentum: heavy-ball decay (``optax.trace``), or None.
+
+    Returns:
+      An `optax.GradientTransformationExtraArgs`; call ``update(grads, state, params, inputs=x)``.
+
+    Example:
+      >>> tx = pj.ddp_sgd(space, 0.1, alpha=1.0, estimator="probes")
+      >>> updates, state = tx.update(grads, state, params, inputs=x, key=key)
+
+    References:
+      Neyshabur et al., "Data-dependent path normalization in neural networks", ICLR 2016.
+    """
+    parts = [
+        transforms.scale_by_ddp(
+            space, alpha=alpha, moment=moment, estimator=estimator, num_probes=num_probes, eps=eps, every=every
+        )
+    ]
+    if momentum is not None:
+        parts.append(optax.trace(decay=momentum))
+    parts.append(optax.scale_by_learning_rate(learning_rate))
+    return optax.chain(*parts)

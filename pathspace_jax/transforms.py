@@ -1,0 +1,114 @@
+"""optax transforms of pathspace_jax: scale_by_path_sgd, scale_by_ddp, in_path_space and their states."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+# ---------------------------------------------------------------------------- DDP-SGD (issue 5)
+
+
+class ScaleByDDPState(NamedTuple):
+    """State of `scale_by_ddp`: the step count and the κ last computed (recomputed every ``every`` steps)."""
+
+    count: jax.Array
+    kappa: Any
+
+
+def scale_by_ddp(
+    space,
+    *,
+    alpha: float,
+    moment: str = "second",
+    estimator: str = "exact",
+    num_probes: int = 1,
+    eps: float = 1e-8,
+    every: int = 1,
+) -> optax.GradientTransformationExtraArgs:
+    """Divide each gradient entry by DDP-SGD's κ = ½ ∂²γ²_net/∂w² on the current batch (seed 002 eq. 15).
+
+    u_e = g_e / (κ_e + eps), with κ from `pathspace_jax.ddp_kappa` (γ_v² = α S(z_v) + (1 − α) Σ_{u→v}
+    γ_u² w²_{u→v}; α = 0 is Path-SGD, α = 1 with the second moment the diagonal natural gradient of a
+    unit-variance Gaussian output model). κ scales like w² under node-wise rescaling, so with
+    ``eps = 0`` the resulting step is exactly rescaling invariant (seed 002 §6.1); ``eps`` only
+    damps entries whose κ is tiny (a dead unit has κ = 0 and gradient 0: its update is 0, never NaN;
+    an entry with κ + eps = 0 gets update 0). Leaves that ``trace`` marked ``"other"`` (not edges of
+    the homogeneous part) pass through unscaled.
+
+    Args:
+      space: the `PathSpace` of the network (``pathspace_jax.trace``).
+      alpha, moment, estimator, num_probes: as in `pathspace_jax.ddp_kappa`.
+      eps: added to κ before dividing (≥ 0).
+      every: recompute κ every ``every`` steps (steps 0, k, 2k, ...), reusing the stored κ between
+        (``jax.lax.cond`` on the step count: no Python branching, no recompilation).
+
+    Returns:
+      An `optax.GradientTransformationExtraArgs`. ``update(updates, state, params, *, inputs, key=None)``
+      needs ``params`` and the batch ``inputs`` (the positional arguments of the traced function after
+      params); ``key`` seeds the probes (when omitted, probes are drawn from ``jax.random.key(0)``
+      folded with the step count, the same for every member of a vmapped ensemble). Other extra
+      keyword arguments are ignored.
+
+    Example:
+      >>> tx = optax.chain(pj.scale_by_ddp(space, alpha=1.0, estimator="probes"), optax.scale(-0.1))
+      >>> updates, state = tx.update(grads, state, params, inputs=x)
+
+    References:
+      Neyshabur et al., "Data-dependent path normalization in neural networks", ICLR 2016.
+    """
+    from pathspace_jax.ddp import ddp_kappa
+
+    if not isinstance(every, int) or every < 1:
+        raise ValueError(f"every must be a positive int, got {every!r}")
+    if eps < 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    if estimator not in ("exact", "probes"):
+        raise ValueError(f"estimator must be 'exact' or 'probes', got {estimator!r}")
+    other = [leaf.kind == "other" for leaf in space.leaves]
+
+    def init_fn(params):
+        leaves = space.leaves_of(params, "params")
+        kappa = jax.tree_util.tree_unflatten(
+            space.treedef, [jnp.zeros(jnp.shape(p), jnp.result_type(p)) for p in leaves]
+        )
+        return ScaleByDDPState(count=jnp.zeros([], jnp.int32), kappa=kappa)
+
+    def update_fn(updates, state, params=None, *, inputs=None, key=None, **extra_args):
+        del extra_args
+        if params is None:
+            raise ValueError("scale_by_ddp needs params: call tx.update(updates, state, params, inputs=batch)")
+        if inputs is None:
+            raise TypeError(
+                "scale_by_ddp needs the batch as a keyword argument: tx.update(updates, state, params, inputs=x) "
+                "(inputs = the positional arguments of the traced function after params)"
+            )
+        if key is None:
+            key = jax.random.fold_in(jax.random.key(0), state.count)
+
+        def compute():
+            k = ddp_kappa(
+                space, params, inputs, alpha=alpha, moment=moment, estimator=estimator, num_probes=num_probes, key=key
+            )
+            return jax.tree_util.tree_map(lambda a, b: a.astype(b.dtype), k, state.kappa)
+
+        if every == 1:
+            kappa = compute()
+        else:
+            kappa = jax.lax.cond(state.count % every == 0, compute, lambda: state.kappa)
+        g_leaves = space.leaves_of(updates, "updates")
+        k_leaves = jax.tree_util.tree_leaves(kappa)
+        out = []
+        for g, k, is_other in zip(g_leaves, k_leaves, other, strict=False):
+            if is_other:
+                out.append(g)
+                continue
+            den = (k + eps).astype(g.dtype)
+            safe = jnp.where(den > 0, den, jnp.ones_like(den))
+            out.append(jnp.where(den > 0, g / safe, jnp.zeros_like(g)))
+        new = jax.tree_util.tree_unflatten(space.treedef, out)
+        return new, ScaleByDDPState(count=optax.safe_int32_increment(state.count), kappa=kappa)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -1,0 +1,477 @@
+"""DDP-SGD (issue 5): κ against its definitions by autodiff, in float64, and the optax contract.
+
+Every reference below is computed independently of pathspace_jax.ddp: per-example Jacobians of the
+model itself (``jax.vmap(jax.jacrev(...))``), and hand-written γ² recursions (seed 002 eq. 4) for
+specific small networks differentiated twice by ``jax.hessian``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.flatten_util import ravel_pytree
+
+import pathspace_jax as pj
+
+ZOO_FEEDFORWARD = ["mlp", "cnn2d_stride_padding_maxpool", "residual_cnn", "nnx_mlp", "cnn1d_stride_dilation_avgpool"]
+
+
+def _zoo():
+    sys.path.insert(0, os.path.dirname(__file__))
+    from zoo import ZOO
+
+    return ZOO
+
+
+# ----------------------------------------------------------------------------- small hand-built networks
+
+
+def _mlp_params(key, sizes=(3, 4, 3, 2)):
+    ks = jax.random.split(key, 2 * len(sizes))
+    p = {}
+    for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
+        p[f"w{i}"] = jax.random.normal(ks[2 * i], (a, b), jnp.float64)
+        p[f"b{i}"] = 0.3 * jax.random.normal(ks[2 * i + 1], (b,), jnp.float64)
+    return p
+
+
+def mlp_fn(p, x):
+    h = jax.nn.relu(x @ p["w0"] + p["b0"])
+    h = jax.nn.relu(h @ p["w1"] + p["b1"])
+    return h @ p["w2"] + p["b2"]
+
+
+def _stat(z, moment):
+    return jnp.mean(z * z, axis=0) if moment == "second" else jnp.var(z, axis=0)
+
+
+def mlp_gamma_net(p, x, alpha, moment):
+    """Seed 002 eq. (4)-(5), written out for `mlp_fn`."""
+    g = jnp.ones(x.shape[1])
+    h = x
+    for i in range(3):
+        z = h @ p[f"w{i}"] + p[f"b{i}"]
+        g = alpha * _stat(z, moment) + (1 - alpha) * (g @ p[f"w{i}"] ** 2 + p[f"b{i}"] ** 2)
+        h = jax.nn.relu(z)
+    return jnp.sum(g)
+
+
+def res_fn(p, x):
+    """A residual MLP: the skip adds h to the second layer's output."""
+    h = jax.nn.relu(x @ p["w0"] + p["b0"])
+    r = jax.nn.relu(h @ p["w1"] + p["b1"])
+    s = h + r @ p["w2"] + p["b2"]
+    return jax.nn.relu(s) @ p["w3"] + p["b3"]
+
+
+def res_gamma_net(p, x, alpha, moment):
+    z0 = x @ p["w0"] + p["b0"]
+    g0 = alpha * _stat(z0, moment) + (1 - alpha) * (jnp.ones(x.shape[1]) @ p["w0"] ** 2 + p["b0"] ** 2)
+    h = jax.nn.relu(z0)
+    z1 = h @ p["w1"] + p["b1"]
+    g1 = alpha * _stat(z1, moment) + (1 - alpha) * (g0 @ p["w1"] ** 2 + p["b1"] ** 2)
+    s = h + jax.nn.relu(z1) @ p["w2"] + p["b2"]
+    gs = alpha * _stat(s, moment) + (1 - alpha) * (g0 + g1 @ p["w2"] ** 2 + p["b2"] ** 2)
+    z3 = jax.nn.relu(s) @ p["w3"] + p["b3"]
+    g3 = alpha * _stat(z3, moment) + (1 - alpha) * (gs @ p["w3"] ** 2 + p["b3"] ** 2)
+    return jnp.sum(g3)
+
+
+def _res_params(key):
+    ks = jax.random.split(key, 8)
+    shapes = [(3, 4), (4, 5), (5, 4), (4, 2)]
+    p = {}
+    for i, s in enumerate(shapes):
+        p[f"w{i}"] = jax.random.normal(ks[2 * i], s, jnp.float64)
+        p[f"b{i}"] = 0.3 * jax.random.normal(ks[2 * i + 1], (s[1],), jnp.float64)
+    return p
+
+
+_DN = ("NHWC", "HWIO", "NHWC")
+
+
+def cnn_fn(p, x):
+    """conv(3x3, SAME) - relu - conv(2x2, VALID) - relu - flatten - dense, shared kernels."""
+    h = jax.lax.conv_general_dilated(x, p["k0"], (1, 1), "SAME", dimension_numbers=_DN) + p["c0"]
+    h = jax.nn.relu(h)
+    h = jax.lax.conv_general_dilated(h, p["k1"], (1, 1), "VALID", dimension_numbers=_DN) + p["c1"]
+    h = jax.nn.relu(h)
+    return h.reshape(h.shape[0], -1) @ p["w"] + p["b"]
+
+
+def cnn_gamma_net(p, x, alpha, moment):
+    """The recursion on the unrolled conv net: one node per channel and position, S over the batch."""
+
+    def conv(a, k, pad):
+        return jax.lax.conv_general_dilated(a, k, (1, 1), pad, dimension_numbers=_DN)
+
+    z0 = conv(x, p["k0"], "SAME") + p["c0"]
+    g0 = alpha * _stat(z0, moment) + (1 - alpha) * (conv(jnp.ones_like(x[:1]), p["k0"] ** 2, "SAME")[0] + p["c0"] ** 2)
+    z1 = conv(jax.nn.relu(z0), p["k1"], "VALID") + p["c1"]
+    g1 = alpha * _stat(z1, moment) + (1 - alpha) * (conv(g0[None], p["k1"] ** 2, "VALID")[0] + p["c1"] ** 2)
+    z2 = jax.nn.relu(z1).reshape(x.shape[0], -1) @ p["w"] + p["b"]
+    g2 = alpha * _stat(z2, moment) + (1 - alpha) * (g1.reshape(-1) @ p["w"] ** 2 + p["b"] ** 2)
+    return jnp.sum(g2)
+
+
+def _cnn_params(key):
+    ks = jax.random.split(key, 6)
+    return {
+        "k0": 0.7 * jax.random.normal(ks[0], (3, 3, 2, 3), jnp.float64),
+        "c0": 0.2 * jax.random.normal(ks[1], (3,), jnp.float64),
+        "k1": 0.7 * jax.random.normal(ks[2], (2, 2, 3, 2), jnp.float64),
+        "c1": 0.2 * jax.random.normal(ks[3], (2,), jnp.float64),
+        "w": 0.5 * jax.random.normal(ks[4], (3 * 3 * 2, 2), jnp.float64),
+        "b": 0.2 * jax.random.normal(ks[5], (2,), jnp.float64),
+    }
+
+
+CASES = {
+    "mlp": (mlp_fn, mlp_gamma_net, lambda: _mlp_params(jax.random.key(0)), (6, 3)),
+    "residual": (res_fn, res_gamma_net, lambda: _res_params(jax.random.key(1)), (6, 3)),
+    "cnn": (cnn_fn, cnn_gamma_net, lambda: _cnn_params(jax.random.key(2)), (4, 4, 4, 2)),
+}
+
+
+def _case(name):
+    fn, gnet, mk, xshape = CASES[name]
+    params = mk()
+    x = jax.random.normal(jax.random.key(7), xshape, jnp.float64)
+    return fn, gnet, params, x, pj.trace(fn, params, x)
+
+
+def _hessian_diag(f, params):
+    flat, unravel = ravel_pytree(params)
+    h = jax.hessian(lambda v: f(unravel(v)))(flat)
+    return unravel(0.5 * jnp.diag(h))
+
+
+def _fisher(fn, params, x, moment):
+    """mean_i Σ_out (∂f_out(x_i)/∂w)² (centred over i for the variance), per-example Jacobians."""
+    jac = jax.vmap(lambda xi: jax.jacrev(lambda p: fn(p, xi[None])[0])(params))(x)
+
+    def reduce(j):  # (n, outs..., *leaf)
+        j = j.reshape(j.shape[0], -1, *j.shape[j.ndim - (j.ndim - 1 - _nout[0]) :])
+        if moment == "variance":
+            j = j - j.mean(axis=0, keepdims=True)
+        return jnp.mean(jnp.sum(j * j, axis=1), axis=0)
+
+    out = fn(params, x[:1])[0]
+    _nout = [np.ndim(out)]
+    return jax.tree_util.tree_map(reduce, jac)
+
+
+# ----------------------------------------------------------------------------- κ against its definitions
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("alpha", [0.0, 0.3, 0.75, 1.0])
+@pytest.mark.parametrize("moment", ["second", "variance"])
+def test_kappa_is_half_hessian_diagonal_of_the_recursion(name, alpha, moment):
+    fn, gnet, params, x, space = _case(name)
+    expected = _hessian_diag(lambda p: gnet(p, x, alpha, moment), params)
+    got = pj.ddp_kappa(space, params, x, alpha=alpha, moment=moment)
+    chex.assert_trees_all_close(got, expected, rtol=1e-10, atol=1e-12)
+    # not vacuous: every kernel has a positive κ (a bias can have κ = 0: at α = 1 the variance
+    # does not see the output bias, and the check above agrees)
+    assert all(float(jnp.max(v)) > 0 for v in jax.tree_util.tree_leaves(got) if v.ndim > 1)
+
+
+@pytest.mark.parametrize("name", ZOO_FEEDFORWARD + ["plain_nested_jit_remat_custom_vjp", "plain_transpose_slice"])
+@pytest.mark.parametrize("moment", ["second", "variance"])
+def test_alpha_one_is_the_fisher_diagonal_on_zoo_models(name, moment):
+    case = _zoo()[name]
+    x = case.inputs(5)
+    space = pj.trace(case.fn, case.params, x)
+    expected = _fisher(case.fn, case.params, x, moment)
+    got = pj.ddp_kappa(space, case.params, x, alpha=1.0, moment=moment)
+    chex.assert_trees_all_close(got, expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_alpha_one_is_the_fisher_diagonal_hand_models(name):
+    fn, _, params, x, space = _case(name)
+    got = pj.ddp_kappa(space, params, x, alpha=1.0)
+    chex.assert_trees_all_close(got, _fisher(fn, params, x, "second"), rtol=1e-10, atol=1e-12)
+    # the variance version is centred: it differs from the second moment (the outputs have a mean)
+    var = pj.ddp_kappa(space, params, x, alpha=1.0, moment="variance")
+    assert not np.allclose(ravel_pytree(var)[0], ravel_pytree(got)[0])
+
+
+def _squared_network_kappa(fn, params, x):
+    """Path-SGD's κ⁽¹⁾ = ∂/∂p̃ Σ outputs of the network with squared params on an all-ones input."""
+    ones = jnp.ones((1, *x.shape[1:]), x.dtype)
+    sq = jax.tree_util.tree_map(lambda a: a * a, params)
+    return jax.grad(lambda q: jnp.sum(fn(q, ones)))(sq)
+
+
+class MaxPoolCNN(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Conv(3, (3, 3))(x))
+        x = nn.max_pool(x, (2, 2), (2, 2))
+        x = nn.relu(nn.Conv(2, (2, 2), padding="VALID")(x))
+        return nn.Dense(2)(x.reshape(x.shape[0], -1))
+
+
+@pytest.mark.parametrize("name", ["mlp", "residual", "cnn", "maxpool_cnn", "zoo_mlp"])
+def test_alpha_zero_is_path_sgd_kappa(name):
+    if name == "maxpool_cnn":
+        m = MaxPoolCNN()
+        x = jax.random.normal(jax.random.key(3), (3, 6, 6, 2), jnp.float64)
+        params = jax.tree_util.tree_map(lambda a: a.astype(jnp.float64), m.init(jax.random.key(4), x)["params"])
+        params = jax.tree_util.tree_map(lambda a: a + 0.1, params)
+
+        def fn(p, x):
+            return m.apply({"params": p}, x)
+    elif name == "zoo_mlp":
+        case = _zoo()["mlp"]
+        fn, params, x = case.fn, case.params, case.inputs(4)
+    else:
+        fn, _, params, x, _ = _case(name)
+    space = pj.trace(fn, params, x)
+    expected = _squared_network_kappa(fn, params, x)
+    got = pj.ddp_kappa(space, params, x, alpha=0.0)
+    chex.assert_trees_all_close(got, expected, rtol=1e-10, atol=1e-12)
+    path_kappa = getattr(pj, "path_kappa", None)
+    if path_kappa is not None:  # Path-SGD's own κ, once it exists (issue 4)
+        chex.assert_trees_all_close(got, path_kappa(space, params), rtol=1e-8, atol=1e-12)
+
+
+def test_kappa_does_not_depend_on_the_data_at_alpha_zero():
+    fn, _, params, x, space = _case("cnn")
+    a = pj.ddp_kappa(space, params, x, alpha=0.0)
+    b = pj.ddp_kappa(space, params, 3.0 * x[:2] + 1.0, alpha=0.0)
+    chex.assert_trees_all_close(a, b, rtol=1e-12)
+
+
+@pytest.mark.parametrize("name,alpha,moment", [("mlp", 0.5, "second"), ("cnn", 1.0, "variance"), ("cnn", 0.4, "second")])
+def test_probe_estimator_is_unbiased(name, alpha, moment):
+    fn, _, params, x, space = _case(name)
+    exact = ravel_pytree(pj.ddp_kappa(space, params, x, alpha=alpha, moment=moment))[0]
+    draws = jax.vmap(
+        lambda k: ravel_pytree(
+            pj.ddp_kappa(space, params, x, alpha=alpha, moment=moment, estimator="probes", num_probes=1, key=k)
+        )[0]
+    )(jax.random.split(jax.random.key(11), 4000))
+    mean, std = draws.mean(0), draws.std(0)
+    # the mean of 4000 probes is within 5 standard errors of the exact value, entry by entry
+    np.testing.assert_array_less(np.abs(mean - exact), 5 * std / np.sqrt(4000) + 1e-12)
+    # a single probe is noisy (so the check above is not vacuous) and its variance is bounded:
+    # Var[(Σ r a)²] = 2 (Σ a²)² − 2 Σ a⁴ ≤ 2·exact² for the second-order term
+    assert float(jnp.max(std / jnp.maximum(exact, 1e-300))) > 0.05
+    assert float(jnp.max(std / jnp.maximum(exact, 1e-300))) < np.sqrt(2) * 1.15
+    # more probes average: num_probes=64 has about 1/8 of the spread
+    many = jax.vmap(
+        lambda k: ravel_pytree(
+            pj.ddp_kappa(space, params, x, alpha=alpha, moment=moment, estimator="probes", num_probes=64, key=k)
+        )[0]
+    )(jax.random.split(jax.random.key(12), 200))
+    ratio = float(jnp.median(many.std(0) / jnp.maximum(std, 1e-300)))
+    assert 0.08 < ratio < 0.18, ratio
+
+
+# ----------------------------------------------------------------------------- invariance
+
+
+def _ddp_step(space, alpha, moment, x, lr=0.05):
+    tx = pj.ddp_sgd(space, lr, alpha=alpha, moment=moment, eps=0.0)
+
+    def step(params):
+        g = jax.grad(lambda p: jnp.sum(space.fn(p, x) ** 2))(params)
+        updates, _ = tx.update(g, tx.init(params), params, inputs=x)
+        return optax.apply_updates(params, updates)
+
+    return step
+
+
+def _assert_update_invariant(step, space, params, key, num_draws=3):
+    """step(T(w)) == T(step(w)) for power-of-two rescalings T (seed 002 §6.1)."""
+    base = step(params)
+    for k in jax.random.split(key, num_draws):
+        alphas = pj.random_alphas(space, k, max_exponent=3)
+        scaled = pj.rescale(space, params, alphas)
+        assert not np.allclose(ravel_pytree(scaled)[0], ravel_pytree(params)[0])
+        chex.assert_trees_all_close(step(scaled), pj.rescale(space, base, alphas), rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("alpha,moment", [(0.0, "second"), (0.5, "second"), (1.0, "second"), (0.7, "variance")])
+def test_update_is_rescaling_invariant(name, alpha, moment):
+    fn, _, params, x, space = _case(name)
+    step = _ddp_step(space, alpha, moment, x)
+    helper = getattr(pj.testing, "assert_update_invariant", None)
+    _assert_update_invariant(step, space, params, jax.random.key(5))
+    # and it is not plain SGD: the update differs from the gradient step
+    sgd = optax.apply_updates(params, jax.tree_util.tree_map(lambda g: -0.05 * g, jax.grad(
+        lambda p: jnp.sum(fn(p, x) ** 2))(params)))  # fmt: skip
+    assert not np.allclose(ravel_pytree(step(params))[0], ravel_pytree(sgd)[0])
+    del helper
+
+
+def test_sgd_is_not_rescaling_invariant():
+    """The invariance check can fail: plain SGD does."""
+    fn, _, params, x, space = _case("mlp")
+
+    def step(p):
+        g = jax.grad(lambda q: jnp.sum(fn(q, x) ** 2))(p)
+        return jax.tree_util.tree_map(lambda a, b: a - 0.05 * b, p, g)
+
+    with pytest.raises(AssertionError):
+        _assert_update_invariant(step, space, params, jax.random.key(5))
+
+
+# ----------------------------------------------------------------------------- optax contract
+
+
+def _setup(dtype=jnp.float64):
+    fn, _, params, x, space = _case("mlp")
+    params = jax.tree_util.tree_map(lambda a: a.astype(dtype), params)
+    x = x.astype(dtype)
+    space = pj.trace(fn, params, x)
+    grads = jax.grad(lambda p: jnp.sum(fn(p, x) ** 2))(params)
+    return fn, params, x, space, grads
+
+
+def test_errors_are_clear():
+    fn, params, x, space, grads = _setup()
+    tx = pj.scale_by_ddp(space, alpha=0.5)
+    state = tx.init(params)
+    with pytest.raises(TypeError, match="inputs=x"):
+        tx.update(grads, state, params)
+    with pytest.raises(ValueError, match="needs params"):
+        tx.update(grads, state, None, inputs=x)
+    with pytest.raises(ValueError, match="PRNG key"):
+        pj.ddp_kappa(space, params, x, alpha=0.5, estimator="probes")
+    with pytest.raises(ValueError, match="alpha"):
+        pj.ddp_kappa(space, params, x, alpha=1.5)
+    with pytest.raises(ValueError, match="w0"):
+        pj.ddp_kappa(space, {**params, "w0": params["w0"][:2]}, x, alpha=0.5)
+    # unknown extra arguments are ignored, inside optax.chain too
+    chained = optax.chain(pj.scale_by_ddp(space, alpha=0.5), optax.scale(-0.1))
+    u, _ = chained.update(grads, chained.init(params), params, inputs=x, labels=jnp.zeros(3), foo=1)
+    assert jax.tree_util.tree_structure(u) == jax.tree_util.tree_structure(params)
+
+
+@pytest.mark.parametrize("name", ["rnn_last_step", "tanh_mlp_partly_pinned"])
+def test_unsupported_models_raise(name):
+    case = _zoo()[name]
+    x = case.inputs(3)
+    space = pj.trace(case.fn, case.params, x)
+    with pytest.raises(pj.DDPUnsupportedError, match="recurrent|pinned"):
+        pj.ddp_kappa(space, case.params, x, alpha=0.5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+def test_dtype_preserved_and_no_recompilation(dtype):
+    fn, params, x, space, grads = _setup(dtype)
+    tx = pj.ddp_sgd(space, 0.1, alpha=0.5, estimator="probes", momentum=0.9)
+    state = tx.init(params)
+    traces = []
+
+    @jax.jit
+    def step(params, state, x):
+        traces.append(1)
+        g = jax.grad(lambda p: jnp.sum(fn(p, x) ** 2))(params)
+        u, state = tx.update(g, state, params, inputs=x)
+        return optax.apply_updates(params, u), state, u
+
+    for _ in range(3):
+        params, state, u = step(params, state, x)
+    assert len(traces) == 1
+    for a in jax.tree_util.tree_leaves(u):
+        assert a.dtype == dtype
+        assert bool(jnp.all(jnp.isfinite(a)))
+
+
+def test_every_k_reuses_kappa():
+    fn, params, x, space, grads = _setup()
+    tx = pj.scale_by_ddp(space, alpha=0.5, every=3)
+    state = tx.init(params)
+    upd = jax.jit(lambda g, s, p, x: tx.update(g, s, p, inputs=x))
+    k0 = pj.ddp_kappa(space, params, x, alpha=0.5)
+    _, state = upd(grads, state, params, x)
+    chex.assert_trees_all_close(state.kappa, k0)
+    other = jax.tree_util.tree_map(lambda a: 1.5 * a, params)
+    _, state = upd(grads, state, other, x)  # step 1: κ kept
+    chex.assert_trees_all_close(state.kappa, k0)
+    _, state = upd(grads, state, other, x)  # step 2: κ kept
+    u, state = upd(grads, state, other, x)  # step 3: recomputed at the new params
+    k3 = pj.ddp_kappa(space, other, x, alpha=0.5)
+    chex.assert_trees_all_close(state.kappa, k3)
+    chex.assert_trees_all_close(u, jax.tree_util.tree_map(lambda g, k: g / (k + 1e-8), grads, k3))
+
+
+def test_vmap_over_an_ensemble():
+    fn, params, x, space, grads = _setup()
+    ens = jax.tree_util.tree_map(lambda a: jnp.stack([a, 2.0 * a, -a]), params)
+    ens_g = jax.vmap(lambda p: jax.grad(lambda q: jnp.sum(fn(q, x) ** 2))(p))(ens)
+    tx = pj.scale_by_ddp(space, alpha=0.3)
+    states = jax.vmap(tx.init)(ens)
+    u, _ = jax.vmap(lambda g, s, p: tx.update(g, s, p, inputs=x))(ens_g, states, ens)
+    for i in range(3):
+        pi = jax.tree_util.tree_map(lambda a: a[i], ens)
+        gi = jax.tree_util.tree_map(lambda a: a[i], ens_g)
+        ui, _ = tx.update(gi, tx.init(pi), pi, inputs=x)
+        chex.assert_trees_all_close(jax.tree_util.tree_map(lambda a: a[i], u), ui, rtol=1e-10)
+
+
+def test_dead_unit_gives_no_nan():
+    fn, params, x, space, grads = _setup()
+    # hidden unit 0 of the first layer never fires: zero incoming weights and a negative bias;
+    # unit 1 is exactly zero everywhere (zero weights, zero bias, zero outgoing weights)
+    params = dict(params)
+    params["w0"] = params["w0"].at[:, 0].set(0.0).at[:, 1].set(0.0)
+    params["b0"] = params["b0"].at[0].set(-1.0).at[1].set(0.0)
+    params["w1"] = params["w1"].at[1, :].set(0.0)
+    grads = jax.grad(lambda p: jnp.sum(fn(p, x) ** 2))(params)
+    for alpha in [0.0, 0.5, 1.0]:
+        for est in ["exact", "probes"]:
+            tx = pj.scale_by_ddp(space, alpha=alpha, estimator=est)
+            u, _ = jax.jit(lambda g, s, p: tx.update(g, s, p, inputs=x))(grads, tx.init(params), params)
+            for a in jax.tree_util.tree_leaves(u):
+                assert bool(jnp.all(jnp.isfinite(a)))
+    k = pj.ddp_kappa(space, params, x, alpha=1.0)
+    assert float(k["w0"][:, 0].max()) == 0.0  # no output depends on a weight into a dead unit
+
+
+def test_sharded_jit_on_eight_devices():
+    code = textwrap.dedent(
+        """
+        import jax, jax.numpy as jnp, numpy as np, optax, chex
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+        import pathspace_jax as pj
+        assert len(jax.devices()) == 8
+        def fn(p, x):
+            return jax.nn.relu(x @ p["w0"] + p["b0"]) @ p["w1"] + p["b1"]
+        k = jax.random.split(jax.random.key(0), 3)
+        params = {"w0": jax.random.normal(k[0], (4, 8)), "b0": jnp.zeros(8),
+                  "w1": jax.random.normal(k[1], (8, 3)), "b1": jnp.zeros(3)}
+        x = jax.random.normal(k[2], (16, 4))
+        space = pj.trace(fn, params, x)
+        tx = pj.ddp_sgd(space, 0.1, alpha=0.5)
+        def step(p, s, x):
+            g = jax.grad(lambda q: jnp.sum(fn(q, x) ** 2))(p)
+            u, s = tx.update(g, s, p, inputs=x)
+            return optax.apply_updates(p, u), s
+        ref = step(params, tx.init(params), x)[0]
+        mesh = Mesh(np.array(jax.devices()), ("data",))
+        xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+        out = jax.jit(step)(params, tx.init(params), xs)[0]
+        chex.assert_trees_all_close(out, ref, rtol=1e-5, atol=1e-6)
+        print("OK")
+        """
+    )
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-3000:]
