@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from typing import Any, Callable, Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 import jax
 import numpy as np

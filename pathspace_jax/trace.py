@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -449,7 +450,9 @@ class _Interpreter:
             if v.kind == CONST and not v.zero:
                 for a in acts:
                     self.pin(a, "max/min with a non-zero constant")
-        return [self.ew(ACT, eqn, ins, self.broadcast(eqn, acts + [v for v in ins if v.kind != ACT], unify=len(acts) > 1))]
+        return [
+            self.ew(ACT, eqn, ins, self.broadcast(eqn, acts + [v for v in ins if v.kind != ACT], unify=len(acts) > 1))
+        ]
 
     rule_min = rule_max
 
@@ -537,7 +540,9 @@ class _Interpreter:
         v = ins[0]
         dims = {d % len(v.axes) for d in eqn.params["dimensions"]}
         gone = [a for k in sorted(dims) for a in v.axes[k]]
-        return [dataclasses.replace(v, axes=[ax for k, ax in enumerate(v.axes) if k not in dims], scalars=v.scalars + gone)]
+        return [
+            dataclasses.replace(v, axes=[ax for k, ax in enumerate(v.axes) if k not in dims], scalars=v.scalars + gone)
+        ]
 
     def rule_expand_dims(self, eqn, ins):  # pragma: no cover - not a primitive in current jax
         return self.unknown(eqn, ins)
@@ -752,7 +757,9 @@ class _Interpreter:
                 for a in self.atoms.factors(v.axes[k]):
                     self.atoms.position[a] = True
         kind = v.kind if v.kind != PARAM else CONST
-        return [dataclasses.replace(self._reslice(eqn, v, keep, out_shape, "pools over the nodes of a group"), kind=kind)]
+        return [
+            dataclasses.replace(self._reslice(eqn, v, keep, out_shape, "pools over the nodes of a group"), kind=kind)
+        ]
 
     rule_reduce_window_sum = rule_reduce_window_max = rule_reduce_window_min = _pool
 
@@ -879,7 +886,10 @@ class _Interpreter:
         self._tie_carry(init, carry, outs[:nk])
         length = p["length"]
         time = [self.atoms.new(length, position=True)]
-        ys = [dataclasses.replace(v, axes=[list(time)] + v.axes, kind=v.kind if v.kind != PARAM else CONST) for v in outs[nk:]]
+        ys = [
+            dataclasses.replace(v, axes=[list(time)] + v.axes, kind=v.kind if v.kind != PARAM else CONST)
+            for v in outs[nk:]
+        ]
         return carry + ys
 
     def rule_while(self, eqn, ins):
@@ -1079,7 +1089,7 @@ def _build(interp: _Interpreter, treedef, leaves, paths, fn, arg_specs, strict) 
         return [x for c in atoms.expand[r] for x in expand_roles(c, role, roles)]
 
     leaf_info = []  # (kind, factors, node_in, node_out, note, first_step)
-    for i, leaf in enumerate(leaves):
+    for i in range(len(leaves)):
         note = "; ".join(dict.fromkeys(interp.other[i]))
         roles: dict[int, str] = {}
         for a, role, _ in interp.uses[i]:
@@ -1175,10 +1185,12 @@ def _build(interp: _Interpreter, treedef, leaves, paths, fn, arg_specs, strict) 
             continue
         sizes = [atoms.size[r] for r in factors]
 
-        def grid(k: int) -> np.ndarray:
-            return np.arange(sizes[k]).reshape([-1 if j == k else 1 for j in range(len(sizes))])
+        def side(nodes: list[int], shape=shape, factors=factors, sizes=sizes) -> tuple[np.ndarray, tuple[int, ...]]:
+            """Global node of every entry on one side of the edge; nodes = positions of node factors."""
 
-        def side(nodes: list[int]) -> tuple[np.ndarray, tuple[int, ...]]:
+            def grid(k: int) -> np.ndarray:
+                return np.arange(sizes[k]).reshape([-1 if j == k else 1 for j in range(len(sizes))])
+
             if not nodes:
                 return np.full(shape, BIAS_NODE, np.int32), ()
             if len(nodes) == 1:

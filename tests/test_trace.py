@@ -1,0 +1,310 @@
+"""trace, PathSpace, rescale, describe and the testing helpers, on the model zoo."""
+
+import pickle
+import subprocess
+import sys
+import textwrap
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.flatten_util import ravel_pytree
+from zoo import ZOO
+
+import pathspace_jax as pj
+from pathspace_jax.rescale import node_vector
+
+CASES = list(ZOO.values())
+IDS = [c.name for c in CASES]
+
+
+@pytest.fixture(scope="module")
+def spaces():
+    return {c.name: pj.trace(c.fn, c.params, c.inputs(2)) for c in CASES}
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_counts_by_hand(case, spaces):
+    space = spaces[case.name]
+    assert space.num_params == sum(a.size for a in jax.tree_util.tree_leaves(case.params))
+    assert space.num_hidden == case.hidden
+    assert sum(g.kind == "pinned" for g in space.groups) == case.pinned
+    assert space.num_coords == space.num_params - space.num_hidden
+    assert any(leaf.recurrent for leaf in space.leaves) == case.recurrent
+
+
+def _jacobian(fn, flat, x):
+    try:
+        return jax.jit(jax.jacfwd(fn))(flat) if flat.size < 4 * 10**3 else jax.jit(jax.jacrev(fn))(flat)
+    except TypeError:  # custom_vjp functions have no forward mode
+        return jax.jit(jax.jacrev(fn))(flat)
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_num_coords_is_jacobian_rank(case, spaces):
+    """The independent check: m - H is the rank of d f(x) / d w over many inputs (float64)."""
+    space = spaces[case.name]
+    flat, unravel = ravel_pytree(case.params)
+    assert flat.dtype == jnp.float64
+    n_out = int(np.prod(case.fn(case.params, case.inputs(1)).shape))
+    x = case.inputs(max(600, 6 * flat.size // n_out), seed=7)
+    jac = np.asarray(_jacobian(lambda f: case.fn(unravel(f), x).ravel(), flat, x))
+    sv = np.linalg.svd(jac, compute_uv=False)
+    rank = int((sv > sv[0] * 1e-9).sum())
+    assert rank == space.num_coords - case.extra_symmetries
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_random_rescale_keeps_function_changes_params(case, spaces):
+    space = spaces[case.name]
+    x = case.inputs(5, seed=3)
+    scaled = pj.random_rescale(space, case.params, jax.random.key(4))
+    chex.assert_trees_all_equal_shapes_and_dtypes(scaled, case.params)
+    chex.assert_trees_all_close(case.fn(scaled, x), case.fn(case.params, x), rtol=1e-12, atol=1e-12)
+    changed = [
+        not np.array_equal(a, b)
+        for a, b in zip(jax.tree_util.tree_leaves(scaled), jax.tree_util.tree_leaves(case.params))
+    ]
+    assert any(changed)
+    pj.testing.assert_function_invariant(case.fn, space, case.params, x)
+
+
+def test_rescale_moves_each_edge_by_the_ratio_of_its_end_factors():
+    case = ZOO["rnn_last_step"]
+    space = pj.trace(case.fn, case.params, case.inputs(2))
+    alphas = pj.random_alphas(space, jax.random.key(0))
+    node = np.asarray(node_vector(space, alphas))
+    scaled = pj.rescale(space, case.params, alphas)
+    for spec, w, w2 in zip(space.leaves, jax.tree_util.tree_leaves(case.params), jax.tree_util.tree_leaves(scaled)):
+        np.testing.assert_array_equal(np.asarray(w2), np.asarray(w) * node[spec.dst] / node[spec.src])
+    # the recurrent kernel's edges stay inside one group: entry (i, j) scales by a_j / a_i
+    (g,) = [i for i in space.hidden_groups]
+    a = np.asarray(alphas[0])
+    k = case.params["SimpleCell_0"]["h"]["kernel"]
+    k2 = scaled["SimpleCell_0"]["h"]["kernel"]
+    np.testing.assert_array_equal(np.asarray(k2), np.asarray(k) * a[None, :] / a[:, None])
+    assert space.groups[g].size == 5
+
+
+def test_rescale_by_identity_and_inverse():
+    case = ZOO["residual_cnn"]
+    space = pj.trace(case.fn, case.params, case.inputs(2))
+    alphas = pj.random_alphas(space, jax.random.key(1))
+    back = pj.rescale(space, pj.rescale(space, case.params, alphas), [1.0 / a for a in alphas])
+    chex.assert_trees_all_equal(back, case.params)
+    ones = [jnp.ones_like(a) for a in alphas]
+    chex.assert_trees_all_equal(pj.rescale(space, case.params, ones), case.params)
+
+
+def test_rescale_jits_and_vmaps():
+    case = ZOO["mlp"]
+    space = pj.trace(case.fn, case.params, case.inputs(2))
+    keys = jax.random.split(jax.random.key(0), 3)
+    batched = jax.vmap(lambda k: pj.random_rescale(space, case.params, k))(keys)
+    one = jax.jit(lambda k: pj.random_rescale(space, case.params, k))(keys[1])
+    chex.assert_trees_all_close(jax.tree_util.tree_map(lambda a: a[1], batched), one)
+
+
+def test_structure_not_names_or_leaf_order():
+    """Twelve layers: flattening order is Dense_0, Dense_1, Dense_10, Dense_11, Dense_2, ..."""
+
+    class Deep(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for w in range(2, 13):
+                x = nn.relu(nn.Dense(w)(x))
+            return nn.Dense(1)(x)
+
+    x = jnp.ones((2, 3))
+    params = Deep().init(jax.random.key(0), x)["params"]
+    space = pj.trace(lambda p, x: Deep().apply({"params": p}, x), params, x)
+    assert space.num_hidden == sum(range(2, 13))
+    by_path = {leaf.path: leaf for leaf in space.leaves}
+    for i in range(11):
+        out_group = by_path[f"Dense_{i}/kernel"].dst_groups
+        assert by_path[f"Dense_{i + 1}/kernel"].src_groups == out_group
+        assert by_path[f"Dense_{i}/bias"].dst_groups == out_group
+        assert space.groups[out_group[0]].size == i + 2
+    # groups are numbered in the order of the forward pass, not of the pytree
+    assert [space.groups[by_path[f"Dense_{i}/kernel"].dst_groups[0]].name for i in range(12)] == [
+        f"g{i + 1}" for i in range(12)
+    ]
+
+
+def test_linen_nnx_and_plain_jax_agree():
+    from flax import nnx
+
+    k = jax.random.split(jax.random.key(0), 2)
+    w1, w2 = jax.random.normal(k[0], (4, 6)), jax.random.normal(k[1], (6, 2))
+    x = jnp.ones((3, 4))
+    plain = pj.trace(
+        lambda p, x: jax.nn.relu(x @ p["a"]["kernel"] + p["a"]["bias"]) @ p["b"]["kernel"],
+        {"a": {"kernel": w1, "bias": jnp.zeros(6)}, "b": {"kernel": w2}},
+        x,
+    )
+
+    class L(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(2, use_bias=False, name="b")(nn.relu(nn.Dense(6, name="a")(x)))
+
+    linen = pj.trace(lambda p, x: L().apply({"params": p}, x), L().init(jax.random.key(0), x)["params"], x)
+
+    class N(nnx.Module):
+        def __init__(self):
+            self.a = nnx.Linear(4, 6, rngs=nnx.Rngs(0))
+            self.b = nnx.Linear(6, 2, use_bias=False, rngs=nnx.Rngs(1))
+
+        def __call__(self, x):
+            return self.b(nnx.relu(self.a(x)))
+
+    gdef, state = nnx.split(N(), nnx.Param)
+    nnx_space = pj.trace(lambda s, x: nnx.merge(gdef, s)(x), state, x)
+    for s in (plain, linen, nnx_space):
+        assert (s.num_params, s.num_hidden) == (4 * 6 + 6 + 12, 6)
+        assert [leaf.path for leaf in s.leaves] == ["a/bias", "a/kernel", "b/kernel"]
+        np.testing.assert_array_equal(s.leaves[1].dst, plain.leaves[1].dst)
+
+
+def test_describe_names_roles_and_reasons():
+    rnn = pj.trace(
+        ZOO["stacked_rnn_every_step"].fn, ZOO["stacked_rnn_every_step"].params, ZOO["stacked_rnn_every_step"].inputs(2)
+    )
+    text = pj.describe(rnn)
+    assert "SimpleCell_0/h/kernel" in text and "(recurrent)" in text
+    assert "SimpleCell_0/i/bias" in text and "bias -> g" in text
+    tanh = ZOO["tanh_mlp_partly_pinned"]
+    text = pj.describe(pj.trace(tanh.fn, tanh.params, tanh.inputs(2)))
+    assert "pinned: tanh" in text and "zoo.py" in text
+    assert "hidden" in text and "input" in text and "output" in text
+
+
+def test_pathspace_is_frozen_hashable_and_holds_no_jax_arrays():
+    case = ZOO["cnn2d_stride_padding_maxpool"]
+    space = pj.trace(case.fn, case.params, case.inputs(2))
+    again = pj.trace(case.fn, case.params, case.inputs(2))
+    assert hash(space) == hash(again) and space == again
+    assert space != pj.trace(ZOO["mlp"].fn, ZOO["mlp"].params, ZOO["mlp"].inputs(2))
+    with pytest.raises(AttributeError):
+        space.num_nodes = 3
+    for leaf in space.leaves:
+        assert isinstance(leaf.src, np.ndarray) and not leaf.src.flags.writeable
+
+    def no_jax(obj):
+        assert not isinstance(obj, jax.Array)
+
+    jax.tree_util.tree_map(no_jax, [leaf.__dict__ for leaf in space.leaves] + [g.__dict__ for g in space.groups])
+    # usable as a static argument
+    f = jax.jit(lambda p, s: pj.random_rescale(s, p, jax.random.key(0)), static_argnums=1)
+    chex.assert_trees_all_close(f(case.params, space), pj.random_rescale(space, case.params, jax.random.key(0)))
+    pickle.dumps([leaf.path for leaf in space.leaves])
+
+
+def test_batch_size_does_not_change_structure():
+    case = ZOO["embedding_rnn"]
+    a = pj.trace(case.fn, case.params, case.inputs(2))
+    b = pj.trace(case.fn, case.params, jax.ShapeDtypeStruct((7, 5), jnp.int32))
+    assert [(leaf.src_groups, leaf.dst_groups) for leaf in a.leaves] == [
+        (leaf.src_groups, leaf.dst_groups) for leaf in b.leaves
+    ]
+    assert a.num_hidden == b.num_hidden
+
+
+# ------------------------------------------------------------------------- bad input
+
+
+def test_strict_raises_on_tanh_naming_primitive_line_and_params():
+    case = ZOO["tanh_mlp_partly_pinned"]
+    with pytest.raises(pj.UnsupportedModelError) as err:
+        pj.trace(case.fn, case.params, case.inputs(2), strict=True)
+    msg = str(err.value)
+    assert "tanh" in msg and "zoo.py" in msg and "Dense_0/kernel" in msg and "Dense_1/kernel" in msg
+    # the homogeneous models pass strict mode
+    pj.trace(ZOO["residual_cnn"].fn, ZOO["residual_cnn"].params, ZOO["residual_cnn"].inputs(2), strict=True)
+
+
+def test_fn_that_does_not_use_params():
+    with pytest.raises(ValueError, match="does not use params"):
+        pj.trace(lambda p, x: jax.nn.relu(x), {"w": jnp.ones((3, 3))}, jnp.ones((2, 3)))
+
+
+def test_unused_leaf_is_named():
+    with pytest.raises(ValueError, match="'extra'"):
+        pj.trace(lambda p, x: x @ p["w"], {"w": jnp.ones((3, 3)), "extra": jnp.ones(2)}, jnp.ones((2, 3)))
+
+
+@pytest.mark.parametrize(
+    "params, match",
+    [
+        ({"w": "not an array"}, "params leaf 'w' is a str"),
+        ({"w": jnp.ones((3, 2), jnp.int32)}, "params leaf 'w' has dtype int32"),
+        ({}, "no array leaves"),
+    ],
+)
+def test_params_must_be_float_arrays(params, match):
+    with pytest.raises(TypeError, match=match):
+        pj.trace(lambda p, x: x @ p["w"], params, jnp.ones((2, 3)))
+
+
+def test_args_that_do_not_fit():
+    case = ZOO["mlp"]
+    with pytest.raises(ValueError, match=r"could not be traced with args of shapes \('float64\[2, 9\]'"):
+        pj.trace(case.fn, case.params, jnp.ones((2, 9)))
+
+
+def test_rescale_rejects_bad_alphas_and_mismatched_params():
+    case = ZOO["mlp"]
+    space = pj.trace(case.fn, case.params, case.inputs(2))
+    alphas = pj.random_alphas(space, jax.random.key(0))
+    with pytest.raises(ValueError, match="one vector per hidden group"):
+        pj.rescale(space, case.params, alphas[:1])
+    with pytest.raises(ValueError, match="positive"):
+        pj.rescale(space, case.params, [-a for a in alphas])
+    with pytest.raises(ValueError, match="shape"):
+        pj.rescale(space, case.params, [alphas[0][:2], alphas[1]])
+    with pytest.raises(ValueError, match="structure"):
+        pj.rescale(space, {"Dense_0": case.params["Dense_0"]}, alphas)
+    bad = jax.tree_util.tree_map(lambda a: a, case.params)
+    bad["Dense_1"]["kernel"] = jnp.ones((2, 2))
+    with pytest.raises(ValueError, match="Dense_1/kernel"):
+        pj.rescale(space, bad, alphas)
+
+
+def test_assert_function_invariant_catches_a_non_invariant_function():
+    case = ZOO["mlp"]
+    space = pj.trace(case.fn, case.params, case.inputs(2))
+    # (squaring every weight would not do: that is invariant under the rescaling by α²)
+    shifted = lambda p, x: case.fn(jax.tree_util.tree_map(lambda a: a + 1.0, p), x)  # noqa: E731
+    with pytest.raises(AssertionError):
+        pj.testing.assert_function_invariant(shifted, space, case.params, case.inputs(3))
+
+
+def test_sharded_trace_and_rescale_8_devices():
+    """rescale under jit with params sharded over 8 simulated CPU devices."""
+    code = textwrap.dedent(
+        """
+        import jax, jax.numpy as jnp, numpy as np, flax.linen as nn, pathspace_jax as pj
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+        assert jax.device_count() == 8
+        m = nn.Sequential([nn.Dense(16), nn.relu, nn.Dense(8), nn.relu, nn.Dense(2)])
+        x = jnp.ones((8, 4)); p = m.init(jax.random.key(0), x)["params"]
+        space = pj.trace(lambda p, x: m.apply({"params": p}, x), p, x)
+        mesh = Mesh(np.array(jax.devices()), ("d",))
+        spec = lambda a: P(None, "d") if a.ndim == 2 and a.shape[1] % 8 == 0 else P()
+        shard = lambda a: jax.device_put(a, NamedSharding(mesh, spec(a)))
+        ps = jax.tree_util.tree_map(shard, p)
+        f = jax.jit(lambda p, k: pj.random_rescale(space, p, k))
+        a, b = f(ps, jax.random.key(1)), f(p, jax.random.key(1))
+        for u, v in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+            np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+        print("ok")
+        """
+    )
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    import os
+
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]

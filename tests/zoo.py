@@ -1,0 +1,310 @@
+"""A zoo of small real models for the tests: linen, nnx and plain JAX.
+
+Each `Case` has the forward function ``fn(params, x)``, float64 params, a
+function drawing inputs, and what a person counted by hand: the number of
+hidden nodes (H) and of pinned node groups. Other test files may use it
+(``from zoo import ZOO``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    fn: Callable[..., Any]
+    params: Any
+    draw: Callable[[Any, int], Any]  # (key, batch) -> input
+    hidden: int  # H counted by hand
+    pinned: int = 0  # number of pinned groups counted by hand
+    recurrent: bool = False
+    # exact symmetries of the function beyond node-wise rescaling, each explained
+    # where the model is defined: the Jacobian rank is then m - H - extra
+    extra_symmetries: int = 0
+
+    def inputs(self, batch: int = 4, seed: int = 1):
+        return self.draw(jax.random.key(seed), batch)
+
+
+def _f64(tree):
+    return jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float64), tree)
+
+
+def _alive(params):
+    """Make the parameters generic for the rank checks.
+
+    Every unit's incoming weights are pushed towards mixed signs (half their mean
+    over the unit's inputs is removed; removing all of it would make a fan-in of
+    two degenerate) and biases small random values of both signs, so that each ReLU unit is
+    on for some inputs and off for others. A unit that never fires, or one that
+    always fires together with another (two linear maps in a row), has symmetries
+    beyond node-wise rescaling and would spoil the rank checks.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    keys = jax.random.split(jax.random.key(99), len(leaves))
+    out = []
+    for a, k in zip(leaves, keys):
+        if a.ndim == 1:
+            out.append(0.05 * jax.random.normal(k, a.shape, a.dtype))
+        else:
+            a = a + 0.1 * jax.random.normal(k, a.shape, a.dtype)
+            out.append(a - 0.5 * a.mean(axis=tuple(range(a.ndim - 1)), keepdims=True))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _normal(*shape):
+    return lambda key, b: jax.random.normal(key, (b, *shape), jnp.float64)
+
+
+def _linen(name, module, draw, hidden, pinned=0, recurrent=False, extra_symmetries=0, seed=0) -> Case:
+    x = draw(jax.random.key(123), 2)
+    params = _alive(_f64(module.init(jax.random.key(seed), x)["params"]))
+    return Case(
+        name, lambda p, x: module.apply({"params": p}, x), params, draw, hidden, pinned, recurrent, extra_symmetries
+    )
+
+
+# ---------------------------------------------------------------------------- linen models
+
+
+class MLP(nn.Module):
+    widths: tuple[int, ...] = (7, 6)
+    out: int = 3
+
+    @nn.compact
+    def __call__(self, x):
+        for w in self.widths:
+            x = nn.relu(nn.Dense(w)(x))
+        return nn.Dense(self.out)(x)
+
+
+class LeakyNoBias(nn.Module):
+    """Dense without biases, leaky ReLU, identity on the output."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.leaky_relu(nn.Dense(6, use_bias=False)(x), 0.1)
+        x = jax.nn.relu(nn.Dense(5, use_bias=False)(x))
+        return nn.Dense(1, use_bias=False)(x)[:, 0]  # a single output, squeezed
+
+
+class CNN1D(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Conv(4, (3,), strides=2, padding="SAME", kernel_dilation=2)(x))
+        x = nn.avg_pool(x, (2,), (2,))
+        x = nn.relu(nn.Conv(3, (2,), padding="VALID")(x))
+        return nn.Dense(2)(x.reshape(x.shape[0], -1))
+
+
+class CNN2D(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Conv(3, (3, 3), strides=(2, 2), padding=((1, 0), (0, 1)))(x))
+        x = nn.max_pool(x, (2, 2), (1, 1))
+        x = nn.relu(nn.Conv(4, (2, 2), padding="SAME")(x))
+        x = nn.avg_pool(x, (2, 2), (2, 2))
+        return nn.Dense(3)(x.reshape(x.shape[0], -1))
+
+
+class ResCNN(nn.Module):
+    """A residual CNN: stem, one residual block, global average pooling, readout."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Conv(4, (3, 3), padding="SAME")(x))
+        h = nn.relu(nn.Conv(3, (3, 3), padding="SAME")(x))
+        x = nn.relu(x + nn.Conv(4, (3, 3), padding="SAME")(h))
+        return nn.Dense(2)(x.mean(axis=(1, 2)))
+
+
+class RNNLast(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = nn.RNN(nn.SimpleCell(5, activation_fn=nn.relu, param_dtype=jnp.float64))(x)
+        return nn.Dense(2)(h[:, -1])
+
+
+class StackedRNNEvery(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = nn.RNN(nn.SimpleCell(4, activation_fn=nn.relu, param_dtype=jnp.float64))(x)
+        h = nn.RNN(nn.SimpleCell(3, activation_fn=nn.relu, param_dtype=jnp.float64))(h)
+        return nn.Dense(2)(h)  # a readout at every step
+
+
+class EmbedRNN(nn.Module):
+    """Token ids -> embedding -> ReLU RNN -> last step.
+
+    Two linear maps in a row, the embedding rows E and the RNN's input kernel W
+    (plus its bias b), have more symmetries than node-wise rescaling: E -> E A,
+    W -> A⁻¹ W for any invertible A (d² - d beyond the diagonal rescalings), and
+    E -> E + 1 cᵀ, b -> b - cᵀ W, since every input selects exactly one row (d
+    more): d² = 9 in all for d = 3. The vocabulary (16) is large enough that the
+    token vectors do not bottleneck the rank further.
+    """
+
+    @nn.compact
+    def __call__(self, ids):
+        e = nn.Embed(16, 3, param_dtype=jnp.float64)(ids)
+        h = nn.RNN(nn.SimpleCell(4, activation_fn=nn.relu, param_dtype=jnp.float64))(e)
+        return nn.Dense(2)(h[:, -1])
+
+
+class TanhMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = jnp.tanh(nn.Dense(5)(x))  # pinned: tanh is not positively homogeneous
+        x = nn.relu(nn.Dense(4)(x))
+        return nn.Dense(2)(x)
+
+
+class LayerNormMLP(nn.Module):
+    """Dense -> LayerNorm -> ReLU -> Dense -> ReLU -> Dense.
+
+    LayerNorm pins the 5 units it normalises. It subtracts their mean, so adding
+    one vector v to every column of the kernel before it (z_j += vᵀx for all j)
+    and one constant to every bias leaves the function unchanged exactly: 3 + 1
+    symmetries beyond rescaling, which path space does not quotient out (the
+    common scale of the group is a symmetry too, but eps breaks it). No scale or
+    bias in the LayerNorm: those would add symmetries of their own.
+    """
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.LayerNorm(use_scale=False, use_bias=False)(nn.Dense(5)(x))
+        x = nn.relu(nn.Dense(4)(nn.relu(x)))
+        return nn.Dense(2)(x)
+
+
+class ConcatMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        a = nn.relu(nn.Dense(3)(x))
+        b = nn.relu(nn.Dense(4)(x))
+        return nn.Dense(2)(jnp.concatenate([a, b], axis=-1))
+
+
+# ---------------------------------------------------------------------------- nnx models
+
+
+class NnxMLP(nnx.Module):
+    def __init__(self, rngs):
+        self.l1 = nnx.Linear(4, 6, rngs=rngs)
+        self.l2 = nnx.Linear(6, 5, rngs=rngs)
+        self.l3 = nnx.Linear(5, 2, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l3(nnx.relu(self.l2(nnx.relu(self.l1(x)))))
+
+
+class NnxRNN(nnx.Module):
+    def __init__(self, rngs):
+        cell = nnx.SimpleCell(3, 4, rngs=rngs, activation_fn=nnx.relu, param_dtype=jnp.float64, dtype=jnp.float64)
+        self.rnn = nnx.RNN(cell)
+        self.out = nnx.Linear(4, 2, rngs=rngs)
+
+    def __call__(self, x):
+        h = self.rnn(x, initial_carry=jnp.zeros((x.shape[0], 4), x.dtype))
+        return self.out(h[:, -1])
+
+
+def _nnx(name, module, draw, hidden, recurrent=False) -> Case:
+    graphdef, state, rest = nnx.split(module, nnx.Param, ...)
+    state = _alive(_f64(state))
+    return Case(name, lambda s, x: nnx.merge(graphdef, s, rest)(x), state, draw, hidden, 0, recurrent)
+
+
+# ---------------------------------------------------------------------------- plain JAX
+
+
+def _plain_transpose_slice() -> Case:
+    """Per-time-step Dense written with einsum, a transpose, and the last step sliced."""
+    k = jax.random.split(jax.random.key(5), 4)
+    params = {
+        "w1": jax.random.normal(k[0], (3, 4), jnp.float64),
+        "b1": jax.random.normal(k[1], (4,), jnp.float64),
+        "w2": jax.random.normal(k[2], (4, 2), jnp.float64),
+    }
+    params = _alive(params)
+
+    def fn(p, x):  # x: [B, T, 3]
+        h = jnp.maximum(jnp.einsum("btf,fh->bth", x, p["w1"]) + p["b1"], 0.0)
+        h = jnp.transpose(h, (0, 2, 1))  # [B, H, T]
+        return h[:, :, -1] @ p["w2"]
+
+    return Case("plain_transpose_slice", fn, params, _normal(5, 3), hidden=4)
+
+
+@jax.custom_vjp
+def _my_relu(x):
+    return jnp.maximum(x, 0.0)
+
+
+_my_relu.defvjp(lambda x: (_my_relu(x), x), lambda x, g: (g * (x > 0),))
+
+
+def _plain_nested() -> Case:
+    """jit, checkpoint (remat) and custom_vjp around parts of the network."""
+    k = jax.random.split(jax.random.key(6), 6)
+    params = [
+        {"w": jax.random.normal(k[0], (4, 5), jnp.float64), "b": jax.random.normal(k[1], (5,), jnp.float64)},
+        {"w": jax.random.normal(k[2], (5, 3), jnp.float64), "b": jax.random.normal(k[3], (3,), jnp.float64)},
+        {"w": jax.random.normal(k[4], (3, 2), jnp.float64)},
+    ]
+    params = _alive(params)
+
+    @jax.jit
+    def layer(p, x):
+        return x @ p["w"] + p["b"]
+
+    @jax.checkpoint
+    def block(p, x):
+        return _my_relu(layer(p, x))
+
+    def fn(ps, x):
+        x = jax.nn.relu(layer(ps[0], x))
+        x = block(ps[1], x)
+        return x @ ps[2]["w"]
+
+    return Case("plain_nested_jit_remat_custom_vjp", fn, params, _normal(4), hidden=8)
+
+
+def _build() -> dict[str, Case]:
+    cases = [
+        _linen("mlp", MLP(), _normal(4), hidden=13),
+        _linen("leaky_nobias_single_output", LeakyNoBias(), _normal(4), hidden=11),
+        _linen("cnn1d_stride_dilation_avgpool", CNN1D(), _normal(12, 2), hidden=7),
+        _linen("cnn2d_stride_padding_maxpool", CNN2D(), _normal(8, 8, 1), hidden=7),
+        _linen("residual_cnn", ResCNN(), _normal(5, 5, 2), hidden=7),
+        _linen("rnn_last_step", RNNLast(), _normal(6, 3), hidden=5, recurrent=True),
+        _linen("stacked_rnn_every_step", StackedRNNEvery(), _normal(5, 2), hidden=7, recurrent=True),
+        _linen(
+            "embedding_rnn",
+            EmbedRNN(),
+            lambda key, b: jax.random.randint(key, (b, 5), 0, 16),
+            hidden=7,
+            recurrent=True,
+            extra_symmetries=9,
+        ),
+        _linen("tanh_mlp_partly_pinned", TanhMLP(), _normal(3), hidden=4, pinned=1),
+        _linen("layernorm_mlp_partly_pinned", LayerNormMLP(), _normal(3), hidden=4, pinned=1, extra_symmetries=4),
+        _linen("concat_mlp", ConcatMLP(), _normal(3), hidden=7),
+        _nnx("nnx_mlp", NnxMLP(nnx.Rngs(0)), _normal(4), hidden=11),
+        _nnx("nnx_rnn", NnxRNN(nnx.Rngs(1)), _normal(4, 3), hidden=4, recurrent=True),
+        _plain_transpose_slice(),
+        _plain_nested(),
+    ]
+    return {c.name: c for c in cases}
+
+
+ZOO: dict[str, Case] = _build()
