@@ -108,8 +108,8 @@ def describe(space: PathSpace) -> str:
             if leaf.recurrent:
                 role += " (recurrent)"
         rows.append((leaf.path, "x".join(map(str, leaf.shape)) or "scalar", role))
-    w = max(len(r[0]) for r in rows)
-    ws = max(len(r[1]) for r in rows)
+    w = max(len("parameter"), *(len(r[0]) for r in rows))
+    ws = max(len("shape"), *(len(r[1]) for r in rows))
     lines = [
         f"PathSpace: {space.num_params} parameters (m), {space.num_hidden} hidden nodes (H), "
         f"{space.num_coords} path coordinates (m - H)",

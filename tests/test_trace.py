@@ -308,3 +308,91 @@ def test_sharded_trace_and_rescale_8_devices():
 
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+# ------------------------------------------------------------------------- primitive rules
+
+_RELUS = {
+    "jax.nn.relu": jax.nn.relu,
+    "jnp.maximum(0, x)": lambda z: jnp.maximum(0.0, z),
+    "x * (x > 0)": lambda z: z * (z > 0),
+    "jnp.where": lambda z: jnp.where(z > 0, z, 0.0),
+    "leaky_relu": lambda z: jax.nn.leaky_relu(z, 0.05),
+    "abs": jnp.abs,
+    "identity": lambda z: z,
+}
+_NOT_HOMOGENEOUS = {
+    "gelu": jax.nn.gelu,
+    "relu6": jax.nn.relu6,
+    "silu (a product of activations)": jax.nn.silu,
+    "softplus": jax.nn.softplus,
+    "x + 1 (a constant offset)": lambda z: jax.nn.relu(z + 1.0),
+    "x > 0.5 (a non-zero threshold)": lambda z: jnp.where(z > 0.5, z, 0.0),
+    "softmax over the units": lambda z: jax.nn.softmax(z, axis=-1),
+}
+
+
+def _two_layer(act):
+    k = jax.random.split(jax.random.key(0), 3)
+    params = {
+        "l1": {"w": jax.random.normal(k[0], (3, 4)), "b": jnp.zeros(4)},
+        "l2": {"w": jax.random.normal(k[1], (4, 2)), "b": jnp.zeros(2)},
+    }
+    fn = lambda p, x: act(x @ p["l1"]["w"] + p["l1"]["b"]) @ p["l2"]["w"] + p["l2"]["b"]  # noqa: E731
+    return fn, params, jax.random.normal(k[2], (5, 3))
+
+
+@pytest.mark.parametrize("name", list(_RELUS))
+def test_homogeneous_activations_however_written(name):
+    fn, params, x = _two_layer(_RELUS[name])
+    space = pj.trace(fn, params, x, strict=True)
+    assert space.num_hidden == 4
+    pj.testing.assert_function_invariant(fn, space, params, x)
+
+
+@pytest.mark.parametrize("name", list(_NOT_HOMOGENEOUS))
+def test_other_activations_pin_their_group(name):
+    fn, params, x = _two_layer(_NOT_HOMOGENEOUS[name])
+    space = pj.trace(fn, params, x)
+    assert space.num_hidden == 0
+    (pinned,) = [g for g in space.groups if g.kind == "pinned"]
+    assert pinned.size == 4 and pinned.reasons
+    with pytest.raises(pj.UnsupportedModelError, match="l1/w"):
+        pj.trace(fn, params, x, strict=True)
+
+
+def test_grouped_conv_is_pinned_not_an_error():
+    class G(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.relu(nn.Conv(4, (3,), feature_group_count=2)(x))
+            x = nn.relu(nn.Conv(3, (3,))(x))
+            return nn.Dense(2)(x.reshape(x.shape[0], -1))
+
+    x = jnp.ones((2, 6, 2))
+    params = G().init(jax.random.key(0), x)["params"]
+    fn = lambda p, x: G().apply({"params": p}, x)  # noqa: E731
+    space = pj.trace(fn, params, x)
+    kinds = {leaf.path: leaf.kind for leaf in space.leaves}
+    assert kinds["Conv_0/kernel"] == "other" and kinds["Conv_1/kernel"] == "weight"
+    assert space.num_hidden == 3
+    pj.testing.assert_function_invariant(fn, space, params, jax.random.normal(jax.random.key(1), x.shape))
+    assert "grouped convolution" in pj.describe(space)
+
+
+def test_batchnorm_in_eval_mode_pins_and_keeps_the_rest():
+    class B(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.relu(nn.BatchNorm(use_running_average=True)(nn.Dense(5)(x)))
+            x = nn.relu(nn.Dense(4)(x))
+            return nn.Dense(2)(x)
+
+    x = jnp.ones((3, 3))
+    variables = B().init(jax.random.key(0), x)
+    stats = jax.tree_util.tree_map(lambda a: a + 0.5, variables["batch_stats"])
+    fn = lambda p, x: B().apply({"params": p, "batch_stats": stats}, x)  # noqa: E731
+    space = pj.trace(fn, variables["params"], x)
+    assert space.num_hidden == 4
+    assert {leaf.path: leaf.kind for leaf in space.leaves}["BatchNorm_0/scale"] == "other"
+    pj.testing.assert_function_invariant(fn, space, variables["params"], jax.random.normal(jax.random.key(1), x.shape))
