@@ -394,14 +394,12 @@ class _Interpreter:
                     self.mark_other(v, "combined with another parameter or constant")
                 return [self.ew(CONST, eqn, ins, self.broadcast(eqn, ins, unify=False))]
             return [self.ew(CONST, eqn, ins, self.broadcast(eqn, ins, unify=False), zero=all(c.zero for c in consts))]
-        ordered = acts + params + consts  # activations first: their atoms name the output
-        axes = self.broadcast(eqn, acts + params, unify=True)
+        axes = self.broadcast(eqn, acts + params, unify=True)  # activations first: they name the output
         for v in params:
             self.use(v, self.all_atoms(v), "out")
         if any(not c.zero for c in consts):
             for v in acts:
                 self.pin(v, "adds a constant offset")
-        del ordered
         return [self.ew(ACT, eqn, ins, axes)]
 
     rule_sub = rule_add
@@ -489,9 +487,7 @@ class _Interpreter:
         new_sizes = eqn.params["new_sizes"]
         if eqn.params.get("dimensions") is not None:
             return self.unknown(eqn, ins)
-        flat = self.atoms.factors([a for ax in v.axes for a in ax])
-        flat = [a for ax in v.axes for a in ax]
-        flat = [x for a in flat for x in self._ids(a)]
+        flat = [x for ax in v.axes for a in ax for x in self._ids(a)]
         scalars = list(v.scalars)
         out: list[list[int]] = []
         k = len(flat) - 1
@@ -544,9 +540,6 @@ class _Interpreter:
             dataclasses.replace(v, axes=[ax for k, ax in enumerate(v.axes) if k not in dims], scalars=v.scalars + gone)
         ]
 
-    def rule_expand_dims(self, eqn, ins):  # pragma: no cover - not a primitive in current jax
-        return self.unknown(eqn, ins)
-
     def rule_transpose(self, eqn, ins):
         v = ins[0]
         return [dataclasses.replace(v, axes=[v.axes[p] for p in eqn.params["permutation"]])]
@@ -581,7 +574,10 @@ class _Interpreter:
         keep = [a == b for a, b in zip(in_shape, out_shape)]
         return [self._reslice(eqn, v, keep, out_shape, "slices part of an axis")]
 
-    rule_rev = None  # set below
+    def rule_rev(self, eqn, ins):
+        v = ins[0]
+        keep = [k not in eqn.params["dimensions"] for k in range(len(v.axes))]
+        return [self._reslice(eqn, v, keep, eqn.outvars[0].aval.shape, "reverses the nodes of a group")]
 
     def rule_dynamic_slice(self, eqn, ins):
         return self.rule_slice(eqn, ins[:1])
@@ -930,14 +926,6 @@ class _Interpreter:
         return self.call(eqn, sub, ins)
 
     rule_custom_vjp_call_jaxpr = rule_custom_vjp_call
-
-
-_Interpreter.rule_rev = lambda self, eqn, ins: [  # noqa: E731
-    self._reslice(
-        eqn, ins[0], [k not in eqn.params["dimensions"] for k in range(len(ins[0].axes))],
-        eqn.outvars[0].aval.shape, "reverses the nodes of a group",
-    )
-]  # fmt: skip
 
 
 # ---------------------------------------------------------------------------
