@@ -306,6 +306,13 @@ def _forward(prog: _Program, params: Sequence, inputs: Sequence, want: Sequence[
     return [env[i] for i in want]
 
 
+def _nonzero(v) -> bool:
+    """True for a concrete non-zero constant (values computed under a trace are not checked)."""
+    if isinstance(v, jax.core.Tracer):
+        return False
+    return bool(np.any(np.asarray(v)))
+
+
 def _gamma_net(prog: _Program, sq_params: Sequence, ones: Sequence, stats: Sequence, alpha: float):
     """γ²_net of the squared network with the node statistics ``stats`` mixed in (seed 002 eq. 4)."""
     kinds = prog.kinds
@@ -342,17 +349,12 @@ def _gamma_net(prog: _Program, sq_params: Sequence, ones: Sequence, stats: Seque
         elif name in ("neg", "abs"):
             outs = [vals[0]]
         elif name in _AS_IS or name.startswith("custom_"):  # custom_*: kept whole only around ReLU-like code
-            if (
-                name in ("max", "min")
-                and ks.count("act") == 1
-                and any(k == "const" and np.any(np.asarray(_read(env, x))) for k, x in zip(ks, e.ins, strict=False))
-            ):
-                raise DDPUnsupportedError(f"ddp_kappa: {name} with a non-zero constant at {e.where}")
-            if name == "add" and "const" in ks:
-                for k, x in zip(ks, e.ins, strict=False):
-                    if k == "const" and not isinstance(_read(env, x), jax.core.Tracer):
-                        if np.any(np.asarray(_read(env, x))):
-                            raise DDPUnsupportedError(f"ddp_kappa: adds a non-zero constant at {e.where}")
+            if name in ("max", "min", "add", "add_any") and "act" in ks:
+                for k, v in zip(ks, vals, strict=True):
+                    if k == "const" and _nonzero(v):
+                        raise DDPUnsupportedError(
+                            f"ddp_kappa: {name} with a non-zero constant at {e.where} (not positively homogeneous)"
+                        )
             outs = _bind(e, vals)
         else:
             raise DDPUnsupportedError(
@@ -468,6 +470,13 @@ def ddp_kappa(
     if n < 1:
         raise ValueError("inputs: the batch is empty")
     leaves = [jnp.asarray(p) for p in leaves]
+    kappa = _kappa_jit(space, leaves, list(xs), key, alpha, moment, estimator, int(num_probes))
+    return jax.tree_util.tree_unflatten(space.treedef, kappa)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7))
+def _kappa_jit(space, leaves, xs, key, alpha, moment, estimator, num_probes):
+    n = int(jnp.shape(xs[0])[0])
     param_key = tuple((tuple(p.shape), str(p.dtype)) for p in leaves)
     input_key = tuple(((1, *jnp.shape(x)[1:]), str(jnp.result_type(x))) for x in xs)
     prog = _program(space, param_key, input_key)
@@ -542,4 +551,5 @@ def ddp_kappa(
                 wj = weights.reshape((1, -1) + (1,) * (J.ndim - 2))
                 kappa[j] = kappa[j] + jnp.sum(wj * J * J, axis=(0, 1)) / n
     kappa = [k.astype(p.dtype) for k, p in zip(kappa, leaves, strict=False)]
-    return jax.tree_util.tree_unflatten(space.treedef, kappa)
+    return kappa
+
