@@ -51,3 +51,91 @@ def assert_function_invariant(
         if not changed:
             raise AssertionError("random_rescale left params unchanged: the rescaling test would be vacuous")
         chex.assert_trees_all_close(fn(scaled, *args, **kwargs), expected, rtol=rtol, atol=atol)
+
+
+# ---------------------------------------------------------------------------- update invariance (issue 3)
+
+__all__ += ["assert_update_invariant"]
+
+
+def assert_update_invariant(
+    tx,
+    loss_fn: Callable[..., Any],
+    space: PathSpace,
+    params,
+    batch,
+    *,
+    inputs=None,
+    update_kwargs: dict[str, Any] | None = None,
+    num_steps: int = 1,
+    key=None,
+    num_draws: int = 2,
+    max_exponent: int = 4,
+    rtol: float = 1e-6,
+    atol: float = 0.0,
+) -> None:
+    """Assert that optimizer steps commute with node-wise rescaling: same function after the steps.
+
+    For each of ``num_draws`` power-of-two rescalings T_α (exact in floating point), runs
+    ``num_steps`` steps of ``tx`` from ``params`` and from ``T_α(params)``, each step being
+    ``g = ∇ loss_fn(p, batch)``, ``u, s = tx.update(g, s, p, **update_kwargs)``,
+    ``p = optax.apply_updates(p, u)``, and checks with chex that the traced function
+    ``space.fn(p_final, *inputs)`` agrees from both starts. It also checks that the rescaling
+    changed the parameters and that the steps moved the function (so it cannot pass vacuously).
+    Works with any optax transformation: rescaling-invariant ones (G-SGD, Path-SGD, DDP-SGD) pass,
+    plain SGD/Adam fail on an unbalanced rescaling.
+
+    Args:
+      tx: an ``optax.GradientTransformation`` (or ``...ExtraArgs``).
+      loss_fn: ``loss_fn(params, batch) -> scalar``.
+      space: the `PathSpace` of the network (``pathspace_jax.trace``).
+      params: the starting parameters.
+      batch: passed to ``loss_fn`` unchanged.
+      inputs: positional arguments of the traced function on which the functions are compared
+        (a tuple, or one array). Default: ``batch[0]`` if ``batch`` is a tuple or list, else ``batch``.
+      update_kwargs: extra keyword arguments for ``tx.update`` (e.g. ``{"inputs": x}``).
+      num_steps: number of optimizer steps from each start.
+      key, num_draws, max_exponent: the random rescalings (see `random_rescale`).
+      rtol, atol: tolerances of the comparison of function outputs.
+
+    Raises:
+      AssertionError: with chex's description of the first mismatch.
+
+    Example:
+      >>> loss = lambda p, b: ((space.fn(p, b[0]) - b[1]) ** 2).mean()
+      >>> pj.testing.assert_update_invariant(pj.g_sgd(space, 0.1), loss, space, params, (x, y))
+    """
+    import optax  # local: keeps importing pathspace_jax.testing light
+
+    if space.num_hidden == 0:
+        raise AssertionError("the PathSpace has no hidden nodes: rescaling changes nothing, nothing to test")
+    key = jax.random.key(0) if key is None else key
+    kwargs = dict(update_kwargs or {})
+    if inputs is None:
+        inputs = batch[0] if isinstance(batch, tuple | list) else batch
+    if not isinstance(inputs, tuple):
+        inputs = (inputs,)
+    grad_fn = jax.grad(loss_fn)
+
+    def run(p):
+        state = tx.init(p)
+        for _ in range(num_steps):
+            updates, state = tx.update(grad_fn(p, batch), state, p, **kwargs)
+            p = optax.apply_updates(p, updates)
+        return space.fn(p, *inputs)
+
+    def differs(a, b):
+        return any(
+            not np.array_equal(np.asarray(x), np.asarray(y))
+            for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b))
+        )
+
+    before = space.fn(params, *inputs)
+    expected = run(params)
+    if not differs(expected, before):
+        raise AssertionError("the optimizer steps left the function unchanged: the invariance test would be vacuous")
+    for k in jax.random.split(key, num_draws):
+        scaled = random_rescale(space, params, k, max_exponent=max_exponent)
+        if not differs(params, scaled):
+            raise AssertionError("random_rescale left params unchanged: the rescaling test would be vacuous")
+        chex.assert_trees_all_close(run(scaled), expected, rtol=rtol, atol=atol)
