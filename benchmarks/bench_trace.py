@@ -50,7 +50,10 @@ def bench(name, model, x, repeats=5):
         "trace_seconds_median": times[len(times) // 2],
         "make_jaxpr_seconds": make_jaxpr,
     }
-    print(f"{name:28s} m={space.num_params:>9,d}  trace {row['trace_seconds_median']:.3f}s  (make_jaxpr alone {make_jaxpr:.3f}s)")
+    print(
+        f"{name:28s} m={space.num_params:>9,d}  trace {row['trace_seconds_median']:.3f}s  "
+        f"(make_jaxpr alone {make_jaxpr:.3f}s)"
+    )
     return row
 
 

@@ -164,9 +164,9 @@ def _flatten(closed: jcore.ClosedJaxpr, n_params: int) -> _Program:
             name = e.primitive.name
             if name in ("scan", "while", "cond"):
                 raise DDPUnsupportedError(
-                    f"ddp_kappa: {name} at {_where(e)} is not supported: DDP-SGD's closed-form κ holds for feed-forward "
-                    "networks, where every path uses a parameter at most once (a recurrent kernel is used at every "
-                    "time step, so γ²_net is not quadratic in it)."
+                    f"ddp_kappa: {name} at {_where(e)} is not supported: DDP-SGD's closed-form κ holds for "
+                    "feed-forward networks, where every path uses a parameter at most once (a recurrent kernel "
+                    "is used at every time step, so γ²_net is not quadratic in it)."
                 )
             opaque = (
                 sub is not None
@@ -202,10 +202,7 @@ def _flatten(closed: jcore.ClosedJaxpr, n_params: int) -> _Program:
         return [read(x) for x in jaxpr.outvars]
 
     top = closed.jaxpr
-    in_ids = []
-    for j, _ in enumerate(top.invars):
-        i = next(counter)
-        in_ids.append(i)
+    in_ids = [next(counter) for _ in top.invars]
     for j, i in enumerate(in_ids):
         kinds[i] = "param" if j < n_params else "act"
     out_ids = walk(top, closed.consts, in_ids)
@@ -531,7 +528,10 @@ def _kappa_jit(space, leaves, xs, key, alpha, moment, estimator, num_probes):
                 (g,) = vjp(cots)
                 return [gi * gi for gi in g]
 
-            sqs = jax.vmap(one)(jax.random.split(key, int(num_probes)))
+            if num_probes == 1:
+                sqs = [s[None] for s in one(key)]
+            else:
+                sqs = jax.vmap(one)(jax.random.split(key, int(num_probes)))
             kappa = [k + jnp.mean(s, axis=0) / n for k, s in zip(kappa, sqs, strict=False)]
         else:
 
@@ -552,4 +552,3 @@ def _kappa_jit(space, leaves, xs, key, alpha, moment, estimator, num_probes):
                 kappa[j] = kappa[j] + jnp.sum(wj * J * J, axis=(0, 1)) / n
     kappa = [k.astype(p.dtype) for k, p in zip(kappa, leaves, strict=False)]
     return kappa
-

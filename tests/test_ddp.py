@@ -14,12 +14,12 @@ import textwrap
 
 import chex
 import flax.linen as nn
-from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from jax.flatten_util import ravel_pytree
 
 import pathspace_jax as pj
@@ -102,10 +102,10 @@ def _plain_seq_fn(p, x):  # x: [B, T, 3]; a Dense per time step, transposed, las
     return jnp.transpose(h, (0, 2, 1))[:, :, -1] @ p["w2"]
 
 
-def _perturb(params, key=jax.random.key(99), scale=0.1):
+def _perturb(params, key=None, scale=0.1):
     """Concrete float64 values for a params pytree (or its shapes): ``params + scale * normal``."""
     leaves, treedef = jax.tree_util.tree_flatten(params)
-    ks = jax.random.split(key, len(leaves))
+    ks = jax.random.split(jax.random.key(99) if key is None else key, len(leaves))
     out = []
     for a, k in zip(leaves, ks, strict=True):
         base = jnp.asarray(a, jnp.float64) if not isinstance(a, jax.ShapeDtypeStruct) else 0.0
@@ -116,7 +116,9 @@ def _perturb(params, key=jax.random.key(99), scale=0.1):
 def _linen(module, xshape, seed=0):
     x = jax.random.normal(jax.random.key(seed + 1), xshape, jnp.float64)
     # shapes only (flax's initialisers are slow to compile here): the values are random normals
-    params = _perturb(jax.eval_shape(module.init, jax.random.key(seed), x)["params"], key=jax.random.key(seed), scale=0.5)
+    params = _perturb(
+        jax.eval_shape(module.init, jax.random.key(seed), x)["params"], key=jax.random.key(seed), scale=0.5
+    )
     return (lambda p, x: module.apply({"params": p}, x)), params, x
 
 
@@ -373,7 +375,9 @@ def test_kappa_does_not_depend_on_the_data_at_alpha_zero():
     chex.assert_trees_all_close(a, b, rtol=1e-12)
 
 
-@pytest.mark.parametrize("name,alpha,moment", [("mlp", 0.5, "second"), ("cnn", 1.0, "variance"), ("cnn", 0.4, "second")])
+@pytest.mark.parametrize(
+    "name,alpha,moment", [("mlp", 0.5, "second"), ("cnn", 1.0, "variance"), ("cnn", 0.4, "second")]
+)
 def test_probe_estimator_is_unbiased(name, alpha, moment):
     fn, _, params, x, space = _case(name)
     exact = ravel_pytree(pj.ddp_kappa(space, params, x, alpha=alpha, moment=moment))[0]
@@ -537,10 +541,9 @@ def test_vmap_over_an_ensemble():
     states = jax.vmap(tx.init)(ens)
     u, _ = jax.vmap(lambda g, s, p: tx.update(g, s, p, inputs=x))(ens_g, states, ens)
     for i in range(3):
-        pi = jax.tree_util.tree_map(lambda a: a[i], ens)
-        gi = jax.tree_util.tree_map(lambda a: a[i], ens_g)
+        pi, gi, want = (jax.tree_util.tree_map(lambda a, i=i: a[i], t) for t in (ens, ens_g, u))
         ui, _ = tx.update(gi, tx.init(pi), pi, inputs=x)
-        chex.assert_trees_all_close(jax.tree_util.tree_map(lambda a: a[i], u), ui, rtol=1e-10)
+        chex.assert_trees_all_close(want, ui, rtol=1e-10)
 
 
 def test_dead_unit_gives_no_nan():
@@ -555,7 +558,7 @@ def test_dead_unit_gives_no_nan():
     for alpha in [0.0, 0.5, 1.0]:
         for est in ["exact", "probes"]:
             tx = pj.scale_by_ddp(space, alpha=alpha, estimator=est)
-            u, _ = jax.jit(lambda g, s, p: tx.update(g, s, p, inputs=x))(grads, tx.init(params), params)
+            u, _ = jax.jit(lambda g, s, p, tx=tx: tx.update(g, s, p, inputs=x))(grads, tx.init(params), params)
             for a in jax.tree_util.tree_leaves(u):
                 assert bool(jnp.all(jnp.isfinite(a)))
     k = pj.ddp_kappa(space, params, x, alpha=1.0)
