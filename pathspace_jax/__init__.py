@@ -7,16 +7,23 @@ See ``trace`` for finding the reduction graph of a forward function, and
 from pathspace_jax import testing
 
 # DDP-SGD (issue 5)
-from pathspace_jax.alias import ddp_sgd
+from pathspace_jax.alias import ddp_sgd, path_sgd
 from pathspace_jax.ddp import DDPUnsupportedError, ddp_kappa
 from pathspace_jax.graph import EdgeLeaf, NodeGroup, PathSpace
+from pathspace_jax.kappa import PathKappaUnsupportedError, path_kappa, path_norm  # Path-SGD (issue 2)
 from pathspace_jax.rescale import describe, random_alphas, random_rescale, rescale
 from pathspace_jax.trace import UnsupportedModelError, trace
-from pathspace_jax.transforms import ScaleByDDPState, scale_by_ddp
+from pathspace_jax.transforms import ScaleByDDPState, ScaleByPathSGDState, scale_by_ddp, scale_by_path_sgd
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "PathKappaUnsupportedError",  # Path-SGD (issue 2)
+    "ScaleByPathSGDState",
+    "path_kappa",
+    "path_norm",
+    "path_sgd",
+    "scale_by_path_sgd",
     "DDPUnsupportedError",  # DDP-SGD (issue 5)
     "ScaleByDDPState",
     "ddp_kappa",

@@ -51,3 +51,46 @@ def ddp_sgd(
         parts.append(optax.trace(decay=momentum))
     parts.append(optax.scale_by_learning_rate(learning_rate))
     return optax.chain(*parts)
+
+
+# ---------------------------------------------------------------------------- Path-SGD (issue 2)
+
+
+def path_sgd(
+    space,
+    learning_rate,
+    *,
+    momentum: float | None = None,
+    nesterov: bool = False,
+    second_order: bool = True,
+    every: int = 1,
+    eps: float = 1e-8,
+) -> optax.GradientTransformation:
+    """Path-SGD (seed 000): p ← p − η g / κ, κ = ½ ∂²γ²_net/∂p² (κ⁽¹⁾ + κ⁽²⁾ for recurrent kernels).
+
+    ``optax.chain(scale_by_path_sgd(...), [optax.trace(momentum, nesterov)], optax.scale_by_learning_rate(lr))``:
+    the κ-scaled gradient, optionally with (Nesterov) momentum on the scaled gradient, times −η.
+
+    Args:
+      space: the `PathSpace` of the network (``pathspace_jax.trace``).
+      learning_rate: η, a float or an optax schedule.
+      momentum: momentum decay (``optax.trace``), or None.
+      nesterov: Nesterov momentum (with ``momentum``).
+      second_order, every, eps: see `pathspace_jax.scale_by_path_sgd`.
+
+    Returns:
+      An `optax.GradientTransformation`; call ``update(grads, state, params)``.
+
+    Example:
+      >>> tx = pj.path_sgd(space, 0.01, momentum=0.9)
+      >>> updates, state = tx.update(grads, state, params)
+
+    References:
+      Neyshabur et al., "Path-normalized optimization of recurrent neural networks with ReLU activations",
+      NeurIPS 2016; Neyshabur, Salakhutdinov, Srebro, "Path-SGD", NeurIPS 2015.
+    """
+    parts = [transforms.scale_by_path_sgd(space, second_order=second_order, eps=eps, every=every)]
+    if momentum is not None:
+        parts.append(optax.trace(decay=momentum, nesterov=nesterov))
+    parts.append(optax.scale_by_learning_rate(learning_rate))
+    return optax.chain(*parts)

@@ -137,7 +137,26 @@ def _prims(jaxpr) -> set[str]:
     return out
 
 
-def _flatten(closed: jcore.ClosedJaxpr, n_params: int) -> _Program:
+def _join(a: str, b: str) -> str:
+    order = {"const": 0, "param": 1, "act": 2}
+    return a if order[a] >= order[b] else b
+
+
+def _flatten(
+    closed: jcore.ClosedJaxpr,
+    n_params: int,
+    *,
+    allow_scan: bool = False,
+    inline_custom: bool = False,
+    in_kinds: Sequence[str] | None = None,
+) -> _Program:
+    """Flatten ``closed`` (calls inlined) into a `_Program`.
+
+    ``allow_scan`` keeps each ``scan`` as one equation whose ``params["_body"]`` is the flattened body
+    (its in_ids: consts, carry, xs; carry kinds joined with the body's carry outputs); otherwise a scan
+    raises. ``inline_custom`` enters every ``custom_jvp``/``custom_vjp`` call (ReLU written as
+    ``jax.nn.relu`` becomes a plain ``max``). ``in_kinds`` overrides the kinds of the inputs.
+    """
     counter = iter(range(10**9))
     eqns: list[_Eqn] = []
     consts: dict[int, Any] = {}
@@ -162,6 +181,12 @@ def _flatten(closed: jcore.ClosedJaxpr, n_params: int) -> _Program:
             ks = [kind_of(x) for x in ins]
             sub = _sub_jaxpr(e)
             name = e.primitive.name
+            if name == "scan" and allow_scan:
+                outs, scan_eqn = _flatten_scan(e, ins, ks, kinds, counter, inline_custom)
+                eqns.append(scan_eqn)
+                for v, o in zip(e.outvars, outs, strict=True):
+                    env[v] = o
+                continue
             if name in ("scan", "while", "cond"):
                 raise DDPUnsupportedError(
                     f"ddp_kappa: {name} at {_where(e)} is not supported: DDP-SGD's closed-form κ holds for "
@@ -170,6 +195,7 @@ def _flatten(closed: jcore.ClosedJaxpr, n_params: int) -> _Program:
                 )
             opaque = (
                 sub is not None
+                and not inline_custom
                 and name.startswith("custom_")
                 and "param" not in ks
                 and _prims(sub) <= (_AS_IS - {"add", "add_any", "reduce_sum", "reduce_window_sum"})
@@ -204,11 +230,36 @@ def _flatten(closed: jcore.ClosedJaxpr, n_params: int) -> _Program:
     top = closed.jaxpr
     in_ids = [next(counter) for _ in top.invars]
     for j, i in enumerate(in_ids):
-        kinds[i] = "param" if j < n_params else "act"
+        kinds[i] = in_kinds[j] if in_kinds is not None else "param" if j < n_params else "act"
     out_ids = walk(top, closed.consts, in_ids)
     prog = _Program(eqns, n_params, in_ids, out_ids, consts, kinds, [], [])
     _find_nodes(prog)
     return prog
+
+
+def _flatten_scan(e, ins, ks, kinds, counter, inline_custom) -> tuple[list[int], _Eqn]:
+    """One ``scan`` equation: flatten its body (carry kinds iterated to a fixed point), append it."""
+    nc, ncar = e.params["num_consts"], e.params["num_carry"]
+    body = e.params["jaxpr"]
+    body = body if isinstance(body, jcore.ClosedJaxpr) else jcore.ClosedJaxpr(body, ())
+    in_k = list(ks)
+    for _ in range(len(in_k) + 2):
+        bp = _flatten(body, 0, allow_scan=True, inline_custom=inline_custom, in_kinds=in_k)
+        out_k = [("const" if isinstance(x, tuple) else bp.kinds[x]) for x in bp.out_ids]
+        new_k = list(in_k)
+        for j in range(ncar):
+            new_k[nc + j] = _join(in_k[nc + j], out_k[j])
+        if new_k == in_k:
+            break
+        in_k = new_k
+    params = dict(e.params)
+    params["_body"] = bp
+    outs = []
+    for j, _v in enumerate(e.outvars):
+        i = next(counter)
+        kinds[i] = in_k[nc + j] if j < ncar else out_k[j]
+        outs.append(i)
+    return outs, _Eqn(e.primitive, params, ins, outs, _where(e))
 
 
 def _find_nodes(prog: _Program) -> None:
@@ -310,6 +361,51 @@ def _nonzero(v) -> bool:
     return bool(np.any(np.asarray(v)))
 
 
+def _power(v, power: float):
+    """|v|^power of a constant coefficient (``v * v`` for power 2, exact)."""
+    return v * v if power == 2.0 else jnp.abs(v) ** power
+
+
+def _squared_op(
+    e: _Eqn, ks: Sequence[str], vals: list, out_kind: str, power: float = 2.0, who: str = "ddp_kappa", err=None
+) -> list:
+    """One equation of the |·|^power ("squared" for power 2) network, on non-negative activation values.
+
+    Linear coefficients that are constants (average pooling's 1/k, a fixed scale) are raised to ``power``
+    (parameters arrive already raised); ``sub``/``neg``/``abs`` become ``add``/identity; ReLU, max pooling
+    and the other ops of ``_AS_IS`` are applied as they are. Anything else raises ``err``.
+    """
+    err = DDPUnsupportedError if err is None else err
+    name = e.prim.name
+    if out_kind == "const":
+        return _bind(e, vals)
+    if name in ("mul", "div") and sum(k != "const" for k in ks) == 1:
+        vals = [v if k != "const" else _power(v, power) for v, k in zip(vals, ks, strict=False)]
+        return _bind(e, vals)
+    if name in ("dot_general", "conv_general_dilated"):
+        if ks.count("const") == 0 and "act" in ks and "param" in ks or ks.count("const") == 1:
+            vals = [v if k != "const" else _power(v, power) for v, k in zip(vals, ks, strict=False)]
+            return _bind(e, vals)
+        raise err(
+            f"{who}: {name} at {e.where} multiplies two activations (or two parameters); the network "
+            "is not a ReLU network of the form path norms are defined for."
+        )
+    if name == "sub":
+        return [jnp.add(*vals)]
+    if name in ("neg", "abs"):
+        return [vals[0]]
+    if name in _AS_IS or name.startswith("custom_"):  # custom_*: kept whole only around ReLU-like code
+        if name in ("max", "min", "add", "add_any") and "act" in ks:
+            for k, v in zip(ks, vals, strict=True):
+                if k == "const" and _nonzero(v):
+                    raise err(f"{who}: {name} with a non-zero constant at {e.where} (not positively homogeneous)")
+        return _bind(e, vals)
+    raise err(
+        f"{who}: primitive {name!r} at {e.where} is not positively homogeneous (or not supported by "
+        "the γ² recursion); it is defined here for ReLU networks only."
+    )
+
+
 def _gamma_net(prog: _Program, sq_params: Sequence, ones: Sequence, stats: Sequence, alpha: float):
     """γ²_net of the squared network with the node statistics ``stats`` mixed in (seed 002 eq. 4)."""
     kinds = prog.kinds
@@ -324,40 +420,9 @@ def _gamma_net(prog: _Program, sq_params: Sequence, ones: Sequence, stats: Seque
     for i in prog.in_ids:
         fin(i)
     for e in prog.eqns:
-        name = e.prim.name
         ks = [("const" if isinstance(x, tuple) else kinds[x]) for x in e.ins]
         vals = [_read(env, x) for x in e.ins]
-        if kinds[e.outs[0]] == "const":
-            outs = _bind(e, vals)
-        elif name in ("mul", "div") and sum(k != "const" for k in ks) == 1:
-            vals = [v if k != "const" else v * v for v, k in zip(vals, ks, strict=False)]
-            outs = _bind(e, vals)
-        elif name in ("dot_general", "conv_general_dilated"):
-            if ks.count("const") == 0 and "act" in ks and "param" in ks or ks.count("const") == 1:
-                vals = [v if k != "const" else v * v for v, k in zip(vals, ks, strict=False)]
-                outs = _bind(e, vals)
-            else:
-                raise DDPUnsupportedError(
-                    f"ddp_kappa: {name} at {e.where} multiplies two activations (or two parameters); the network "
-                    "is not a ReLU network of the form DDP-SGD is defined for."
-                )
-        elif name == "sub":
-            outs = [jnp.add(*vals)]
-        elif name in ("neg", "abs"):
-            outs = [vals[0]]
-        elif name in _AS_IS or name.startswith("custom_"):  # custom_*: kept whole only around ReLU-like code
-            if name in ("max", "min", "add", "add_any") and "act" in ks:
-                for k, v in zip(ks, vals, strict=True):
-                    if k == "const" and _nonzero(v):
-                        raise DDPUnsupportedError(
-                            f"ddp_kappa: {name} with a non-zero constant at {e.where} (not positively homogeneous)"
-                        )
-            outs = _bind(e, vals)
-        else:
-            raise DDPUnsupportedError(
-                f"ddp_kappa: primitive {name!r} at {e.where} is not positively homogeneous (or not supported by "
-                "the γ² recursion); DDP-SGD's κ is defined here for ReLU networks only."
-            )
+        outs = _squared_op(e, ks, vals, kinds[e.outs[0]])
         for o, v in zip(e.outs, outs, strict=False):
             env[o] = v
             fin(o)

@@ -112,3 +112,88 @@ def scale_by_ddp(
         return new, ScaleByDDPState(count=optax.safe_int32_increment(state.count), kappa=kappa)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+# ---------------------------------------------------------------------------- Path-SGD (issue 2)
+
+
+class ScaleByPathSGDState(NamedTuple):
+    """State of `scale_by_path_sgd`: the step count and the κ last computed (recomputed every ``every`` steps)."""
+
+    count: jax.Array
+    kappa: Any
+
+
+def scale_by_path_sgd(
+    space, *, second_order: bool = True, eps: float = 1e-8, every: int = 1
+) -> optax.GradientTransformation:
+    """Divide each gradient entry by Path-SGD's κ = ½ ∂²γ²_net/∂p² (seed 000).
+
+    u_i = g_i / (κ_i + eps), with κ = κ⁽¹⁾ + κ⁽²⁾ from `pathspace_jax.path_kappa` (γ²_net = Σ_paths Π p²;
+    κ⁽¹⁾ alone with ``second_order=False``). κ depends only on the params, never on the data. It scales
+    like p² under node-wise rescaling, so with ``eps = 0`` the step is exactly rescaling invariant for
+    both settings of ``second_order`` (seed 000 Thm 2); ``eps`` only damps entries whose κ is tiny, in
+    the params' units squared. An entry with κ + eps = 0 (a dead unit, with ``eps = 0``) gets update
+    0, never NaN. Leaves that ``trace`` marked ``"other"`` pass through unscaled.
+
+    Args:
+      space: the `PathSpace` of the network (``pathspace_jax.trace``).
+      second_order: use the exact κ⁽¹⁾ + κ⁽²⁾ (default) or κ⁽¹⁾ alone (they differ on recurrent kernels only).
+      eps: added to κ before dividing (≥ 0).
+      every: recompute κ every ``every`` steps (steps 0, k, 2k, …) and keep it in the state in between
+        (``jax.lax.cond`` on the step count: no Python branching, no recompilation).
+
+    Returns:
+      An `optax.GradientTransformation`; ``update(updates, state, params)`` needs ``params``. Extra
+      keyword arguments are ignored.
+
+    Example:
+      >>> tx = optax.chain(pj.scale_by_path_sgd(space), optax.scale(-0.01))
+      >>> updates, state = tx.update(grads, state, params)
+
+    References:
+      Neyshabur et al., "Path-normalized optimization of recurrent neural networks with ReLU activations",
+      NeurIPS 2016; Neyshabur, Salakhutdinov, Srebro, "Path-SGD", NeurIPS 2015.
+    """
+    from pathspace_jax.kappa import _check_space, path_kappa
+
+    _check_space(space, "scale_by_path_sgd")
+    if not isinstance(every, int) or every < 1:
+        raise ValueError(f"every must be a positive int, got {every!r}")
+    if eps < 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    other = [leaf.kind == "other" for leaf in space.leaves]
+
+    def init_fn(params):
+        leaves = space.leaves_of(params, "params")
+        kappa = jax.tree_util.tree_unflatten(
+            space.treedef, [jnp.zeros(jnp.shape(p), jnp.result_type(p)) for p in leaves]
+        )
+        return ScaleByPathSGDState(count=jnp.zeros([], jnp.int32), kappa=kappa)
+
+    def update_fn(updates, state, params=None, **extra_args):
+        del extra_args
+        if params is None:
+            raise ValueError("scale_by_path_sgd needs params: call tx.update(updates, state, params)")
+
+        def compute():
+            k = path_kappa(space, params, second_order=second_order)
+            return jax.tree_util.tree_map(lambda a, b: a.astype(b.dtype), k, state.kappa)
+
+        if every == 1:
+            kappa = compute()
+        else:
+            kappa = jax.lax.cond(state.count % every == 0, compute, lambda: state.kappa)
+        g_leaves = space.leaves_of(updates, "updates")
+        out = []
+        for g, k, is_other in zip(g_leaves, jax.tree_util.tree_leaves(kappa), other, strict=True):
+            if is_other:
+                out.append(g)
+                continue
+            den = (k + eps).astype(g.dtype)
+            safe = jnp.where(den > 0, den, jnp.ones_like(den))
+            out.append(jnp.where(den > 0, g / safe, jnp.zeros_like(g)))
+        new = jax.tree_util.tree_unflatten(space.treedef, out)
+        return new, ScaleByPathSGDState(count=optax.safe_int32_increment(state.count), kappa=kappa)
+
+    return optax.GradientTransformation(init_fn, update_fn)
