@@ -53,6 +53,70 @@ def ddp_sgd(
     return optax.chain(*parts)
 
 
+# ---------------------------------------------------------------------------- G-SGD (issue 4)
+
+
+def g_sgd(
+    space, learning_rate, momentum: float | None = None, nesterov: bool = False, *, min_ratio: float = 0.5
+) -> optax.GradientTransformationExtraArgs:
+    """G-SGD (seed 001): SGD on the basis-path values, v ← v − η ∂L/∂v, then weight allocation.
+
+    ``in_path_space(optax.sgd(learning_rate, momentum, nesterov), space)``; momentum (if any) is kept
+    in path coordinates.
+
+    Args:
+      space: the `PathSpace` of the network (``pathspace_jax.trace``).
+      learning_rate: η, a float or an optax schedule.
+      momentum, nesterov: as in ``optax.sgd``.
+      min_ratio: see `pathspace_jax.in_path_space` (the in-skeleton rule).
+
+    Returns:
+      An `optax.GradientTransformationExtraArgs`; ``update(grads, state, params)`` needs params.
+
+    Example:
+      >>> tx = pj.g_sgd(space, 0.05)
+      >>> updates, state = tx.update(grads, tx.init(params), params)
+
+    References:
+      Meng et al., "G-SGD", ICLR 2019; seed 001, Alg. 2.
+    """
+    return transforms.in_path_space(optax.sgd(learning_rate, momentum, nesterov), space, min_ratio=min_ratio)
+
+
+def g_adam(
+    space,
+    learning_rate,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    eps_root: float = 0.0,
+    *,
+    nesterov: bool = False,
+    min_ratio: float = 0.5,
+) -> optax.GradientTransformationExtraArgs:
+    """G-Adam (seed 001 App. E): Adam on the basis-path values, then weight allocation.
+
+    ``in_path_space(optax.adam(learning_rate, b1, b2, eps, eps_root, nesterov=nesterov), space)``: the
+    moments are those of ∂L/∂v, so the step is rescaling invariant.
+
+    Args:
+      space: the `PathSpace` of the network (``pathspace_jax.trace``).
+      learning_rate, b1, b2, eps, eps_root, nesterov: as in ``optax.adam``.
+      min_ratio: see `pathspace_jax.in_path_space` (the in-skeleton rule).
+
+    Returns:
+      An `optax.GradientTransformationExtraArgs`; ``update(grads, state, params)`` needs params.
+
+    Example:
+      >>> tx = pj.g_adam(space, 1e-3)
+
+    References:
+      Kingma & Ba, "Adam", ICLR 2015; seed 001, App. E.
+    """
+    inner = optax.adam(learning_rate, b1, b2, eps, eps_root=eps_root, nesterov=nesterov)
+    return transforms.in_path_space(inner, space, min_ratio=min_ratio)
+
+
 # ---------------------------------------------------------------------------- Path-SGD (issue 2)
 
 

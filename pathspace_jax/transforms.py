@@ -114,6 +114,89 @@ def scale_by_ddp(
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+# ---------------------------------------------------------------------------- G-SGD: in_path_space (issue 4)
+
+
+class InPathSpaceState(NamedTuple):
+    """State of `in_path_space`: the state of the inner transformation, which acts on path coordinates."""
+
+    inner_state: Any
+
+
+def in_path_space(
+    inner: optax.GradientTransformation, space, *, min_ratio: float = 0.5
+) -> optax.GradientTransformationExtraArgs:
+    """Run any optax transformation on the path coordinates instead of the weights (G-SGD, G-Adam).
+
+    With the coordinates c = `pathspace_jax.to_coords` (basis-path values; the H gauge entries, the
+    outgoing skeleton weights, are held fixed), one step is
+
+      1. ∂L/∂c from ∂L/∂w by the inverse chain rule ∂L/∂w = (∂c/∂w)ᵀ ∂L/∂c, i.e. the VJP of
+         `pathspace_jax.from_coords` with the gauge fixed — closed form, O(m): ``g_e / (A_u B_v)`` at a
+         non-gauge entry ``e = u -> v``, plus a per-node correction at the incoming skeleton entries
+         (seed 001 eqs. 15–16); 0 at the gauge entries;
+      2. ``dc, s = inner.update(∂L/∂c, s, c, **extra_args)`` (``inner`` sees coordinates as params);
+      3. weight allocation: the weights whose coordinates are ``c + dc`` with the same gauge
+         (seed 001 eqs. 10–11); the update is their difference from ``params``.
+
+    So with ``inner = optax.sgd(η)`` the coordinates move by exactly −η ∂L/∂c (seed 001 eq. 6). Since
+    the coordinates and ∂L/∂c are rescaling invariant and the gauge does not move, a step from
+    T_α(w) gives the same function as a step from w, for every ``inner``.
+
+    **In-skeleton rule.** The allocation divides by ``A_u = c_{inskel(u)} / B_u``, which would cross
+    zero with the incoming skeleton coordinate of u. Each such coordinate therefore moves by the
+    ratio ``max(1 + dc/c, min_ratio)``: it never reaches zero or changes sign and shrinks by at most
+    a factor ``min_ratio`` per step (growth is not limited). The rule depends only on coordinates
+    and on the inner update, so it is rescaling invariant; it is inactive in ordinary steps. Gauge
+    weights never move, so B never changes. Biases are never divisors (Flax initialises them to
+    zero); zero-valued divisors (a zero skeleton weight at the start) give a zero update, not NaN.
+
+    Args:
+      inner: any optax transformation (``optax.sgd``, ``optax.adam``, a chain with clipping or a
+        schedule, ``...ExtraArgs`` variants).
+      space: the `PathSpace` of the network (``pathspace_jax.trace``).
+      min_ratio: the in-skeleton rule's largest shrink factor per step, in (0, 1).
+
+    Returns:
+      An `optax.GradientTransformationExtraArgs`; ``update(grads, state, params, **extra_args)`` needs
+      ``params`` and passes ``extra_args`` to ``inner``. The state is `InPathSpaceState` (only
+      ``inner``'s state). The update has the gradient's dtype (computed in float32 at least).
+
+    Example:
+      >>> tx = pj.in_path_space(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)), space)
+      >>> state = tx.init(params)
+      >>> updates, state = tx.update(grads, state, params)
+
+    References:
+      Meng et al., "G-SGD: Optimizing ReLU neural networks in its positively scale-invariant space",
+      ICLR 2019; seed 001 (path space for RNNs, Alg. 2, App. E G-Adam).
+    """
+    from pathspace_jax import coords as _coords
+
+    if not 0 < min_ratio < 1:
+        raise ValueError(f"min_ratio must be in (0, 1), got {min_ratio}")
+    inner = optax.with_extra_args_support(inner)
+
+    def init_fn(params):
+        return InPathSpaceState(inner_state=inner.init(_coords.to_coords(space, params)))
+
+    def update_fn(updates, state, params=None, **extra_args):
+        if params is None:
+            raise ValueError("in_path_space needs params: call tx.update(grads, state, params)")
+        w = space.leaves_of(params, "params")
+        g = space.leaves_of(updates, "updates")
+        ct = _coords._compute_dtype(list(w) + list(g))
+        gc, c, factors = _coords._coord_grads(space, w, g, ct)
+        gc_tree = jax.tree_util.tree_unflatten(space.treedef, [x.astype(jnp.result_type(y)) for x, y in zip(gc, g)])
+        c_tree = jax.tree_util.tree_unflatten(space.treedef, [x.astype(jnp.result_type(y)) for x, y in zip(c, w)])
+        dc, inner_state = inner.update(gc_tree, state.inner_state, c_tree, **extra_args)
+        u = _coords._allocate(space, w, space.leaves_of(dc, "inner updates"), factors, ct, min_ratio)
+        out = [x.astype(jnp.result_type(y)) for x, y in zip(u, g)]
+        return jax.tree_util.tree_unflatten(space.treedef, out), InPathSpaceState(inner_state=inner_state)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
 # ---------------------------------------------------------------------------- Path-SGD (issue 2)
 
 

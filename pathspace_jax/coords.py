@@ -1,0 +1,388 @@
+"""Path coordinates: to_coords, from_coords, coord_mask, basis_paths, canonicalize.
+
+With the skeleton of `pathspace_jax.skeleton` (one incoming and one outgoing skeleton edge per
+hidden node), write
+
+    A_u = product of the weights on u's incoming skeleton chain   (1 at inputs, bias, pinned nodes)
+    B_v = product of the weights on v's outgoing skeleton chain   (1 at outputs, pinned nodes).
+
+Under a node-wise rescaling T_α, ``A_u ↦ α_u A_u`` and ``B_v ↦ B_v / α_v``. The **coordinate** of a
+non-gauge entry ``e = u -> v`` is the value of its basis path,
+
+    c_e = A_u · w_e · B_v,
+
+which is rescaling invariant. The H **gauge** entries (the outgoing skeleton edges) keep their
+weight as "coordinate", so the coordinate pytree has the shape of the params and
+``from_coords(space, to_coords(space, w)) == w``. Leaves of kind ``"other"`` (not edges of the
+homogeneous part) are their own coordinates. ``coord_mask`` is True at the m − H true coordinates.
+
+Inverse map (weight allocation): B from the gauge; then ``A_v = c_{inskel(v)} / B_v`` (or
+``A_parent(v) · w_{inskel(v)}`` when v's incoming skeleton edge is its parent's gauge edge); then
+``w_e = c_e / (A_u B_v)``. The divisors are products of gauge weights and of in-skeleton coordinates
+— never biases. A zero divisor gives 0, never NaN (the chart is singular there).
+
+Everything is O(m): A and B are D sequential gathers of node vectors (D = skeleton depth), and each
+leaf multiplies by ``A[src]`` and ``B[dst]`` gathered with index arrays reduced to broadcastable
+shape (a Dense kernel's ``src`` is an ``(n_in, 1)`` array).
+
+References:
+  Meng et al., "G-SGD: Optimizing ReLU neural networks in its positively scale-invariant space",
+  ICLR 2019; seed 001 (path space for RNNs, skeleton method, weight allocation).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pathspace_jax.graph import PathSpace
+from pathspace_jax.skeleton import Skeleton, skeleton
+
+__all__ = ["to_coords", "from_coords", "coord_mask", "basis_paths", "canonicalize"]
+
+
+# ---------------------------------------------------------------------------- static helpers
+
+
+@functools.lru_cache(maxsize=64)
+def _gather_plan(space: PathSpace, which: str):
+    """Static plan to gather each hidden node's in- or out-skeleton weight into a node vector.
+
+    Returns ``(per_leaf, perm)``: ``per_leaf[i]`` the flat indices to read from leaf i, and ``perm``
+    the index into ``[1, *concat(reads)]`` giving the node vector (position 0, the 1, at boundary nodes).
+    """
+    sk = skeleton(space)
+    leaf_of = sk.in_leaf if which == "in" else sk.out_leaf
+    flat_of = sk.in_flat if which == "in" else sk.out_flat
+    per_leaf, nodes = [], []
+    for li in range(len(space.leaves)):
+        vs = np.flatnonzero(sk.hidden & (leaf_of == li))
+        per_leaf.append(flat_of[vs])
+        nodes.append(vs)
+    allnodes = np.concatenate(nodes) if nodes else np.zeros(0, np.int64)
+    perm = np.zeros(space.num_nodes, np.int32)
+    perm[allnodes] = 1 + np.arange(allnodes.size, dtype=np.int32)
+    return tuple(per_leaf), perm
+
+
+def _node_gather(space, leaves, which, dtype):
+    """Node vector of the in/out skeleton weights (1 at boundary nodes), from a list of leaves."""
+    per_leaf, perm = _gather_plan(space, which)
+    parts = [jnp.ones((1,), dtype)]
+    for leaf, idx in zip(leaves, per_leaf):
+        if idx.size:
+            parts.append(jnp.reshape(leaf, (-1,))[idx].astype(dtype))
+    return jnp.concatenate(parts)[perm]
+
+
+def _compute_dtype(leaves):
+    """float32 for half-precision leaves, otherwise the widest float dtype among the leaves."""
+    floats = [jnp.result_type(x) for x in leaves if jnp.issubdtype(jnp.result_type(x), jnp.floating)]
+    dt = jnp.result_type(*floats) if floats else jnp.float32
+    return jnp.promote_types(dt, jnp.float32)
+
+
+def _safe_inv(x):
+    nz = x != 0
+    return jnp.where(nz, 1.0 / jnp.where(nz, x, 1), 0)
+
+
+def _chain_A(sk: Skeleton, w_in):
+    """A_v: product of the weights on v's incoming skeleton chain (D_in gathers)."""
+    a = jnp.ones_like(w_in)
+    for _ in range(sk.depth_in):
+        a = a[sk.parent] * w_in
+    return a
+
+
+def _chain_B(sk: Skeleton, w_out):
+    """B_v: product of the weights on v's outgoing skeleton chain (D_out gathers)."""
+    b = jnp.ones_like(w_out)
+    for _ in range(sk.depth_out):
+        b = w_out * b[sk.child]
+    return b
+
+
+def _A_from_coords(sk: Skeleton, c_in, b):
+    """A from the in-skeleton coordinates: c_in / B, or A_parent · (gauge weight) along gauge in-edges."""
+    q = jnp.where(jnp.asarray(sk.in_is_gauge), c_in, c_in * _safe_inv(b))
+    q = jnp.where(jnp.asarray(sk.hidden), q, 1)
+    if not sk.in_is_gauge.any():
+        return q
+    a = jnp.ones_like(q)
+    for _ in range(sk.depth_in):
+        a = jnp.where(jnp.asarray(sk.in_is_gauge), a[sk.parent] * q, q)
+    return a
+
+
+def _set_flat(x, idx, vals):
+    if idx.size == 0:
+        return x
+    return jnp.reshape(jnp.reshape(x, (-1,)).at[idx].set(vals), x.shape)
+
+
+def _get_flat(x, idx):
+    return jnp.reshape(x, (-1,))[idx]
+
+
+def _node_factors(space, leaves, dtype):
+    """(A, B) node vectors from the params' leaves."""
+    sk = skeleton(space)
+    a = _chain_A(sk, _node_gather(space, leaves, "in", dtype))
+    b = _chain_B(sk, _node_gather(space, leaves, "out", dtype))
+    return a, b
+
+
+# ---------------------------------------------------------------------------- public maps
+
+
+def to_coords(space: PathSpace, params):
+    """Path coordinates of ``params``: the value of each entry's basis path, the weight at gauge entries.
+
+    ``c_e = A_u · w_e · B_v`` for a non-gauge entry ``e = u -> v`` (A, B: products of the weights on
+    the incoming skeleton chain of u and the outgoing skeleton chain of v); ``c_e = w_e`` at the H
+    gauge entries (outgoing skeleton edges) and on leaves of kind ``"other"``. Invariant under
+    node-wise rescaling at every entry where `coord_mask` is True.
+
+    Args:
+      space: the `PathSpace` of the network (``pathspace_jax.trace``).
+      params: params of the traced structure.
+
+    Returns:
+      A pytree with the structure, shapes and dtypes of ``params``.
+
+    Example:
+      >>> c = pj.to_coords(space, params)
+      >>> c2 = pj.to_coords(space, pj.random_rescale(space, params, key))  # equal where coord_mask
+
+    References:
+      Seed 001 (basis paths of the reduction graph); Meng et al., ICLR 2019.
+    """
+    leaves = space.leaves_of(params)
+    sk = skeleton(space)
+    ct = _compute_dtype(leaves)
+    a, b = _node_factors(space, leaves, ct)
+    out = []
+    for w, li in zip(leaves, sk.leaves):
+        if li.kind == "other":
+            out.append(w)
+            continue
+        wc = jnp.asarray(w, ct)
+        c = wc * (a[li.src_r] * b[li.dst_r])
+        c = _set_flat(c, li.gauge_flat, _get_flat(wc, li.gauge_flat))
+        out.append(c.astype(jnp.result_type(w)))
+    return jax.tree_util.tree_unflatten(space.treedef, out)
+
+
+def from_coords(space: PathSpace, coords):
+    """Weights from path coordinates (weight allocation): the inverse of `to_coords`.
+
+    B from the gauge entries, ``A_v = c_{inskel(v)} / B_v`` (``A_parent · c`` when the incoming
+    skeleton edge of v is a gauge entry), then ``w_e = c_e / (A_u B_v)``. A zero divisor (a zero gauge
+    weight or in-skeleton coordinate: the chart is singular there) gives 0, never NaN.
+
+    Args:
+      space: the `PathSpace` of the network.
+      coords: a coordinate pytree (as from `to_coords`).
+
+    Returns:
+      Params with the structure, shapes and dtypes of ``coords``.
+
+    Example:
+      >>> params2 = pj.from_coords(space, pj.to_coords(space, params))  # == params
+    """
+    leaves = space.leaves_of(coords, "coords")
+    sk = skeleton(space)
+    ct = _compute_dtype(leaves)
+    b = _chain_B(sk, _node_gather(space, leaves, "out", ct))
+    a = _A_from_coords(sk, _node_gather(space, leaves, "in", ct), b)
+    out = []
+    for c, li in zip(leaves, sk.leaves):
+        if li.kind == "other":
+            out.append(c)
+            continue
+        cc = jnp.asarray(c, ct)
+        f = a[li.src_r] * b[li.dst_r]
+        w = jnp.where(f != 0, cc / jnp.where(f != 0, f, 1), 0)
+        w = _set_flat(w, li.gauge_flat, _get_flat(cc, li.gauge_flat))
+        out.append(w.astype(jnp.result_type(c)))
+    return jax.tree_util.tree_unflatten(space.treedef, out)
+
+
+def coord_mask(space: PathSpace):
+    """Bool pytree like the params: True at the m − H coordinate entries, False at the H gauge entries.
+
+    Example:
+      >>> sum(m.sum() for m in jax.tree_util.tree_leaves(pj.coord_mask(space))) == space.num_coords
+    """
+    sk = skeleton(space)
+    out = []
+    for leaf, li in zip(space.leaves, sk.leaves):
+        m = np.ones(leaf.shape, bool)
+        m.reshape(-1)[li.gauge_flat] = False
+        out.append(m)
+    return jax.tree_util.tree_unflatten(space.treedef, out)
+
+
+@functools.lru_cache(maxsize=16)
+def _basis_paths_np(space: PathSpace):
+    sk = skeleton(space)
+    cin, cout = sk.chain_in_global(), sk.chain_out_global()
+    width = cin.shape[1] + 1 + cout.shape[1]
+    out = []
+    for leaf, li in zip(space.leaves, sk.leaves):
+        gidx = li.offset + np.arange(leaf.size, dtype=np.int64)
+        if li.kind == "other":
+            rows = np.full((leaf.size, width), -1, np.int64)
+            rows[:, 0] = gidx
+        else:
+            src = np.asarray(leaf.src, np.int64).reshape(-1)
+            dst = np.asarray(leaf.dst, np.int64).reshape(-1)
+            rows = np.concatenate([cin[src], gidx[:, None], cout[dst]], axis=1)
+            order = np.argsort(rows == -1, axis=1, kind="stable")
+            rows = np.take_along_axis(rows, order, axis=1)
+            rows[li.gauge_flat] = -1
+        rows.flags.writeable = False
+        out.append(rows.reshape(leaf.shape + (width,)))
+    return tuple(out)
+
+
+def basis_paths(space: PathSpace):
+    """The basis path of every coordinate entry, as flat indices into ``ravel_pytree(params)[0]``.
+
+    Each leaf is an int64 numpy array of shape ``leaf.shape + (L,)``: the entries on that entry's
+    basis path in order from its start (an input, the bias node, or a pinned node) to its end (an
+    output or a pinned node), padded with −1: ``[incoming skeleton chain of u] + [e] +
+    [outgoing skeleton chain of v]`` for ``e = u -> v``. Rows of gauge entries are all −1; a leaf of
+    kind ``"other"`` holds just the entry itself. The product of the weights on a row equals the
+    entry's coordinate in `to_coords`.
+
+    Example:
+      >>> flat, _ = jax.flatten_util.ravel_pytree(params)
+      >>> idx = pj.basis_paths(space)["Dense_0"]["kernel"][i, j]
+      >>> jnp.prod(flat[idx[idx >= 0]])  # == pj.to_coords(space, params)["Dense_0"]["kernel"][i, j]
+    """
+    return jax.tree_util.tree_unflatten(space.treedef, list(_basis_paths_np(space)))
+
+
+def canonicalize(space: PathSpace, params):
+    """The member of ``params``' rescaling orbit whose gauge weights (outgoing skeleton edges) are ±1.
+
+    Rescales by ``α_v = |B_v|`` (B_v: the product of the weights on v's outgoing skeleton chain):
+    ``w_{u->v} ↦ w_{u->v} · |B_v| / |B_u|``. The function is unchanged, and every rescaling of
+    ``params`` gives the same result (α absorbs it). Needs nonzero gauge weights (a zero one gives 0
+    at the entries it divides, never NaN).
+
+    Args:
+      space: the `PathSpace` of the network.
+      params: params of the traced structure.
+
+    Returns:
+      The canonical params, same structure and dtypes.
+
+    Example:
+      >>> pj.canonicalize(space, pj.random_rescale(space, params, key))  # == pj.canonicalize(space, params)
+    """
+    leaves = space.leaves_of(params)
+    sk = skeleton(space)
+    ct = _compute_dtype(leaves)
+    b = jnp.abs(_chain_B(sk, _node_gather(space, leaves, "out", ct)))
+    inv_b = _safe_inv(b)
+    out = []
+    for w, li in zip(leaves, sk.leaves):
+        if li.kind == "other":
+            out.append(w)
+            continue
+        wc = jnp.asarray(w, ct)
+        wc = _set_flat(wc * (b[li.dst_r] * inv_b[li.src_r]), li.gauge_flat, jnp.sign(_get_flat(wc, li.gauge_flat)))
+        out.append(wc.astype(jnp.result_type(w)))
+    return jax.tree_util.tree_unflatten(space.treedef, out)
+
+
+# ---------------------------------------------------------------------------- G-SGD kernels (O(m))
+
+
+def _coord_grads(space: PathSpace, w_leaves, g_leaves, ct):
+    """∂L/∂c from ∂L/∂w (the inverse chain rule, i.e. the VJP of `from_coords` with the gauge fixed).
+
+    For a non-gauge entry ``e = u -> v``: ``∂L/∂c_e = g_e / (A_u B_v)``, plus, at the incoming skeleton
+    entry of a node x, ``t_x / (A_x B_x)`` with ``t_x = −Σ_{e non-gauge, src(e)=x} g_e w_e + Σ_y t_y``
+    over the children y whose incoming skeleton edge is x's gauge edge. Zero at gauge entries.
+
+    Returns ``(coordinate gradient leaves, coordinate leaves, (a, b, inv_a, inv_b))``, in ``ct``.
+    """
+    sk = skeleton(space)
+    a, b = _node_factors(space, w_leaves, ct)
+    ia, ib = _safe_inv(a), _safe_inv(b)
+    p = jnp.zeros((space.num_nodes,), ct)
+    gcs, cs = [], []
+    for w, g, li in zip(w_leaves, g_leaves, sk.leaves):
+        if li.kind == "other":
+            gcs.append(jnp.asarray(g, ct))
+            cs.append(w)
+            continue
+        w = jnp.asarray(w, ct)
+        g = jnp.asarray(g, ct)
+        gc = g * (ia[li.src_r] * ib[li.dst_r])
+        if li.kind == "weight":
+            red = jnp.sum(g * w, axis=li.sum_axes, keepdims=True)
+            p = p.at[li.src_r.reshape(-1)].add(red.reshape(-1))
+            if li.gauge_flat.size:
+                p = p.at[li.gauge_node].add(-_get_flat(g, li.gauge_flat) * _get_flat(w, li.gauge_flat))
+        gcs.append(_set_flat(gc, li.gauge_flat, 0))
+        c = w * (a[li.src_r] * b[li.dst_r])
+        cs.append(_set_flat(c, li.gauge_flat, _get_flat(w, li.gauge_flat)))
+    t = -p
+    if sk.in_is_gauge.any():
+        gate = jnp.asarray(sk.in_is_gauge)
+        for _ in range(sk.depth_in):
+            t = -p + jnp.zeros_like(p).at[sk.parent].add(jnp.where(gate, t, 0))
+    corr = t * ia * ib
+    for i, li in enumerate(sk.leaves):
+        if li.inskel_flat.size:
+            x = gcs[i]
+            gcs[i] = jnp.reshape(jnp.reshape(x, (-1,)).at[li.inskel_flat].add(corr[li.inskel_node]), x.shape)
+    return gcs, cs, (a, b, ia, ib)
+
+
+def _allocate(space: PathSpace, w_leaves, dc_leaves, factors, ct, min_ratio: float):
+    """Weight updates realising coordinates ``c + dc`` with the gauge fixed (weight allocation).
+
+    The in-skeleton rule: each incoming skeleton coordinate ``c_x = A_x B_x`` moves by the ratio
+    ``ρ_x = max(1 + dc_x / c_x, min_ratio)`` (ρ = 1 where c_x = 0), so it never reaches zero or flips
+    sign and shrinks by at most ``min_ratio`` per step; it depends on coordinates and their updates
+    only, so it commutes with rescaling. Then ``A'_x = ρ_x A_x`` (inherited along gauge in-edges),
+    ``w'_e = (c_e + dc_e) / (A'_u B_v)`` and the gauge entries do not move.
+    """
+    sk = skeleton(space)
+    a, b, ia, ib = factors
+    n = space.num_nodes
+    d_in = jnp.zeros((n,), ct)
+    for dc, li in zip(dc_leaves, sk.leaves):
+        if li.inskel_flat.size:
+            d_in = d_in.at[li.inskel_node].set(_get_flat(jnp.asarray(dc, ct), li.inskel_flat))
+    free = jnp.asarray(sk.hidden & ~sk.in_is_gauge)
+    rho = jnp.maximum(1 + d_in * ia * ib, jnp.asarray(min_ratio, ct))
+    r0 = jnp.where(free, rho, 1)
+    r = r0
+    if sk.in_is_gauge.any():
+        gate = jnp.asarray(sk.in_is_gauge)
+        for _ in range(sk.depth_in):
+            r = jnp.where(gate, r[sk.parent], r0)
+    ir = 1 / r
+    out = []
+    for w, dc, li in zip(w_leaves, dc_leaves, sk.leaves):
+        if li.kind == "other":
+            out.append(jnp.asarray(dc, ct))
+            continue
+        w = jnp.asarray(w, ct)
+        dc = jnp.asarray(dc, ct)
+        u = (w + dc * (ia[li.src_r] * ib[li.dst_r])) * ir[li.src_r] - w
+        if li.inskel_flat.size:
+            x = li.inskel_node
+            u = _set_flat(u, li.inskel_flat, _get_flat(w, li.inskel_flat) * (rho[x] * ir[sk.parent[x]] - 1))
+        out.append(_set_flat(u, li.gauge_flat, 0))
+    return out

@@ -1,0 +1,405 @@
+"""Path coordinates, basis paths, canonicalize and G-SGD (`in_path_space`, `g_sgd`, `g_adam`).
+
+Every property is checked against an independent computation: products of weights along
+`basis_paths` read straight from ``ravel_pytree(params)``, the incidence matrix's rank with numpy,
+and ∂L/∂v from a dense least-squares solve of the inverse chain rule ∂L/∂w = (∂v/∂w)ᵀ ∂L/∂v with
+∂v/∂w by ``jax.jacfwd`` of those products. Invariance uses power-of-two rescalings (exact).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.flatten_util import ravel_pytree
+from zoo import ZOO
+
+import pathspace_jax as pj
+
+CASES = list(ZOO.values())
+IDS = [c.name for c in CASES]
+SMALL = ["mlp", "residual_cnn", "stacked_rnn_every_step", "embedding_rnn", "tanh_mlp_partly_pinned", "nnx_rnn"]
+
+
+@pytest.fixture(scope="module")
+def spaces():
+    return {c.name: pj.trace(c.fn, c.params, c.inputs(2)) for c in CASES}
+
+
+def _leaves(tree):
+    return jax.tree_util.tree_leaves(tree)
+
+
+def _rows(space):
+    """(m, L) basis-path rows in ravel order."""
+    return np.concatenate([r.reshape(-1, r.shape[-1]) for r in _leaves(pj.basis_paths(space))])
+
+
+def _path_values(rows, flat):
+    """Product of the weights on each row (independent of `to_coords`)."""
+    return jnp.prod(jnp.where(rows >= 0, flat[np.maximum(rows, 0)], 1.0), axis=-1)
+
+
+def _inskel(rows):
+    """In-skeleton entries, found from the paths alone: coordinate entries on another entry's basis path."""
+    on_other_paths = np.zeros(rows.shape[0], bool)
+    for i, row in enumerate(rows):
+        on_other_paths[[j for j in row[row >= 0] if j != i]] = True
+    return on_other_paths & (rows[:, 0] >= 0)
+
+
+def _loss_fn(case):
+    x = case.inputs(4)
+    y = jnp.sin(jnp.arange(np.prod(jax.eval_shape(case.fn, case.params, x).shape))).reshape(
+        jax.eval_shape(case.fn, case.params, x).shape
+    )
+    return (lambda p, b: jnp.mean((case.fn(p, b[0]) - b[1]) ** 2)), (x, y)
+
+
+# ---------------------------------------------------------------------------- structure
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_basis_paths_coordinates_and_rank(case, spaces):
+    space = spaces[case.name]
+    flat, _ = ravel_pytree(case.params)
+    rows = _rows(space)
+    mask = np.concatenate([np.ravel(m) for m in _leaves(pj.coord_mask(space))])
+    assert mask.sum() == space.num_params - space.num_hidden
+    np.testing.assert_array_equal(mask, rows[:, 0] >= 0)  # gauge rows are all -1
+
+    # every coordinate is the product of the weights on its basis path
+    coords = np.concatenate([np.ravel(c) for c in _leaves(pj.to_coords(space, case.params))])
+    np.testing.assert_allclose(coords[mask], np.asarray(_path_values(rows, flat))[mask], rtol=1e-13, atol=1e-15)
+
+    # the paths are real input -> output paths of the reduction graph containing their own entry
+    src = np.concatenate([np.ravel(leaf.src) for leaf in space.leaves]).astype(np.int64)
+    dst = np.concatenate([np.ravel(leaf.dst) for leaf in space.leaves]).astype(np.int64)
+    edge = np.array([leaf.kind != "other" for leaf in space.leaves for _ in range(leaf.size)])
+    kinds = space.node_kinds()
+    for i in np.flatnonzero(mask):
+        path = rows[i][rows[i] >= 0]
+        assert list(path).count(i) == 1
+        if not edge[i]:
+            assert list(path) == [i]
+            continue
+        assert edge[path].all()
+        np.testing.assert_array_equal(dst[path[:-1]], src[path[1:]])
+        assert kinds[src[path[0]]] in (0, 1, 4), "a basis path starts at the bias, an input or a pinned node"
+        assert kinds[dst[path[-1]]] in (3, 4), "a basis path ends at an output or a pinned node"
+        assert (kinds[src[path[1:]]] == 2).all(), "interior nodes are hidden"
+
+    # incidence matrix (multiplicities) has rank m - H
+    inc = np.zeros((int(mask.sum()), space.num_params))
+    for k, i in enumerate(np.flatnonzero(mask)):
+        np.add.at(inc[k], rows[i][rows[i] >= 0], 1.0)
+    assert np.linalg.matrix_rank(inc) == space.num_params - space.num_hidden
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_coords_invariant_round_trip_canonicalize(case, spaces):
+    space = spaces[case.name]
+    p = case.params
+    c = pj.to_coords(space, p)
+    mask = pj.coord_mask(space)
+    chex.assert_trees_all_equal_shapes_and_dtypes(c, p)
+    chex.assert_trees_all_close(pj.from_coords(space, c), p, rtol=1e-13, atol=1e-15)
+    x = case.inputs(3)
+    canon = pj.canonicalize(space, p)
+    chex.assert_trees_all_close(case.fn(canon, x), case.fn(p, x), rtol=1e-11, atol=1e-13)
+    for m, w in zip(_leaves(mask), _leaves(canon)):
+        np.testing.assert_array_equal(np.abs(np.asarray(w)[~m]), 1.0)  # gauge weights are ±1
+    for k in jax.random.split(jax.random.key(7), 2):
+        q = pj.random_rescale(space, p, k)
+        assert any(not np.array_equal(a, b) for a, b in zip(_leaves(p), _leaves(q)))
+        cq = pj.to_coords(space, q)
+        for m, a, b in zip(_leaves(mask), _leaves(c), _leaves(cq)):
+            np.testing.assert_allclose(np.asarray(a)[m], np.asarray(b)[m], rtol=1e-13, atol=1e-15)
+        chex.assert_trees_all_close(pj.canonicalize(space, q), canon, rtol=1e-13, atol=1e-15)
+
+
+def test_skeleton_never_uses_biases_or_recurrent_edges(spaces):
+    """Biases are coordinates on their own path only; no chain edge is within one node group."""
+    for case in CASES:
+        space = spaces[case.name]
+        rows = _rows(space)
+        kind = np.array([leaf.kind for leaf in space.leaves for _ in range(leaf.size)])
+        group_of = np.full(space.num_nodes, -1)
+        for gi, g in enumerate(space.groups):
+            group_of[g.offset : g.offset + g.size] = gi
+        src = np.concatenate([np.ravel(leaf.src) for leaf in space.leaves]).astype(np.int64)
+        dst = np.concatenate([np.ravel(leaf.dst) for leaf in space.leaves]).astype(np.int64)
+        for i, row in enumerate(rows):
+            chain = [j for j in row[row >= 0] if j != i]
+            assert all(kind[j] == "weight" for j in chain), case.name
+            assert all(group_of[src[j]] != group_of[dst[j]] for j in chain), case.name
+        assert (rows[kind == "bias", 0] >= 0).all()
+
+
+# ---------------------------------------------------------------------------- G-SGD maths
+
+
+def _dense_coord_grad(space, case, loss, batch):
+    """∂L/∂v by least squares on ∂L/∂w = (∂v/∂w)ᵀ ∂L/∂v, with v = products along basis paths."""
+    flat, unravel = ravel_pytree(case.params)
+    rows = _rows(space)
+    mask = rows[:, 0] >= 0
+    jac = np.asarray(jax.jacfwd(lambda f: _path_values(rows[mask], f))(flat))  # (m - H, m)
+    gw = np.asarray(ravel_pytree(jax.grad(loss)(case.params, batch))[0])
+    gv, *_ = np.linalg.lstsq(jac.T, gw, rcond=None)
+    np.testing.assert_allclose(jac.T @ gv, gw, rtol=1e-9, atol=1e-12)  # the system is consistent
+    full = np.zeros(flat.size)
+    full[mask] = gv
+    return full, mask
+
+
+@pytest.mark.parametrize("name", SMALL + ["cnn2d_stride_padding_maxpool", "plain_nested_jit_remat_custom_vjp"])
+def test_g_sgd_step_moves_coordinates_by_minus_eta_grad(name, spaces):
+    case, space = ZOO[name], spaces[name]
+    loss, batch = _loss_fn(case)
+    gv, mask = _dense_coord_grad(space, case, loss, batch)
+    c0 = np.asarray(ravel_pytree(pj.to_coords(space, case.params))[0])
+    inskel = _inskel(_rows(space))
+    # small enough that no in-skeleton coordinate would shrink by half (the in-skeleton rule stays inactive)
+    eta = min(1e-3, 0.4 * float(np.min(np.abs(c0[inskel] / gv[inskel]))))
+    tx = pj.g_sgd(space, eta)
+    g = jax.grad(loss)(case.params, batch)
+    u, _ = tx.update(g, tx.init(case.params), case.params)
+    new = optax.apply_updates(case.params, u)
+    dc = ravel_pytree(pj.to_coords(space, new))[0] - ravel_pytree(pj.to_coords(space, case.params))[0]
+    np.testing.assert_allclose(np.asarray(dc)[mask], -eta * gv[mask], rtol=1e-7, atol=1e-12)
+    # gauge weights do not move
+    np.testing.assert_array_equal(np.asarray(ravel_pytree(u)[0])[~mask], 0.0)
+    # and G-SGD is not plain SGD
+    assert not np.allclose(ravel_pytree(u)[0], -eta * ravel_pytree(g)[0])
+
+
+@pytest.mark.parametrize("name", ["mlp", "residual_cnn", "stacked_rnn_every_step"])
+def test_in_path_space_adam_applies_adam_to_coordinate_gradient(name, spaces):
+    case, space = ZOO[name], spaces[name]
+    loss, batch = _loss_fn(case)
+    gv, mask = _dense_coord_grad(space, case, loss, batch)
+    lr = 1e-4
+    tx = pj.in_path_space(optax.adam(lr), space)
+    state = tx.init(case.params)
+    p = case.params
+    g = jax.grad(loss)(p, batch)
+    u, state = tx.update(g, state, p)
+    new = optax.apply_updates(p, u)
+    dc = np.asarray(ravel_pytree(pj.to_coords(space, new))[0] - ravel_pytree(pj.to_coords(space, p))[0])
+    ref = optax.adam(lr)
+    _, unravel = ravel_pytree(p)
+    gv_tree = unravel(jnp.asarray(gv))
+    expected, _ = ref.update(gv_tree, ref.init(gv_tree))
+    np.testing.assert_allclose(dc[mask], np.asarray(ravel_pytree(expected)[0])[mask], rtol=1e-6, atol=1e-4 * lr)
+    # g_adam is the same transformation
+    u2, _ = pj.g_adam(space, lr).update(g, pj.g_adam(space, lr).init(p), p)
+    chex.assert_trees_all_close(u2, u, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize(
+    "name", ["mlp", "residual_cnn", "stacked_rnn_every_step", "embedding_rnn", "tanh_mlp_partly_pinned"]
+)
+def test_update_invariant_under_rescaling(name, spaces):
+    case, space = ZOO[name], spaces[name]
+    loss, batch = _loss_fn(case)
+    for tx in (
+        pj.g_sgd(space, 0.05, momentum=0.9),
+        pj.g_adam(space, 1e-2),
+        pj.in_path_space(
+            optax.chain(optax.clip_by_global_norm(0.1), optax.sgd(optax.linear_schedule(0.1, 0.0, 5))), space
+        ),
+    ):
+        pj.testing.assert_update_invariant(tx, loss, space, case.params, batch, num_steps=3, rtol=1e-9, atol=1e-12)
+    with pytest.raises(AssertionError):  # the assertion has teeth: plain SGD is not invariant
+        pj.testing.assert_update_invariant(optax.sgd(0.05), loss, space, case.params, batch, rtol=1e-9)
+
+
+# ---------------------------------------------------------------------------- sign flips, zero biases
+
+
+def _propose(factor):
+    """An inner transformation proposing dc = factor · c (it sees the coordinates as params)."""
+    return optax.GradientTransformation(
+        lambda p: optax.EmptyState(), lambda u, s, p=None: (jax.tree_util.tree_map(lambda c: factor * c, p), s)
+    )
+
+
+@pytest.mark.parametrize("name", ["mlp", "residual_cnn", "stacked_rnn_every_step"])
+def test_in_skeleton_sign_flip_rule(name, spaces):
+    """A step that would flip every coordinate: in-skeleton coordinates shrink by min_ratio instead."""
+    case, space = ZOO[name], spaces[name]
+    rows = _rows(space)
+    mask = rows[:, 0] >= 0
+    inskel = _inskel(rows)
+    assert inskel.sum() > 0
+    p = case.params
+    c0 = np.asarray(ravel_pytree(pj.to_coords(space, p))[0])
+    tx = pj.in_path_space(_propose(-2.0), space, min_ratio=0.25)
+    g = jax.tree_util.tree_map(jnp.zeros_like, p)
+    results = []
+    for q in (p, pj.random_rescale(space, p, jax.random.key(3))):
+        u, _ = tx.update(g, tx.init(q), q)
+        new = optax.apply_updates(q, u)
+        assert all(np.isfinite(np.asarray(a)).all() for a in _leaves(new))
+        c1 = np.asarray(ravel_pytree(pj.to_coords(space, new))[0])
+        np.testing.assert_allclose(c1[inskel], 0.25 * c0[inskel], rtol=1e-12)  # shrunk, same sign
+        np.testing.assert_allclose(c1[mask & ~inskel], -c0[mask & ~inskel], rtol=1e-12, atol=1e-15)
+        results.append(case.fn(new, batch := case.inputs(3)))
+    chex.assert_trees_all_close(results[0], results[1], rtol=1e-10, atol=1e-13)  # the rule is invariant
+    del batch
+
+
+def test_zero_initialised_biases_and_float_dtypes():
+    model = nn.Sequential([nn.Dense(8), nn.relu, nn.Dense(6), nn.relu, nn.Dense(3)])
+    x = jax.random.normal(jax.random.key(0), (5, 4))
+    params = model.init(jax.random.key(1), x)["params"]
+    assert any(np.all(np.asarray(b) == 0) for b in _leaves(params))  # Flax's zero biases
+    for dtype in (jnp.float32, jnp.bfloat16, jnp.float64):
+        p = jax.tree_util.tree_map(lambda a, dtype=dtype: a.astype(dtype), params)
+        xd = x.astype(dtype)
+        space = pj.trace(lambda p, x: model.apply({"params": p}, x), p, xd)
+        loss = lambda p: jnp.mean(model.apply({"params": p}, xd).astype(jnp.float32) ** 2)  # noqa: B023
+        for tx in (pj.g_sgd(space, 0.1), pj.g_adam(space, 1e-2)):
+            state = tx.init(p)
+            q = p
+            for _ in range(3):
+                g = jax.grad(loss)(q)
+                u, state = tx.update(g, state, q)
+                chex.assert_trees_all_equal_dtypes(u, g)
+                q = optax.apply_updates(q, u)
+            assert all(np.isfinite(np.asarray(a, np.float64)).all() for a in _leaves(q))
+            assert not all(np.array_equal(a, b) for a, b in zip(_leaves(q), _leaves(p)))
+        c = pj.to_coords(space, p)
+        assert all(np.isfinite(np.asarray(a, np.float64)).all() for a in _leaves(pj.from_coords(space, c)))
+
+
+# ---------------------------------------------------------------------------- jit, vmap, errors
+
+
+def test_jit_no_recompile_vmap_and_errors(spaces):
+    case, space = ZOO["stacked_rnn_every_step"], spaces["stacked_rnn_every_step"]
+    loss, batch = _loss_fn(case)
+    tx = pj.g_sgd(space, 0.05, momentum=0.9)
+    traces = []
+
+    @jax.jit
+    def step(p, s):
+        traces.append(1)
+        u, s = tx.update(jax.grad(loss)(p, batch), s, p)
+        return optax.apply_updates(p, u), s
+
+    p, s = case.params, tx.init(case.params)
+    for _ in range(3):
+        p, s = step(p, s)
+    assert len(traces) == 1
+
+    # vmap over an ensemble axis of params, grads and states
+    members = [pj.random_rescale(space, case.params, k) for k in jax.random.split(jax.random.key(4), 3)]
+    stack = lambda ts: jax.tree_util.tree_map(lambda *a: jnp.stack(a), *ts)  # noqa: E731
+    ps = stack(members)
+    gs = stack([jax.grad(loss)(m, batch) for m in members])
+    ss = stack([tx.init(m) for m in members])
+    us, _ = jax.vmap(tx.update)(gs, ss, ps)
+    for i, m in enumerate(members):
+        u, _ = tx.update(jax.grad(loss)(m, batch), tx.init(m), m)
+        chex.assert_trees_all_close(jax.tree_util.tree_map(lambda a, i=i: a[i], us), u, rtol=1e-12, atol=1e-15)
+
+    with pytest.raises(ValueError, match="needs params"):
+        tx.update(gs, tx.init(case.params))
+
+    # extra arguments reach an ExtraArgs inner
+    seen = {}
+
+    def upd(u, s, p=None, *, scale, **kw):
+        seen["scale"] = scale
+        return jax.tree_util.tree_map(lambda a: -scale * a, u), s
+
+    tx2 = pj.in_path_space(optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(), upd), space)
+    tx2.update(jax.grad(loss)(case.params, batch), tx2.init(case.params), case.params, scale=0.5, other=1)
+    assert seen["scale"] == 0.5
+    with pytest.raises(ValueError):
+        pj.in_path_space(optax.sgd(0.1), space, min_ratio=0.0)
+
+
+def test_sharded_g_sgd_8_devices():
+    code = textwrap.dedent(
+        """
+        import jax, jax.numpy as jnp, numpy as np, optax, flax.linen as nn, pathspace_jax as pj
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+        assert jax.device_count() == 8
+        m = nn.Sequential([nn.Dense(16), nn.relu, nn.Dense(8), nn.relu, nn.Dense(2)])
+        x = jax.random.normal(jax.random.key(2), (16, 4)); p = m.init(jax.random.key(0), x)["params"]
+        space = pj.trace(lambda p, x: m.apply({"params": p}, x), p, x)
+        tx = pj.g_adam(space, 1e-2)
+        loss = lambda p, x: jnp.mean(m.apply({"params": p}, x) ** 2)
+        @jax.jit
+        def step(p, s, x):
+            u, s = tx.update(jax.grad(loss)(p, x), s, p)
+            return optax.apply_updates(p, u), s
+        mesh = Mesh(np.array(jax.devices()), ("d",))
+        spec = lambda a: P(None, "d") if a.ndim == 2 and a.shape[1] % 8 == 0 else P()
+        shard = lambda a: jax.device_put(a, NamedSharding(mesh, spec(a)))
+        ps = jax.tree_util.tree_map(shard, p)
+        xs = jax.device_put(x, NamedSharding(mesh, P("d", None)))
+        a, sa = step(ps, tx.init(ps), xs)
+        a, sa = step(a, sa, xs)
+        b, sb = step(p, tx.init(p), x)
+        b, sb = step(b, sb, x)
+        assert any(len(l.sharding.device_set) == 8 for l in jax.tree_util.tree_leaves(a))
+        for u, v in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+            np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=1e-5, atol=1e-6)
+        print("ok")
+        """
+    )
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+# ---------------------------------------------------------------------------- long run
+
+
+class _RNN(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = nn.RNN(nn.SimpleCell(8, activation_fn=nn.relu))(x)
+        return nn.Dense(3)(h[:, -1])
+
+
+def test_10000_g_sgd_steps_on_relu_rnn_stay_finite():
+    model = _RNN()
+    key = jax.random.key(0)
+    x = jax.random.normal(key, (16, 10, 4), jnp.float32)
+    y = jnp.arange(16) % 3
+    params = model.init(jax.random.key(1), x)["params"]
+    space = pj.trace(lambda p, x: model.apply({"params": p}, x), params, x)
+
+    def loss(p, xb):
+        return optax.softmax_cross_entropy_with_integer_labels(model.apply({"params": p}, xb), y).mean()
+
+    def run(tx):
+        def body(carry, k):
+            p, s = carry
+            xb = x + 0.1 * jax.random.normal(k, x.shape, x.dtype)
+            u, s = tx.update(jax.grad(loss)(p, xb), s, p)
+            return (optax.apply_updates(p, u), s), None
+
+        (p, _), _ = jax.jit(lambda p: jax.lax.scan(body, (p, tx.init(p)), jax.random.split(key, 10_000)))(params)
+        return p, loss(p, x)
+
+    lr = 0.05
+    p_sgd, l_sgd = run(optax.sgd(lr))
+    assert np.isfinite(float(l_sgd))  # plain SGD tolerates this learning rate
+    p_g, l_g = run(pj.g_sgd(space, lr))
+    assert all(np.isfinite(np.asarray(a)).all() for a in _leaves(p_g))
+    assert float(l_g) < float(loss(params, x))  # and it trained
