@@ -174,7 +174,7 @@ def _flatten(
             env[v] = i
 
         def read(x):
-            return ("lit", x.val) if isinstance(x, jcore.Literal) else env[x]
+            return ("lit", np.asarray(x.val, x.aval.dtype)) if isinstance(x, jcore.Literal) else env[x]
 
         for e in jaxpr.eqns:
             ins = [read(x) for x in e.invars]

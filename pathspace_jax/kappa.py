@@ -196,7 +196,8 @@ def _to_v(x, power: float, stable: bool, dtype) -> _V:
     """A constant entering a non-constant slot (a scan's zero initial carry): raise it to ``power``."""
     if isinstance(x, _V):
         return x
-    m = _power(jnp.asarray(x, dtype), power)
+    x = jnp.asarray(x)
+    m = _power(x if _is_float(x) else x.astype(dtype), power)
     return _renorm(_V(m, jnp.zeros((), jnp.int32) if stable else None))
 
 

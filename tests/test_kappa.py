@@ -1,0 +1,477 @@
+"""Path-SGD (issue 2): path_kappa and path_norm against their definitions, in float64, and the optax contract.
+
+References are computed independently of pathspace_jax.kappa: γ²_net is the sum of the model's outputs
+on an all-ones input with squared parameters (seed 000 Thm 3; models without average pooling) or a
+hand-written function with the pooling coefficient squared, differentiated twice by ``jax.hessian``;
+path norms are sums over explicitly enumerated paths of hand-built graphs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+import textwrap
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import pathspace_jax as pj
+from pathspace_jax.testing import assert_update_invariant
+
+F64 = jnp.float64
+
+
+def _normal(key, shape, scale=1.0):
+    return scale * jax.random.normal(key, shape, F64)
+
+
+def _tree_normal(params, seed, scale=0.5, shift=0.0):
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    ks = jax.random.split(jax.random.key(seed), len(leaves))
+    return jax.tree_util.tree_unflatten(
+        treedef, [shift + _normal(k, jnp.shape(a), scale) for a, k in zip(leaves, ks, strict=True)]
+    )
+
+
+def _squared(p):
+    return jax.tree_util.tree_map(lambda a: a * a, p)
+
+
+def _half_hessian_diag(g, params):
+    """½ diag ∇² g(params), leaf by leaf (jax.hessian of the whole pytree)."""
+    h = jax.hessian(g)(params)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+    out = []
+    for path, leaf in leaves:
+        block = h
+        for k in path:
+            block = block[k.key if hasattr(k, "key") else k.idx]
+        for k in path:
+            block = block[k.key if hasattr(k, "key") else k.idx]
+        n = leaf.size
+        out.append(0.5 * jnp.diagonal(block.reshape(n, n)).reshape(leaf.shape))
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params), out)
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def mlp_fn(p, x):
+    h = jax.nn.relu(x @ p["w0"] + p["b0"])
+    h = jax.nn.relu(h @ p["w1"] + p["b1"])
+    return h @ p["w2"] + p["b2"]
+
+
+def _mlp_params(seed=0, sizes=(3, 4, 3, 2)):
+    ks = jax.random.split(jax.random.key(seed), 2 * len(sizes))
+    p = {}
+    for i, (a, b) in enumerate(itertools.pairwise(sizes)):
+        p[f"w{i}"] = _normal(ks[2 * i], (a, b))
+        p[f"b{i}"] = _normal(ks[2 * i + 1], (b,), 0.5)
+    return p
+
+
+def res_fn(p, x):
+    h = jax.nn.relu(x @ p["w0"] + p["b0"])
+    r = jax.nn.relu(h @ p["w1"] + p["b1"])
+    s = h + r @ p["w2"] + p["b2"]
+    return jax.nn.relu(s) @ p["w3"] + p["b3"]
+
+
+def _res_params(seed=1):
+    k = jax.random.split(jax.random.key(seed), 8)
+    shapes = {"w0": (3, 4), "b0": (4,), "w1": (4, 3), "b1": (3,), "w2": (3, 4), "b2": (4,), "w3": (4, 2), "b3": (2,)}
+    return {n: _normal(kk, s) for (n, s), kk in zip(shapes.items(), k, strict=True)}
+
+
+def cnn_fn(p, x, avg_coef=0.25):
+    """conv-relu-maxpool-conv-relu-avgpool(sum * avg_coef)-dense, NHWC, plain JAX."""
+    dn = ("NHWC", "HWIO", "NHWC")
+    h = jax.lax.conv_general_dilated(x, p["k0"], (1, 1), "SAME", dimension_numbers=dn) + p["c0"]
+    h = jax.nn.relu(h)
+    h = jax.lax.reduce_window(h, -jnp.inf, jax.lax.max, (1, 2, 2, 1), (1, 1, 1, 1), "VALID")
+    h = jax.nn.relu(jax.lax.conv_general_dilated(h, p["k1"], (1, 1), "VALID", dimension_numbers=dn) + p["c1"])
+    h = jax.lax.reduce_window(h, 0.0, jax.lax.add, (1, 2, 2, 1), (1, 2, 2, 1), "VALID") * avg_coef
+    return h.reshape(h.shape[0], -1) @ p["w"] + p["b"]
+
+
+def _cnn_params(seed=2):
+    k = jax.random.split(jax.random.key(seed), 6)
+    return {
+        "k0": _normal(k[0], (2, 2, 1, 2)),
+        "c0": _normal(k[1], (2,), 0.5),
+        "k1": _normal(k[2], (2, 2, 2, 3)),
+        "c1": _normal(k[3], (3,), 0.5),
+        "w": _normal(k[4], (3 * 2 * 2, 2)),
+        "b": _normal(k[5], (2,), 0.5),
+    }
+
+
+class LinenCNN(nn.Module):
+    """flax conv, max pool, conv, dense (no average pooling: the model itself is the reference)."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Conv(2, (2, 2), param_dtype=F64)(x))
+        x = nn.max_pool(x, (2, 2), (2, 2))
+        x = nn.relu(nn.Conv(3, (2, 2), padding="VALID", param_dtype=F64)(x))
+        return nn.Dense(2, param_dtype=F64)(x.reshape(x.shape[0], -1))
+
+
+class LinenRNN(nn.Module):
+    """ReLU SimpleCell RNN(s) with input biases; last-step or every-step Dense readout."""
+
+    layers: int = 1
+    every_step: bool = False
+    reverse: bool = False
+    hidden: int = 3
+
+    @nn.compact
+    def __call__(self, x):
+        for _ in range(self.layers):
+            cell = nn.SimpleCell(self.hidden, activation_fn=nn.relu, param_dtype=F64)
+            x = nn.RNN(cell, reverse=self.reverse, keep_order=True)(x)
+        return nn.Dense(2, param_dtype=F64)(x if self.every_step else x[:, -1])
+
+
+def _linen(module, xshape, seed=0):
+    x = _normal(jax.random.key(seed + 11), xshape)
+    shapes = jax.eval_shape(module.init, jax.random.key(seed), x)["params"]
+    params = _tree_normal(shapes, seed, scale=0.6)
+    return (lambda p, x: module.apply({"params": p}, x)), params, x
+
+
+def _model(name):
+    if name == "mlp":
+        return mlp_fn, _mlp_params(), _normal(jax.random.key(3), (5, 3))
+    if name == "res":
+        return res_fn, _res_params(), _normal(jax.random.key(4), (5, 3))
+    if name == "cnn":
+        return cnn_fn, _cnn_params(), _normal(jax.random.key(5), (2, 6, 6, 1))
+    if name == "linen_cnn":
+        return _linen(LinenCNN(), (2, 6, 6, 1))
+    if name.startswith("rnn"):
+        kw = {"layers": 2 if "stacked" in name else 1, "every_step": "every" in name, "reverse": "reverse" in name}
+        return _linen(LinenRNN(**kw), (2, 4, 2))
+    raise KeyError(name)
+
+
+def _gamma2_reference(name, fn, x):
+    """γ²_net(p) built independently: squared params on an all-ones input, pooling coefficient squared."""
+    ones = jnp.ones((1, *x.shape[1:]), F64)
+    if name == "cnn":
+        return lambda p: jnp.sum(cnn_fn(_squared(p), ones, avg_coef=0.25**2))
+    return lambda p: jnp.sum(fn(_squared(p), ones))
+
+
+FEEDFORWARD = ["mlp", "res", "cnn", "linen_cnn"]
+RECURRENT = ["rnn_last", "rnn_every", "rnn_stacked_last", "rnn_stacked_every", "rnn_reverse_every"]
+
+
+# ----------------------------------------------------------------------------- κ against jax.hessian
+
+
+@pytest.mark.parametrize("name", FEEDFORWARD + RECURRENT)
+def test_kappa_is_half_hessian_diagonal(name):
+    fn, params, x = _model(name)
+    space = pj.trace(fn, params, x)
+    ref = _half_hessian_diag(_gamma2_reference(name, fn, x), params)
+    kappa = pj.path_kappa(space, params)
+    chex.assert_trees_all_close(kappa, ref, rtol=1e-10, atol=1e-12)
+    kappa1 = pj.path_kappa(space, params, second_order=False)
+    for leaf, k1, r in zip(space.leaves, jax.tree_util.tree_leaves(kappa1), jax.tree_util.tree_leaves(ref)):
+        if leaf.recurrent:  # κ⁽¹⁾ alone misses the pairs of uses of a recurrent kernel
+            assert np.max(np.abs(np.asarray(k1 - r))) > 1e-3 * np.max(np.abs(np.asarray(r))), leaf.path
+        else:
+            np.testing.assert_allclose(k1, r, rtol=1e-10, atol=1e-12, err_msg=leaf.path)
+    assert any(leaf.recurrent for leaf in space.leaves) == name.startswith("rnn")
+
+
+@pytest.mark.parametrize("name", ["mlp", "res", "cnn", "linen_cnn"])
+def test_first_order_kappa_equals_ddp_at_alpha_zero(name):
+    fn, params, x = _model(name)
+    space = pj.trace(fn, params, x)
+    chex.assert_trees_all_close(
+        pj.path_kappa(space, params, second_order=False), pj.ddp_kappa(space, params, x, alpha=0.0), rtol=1e-10
+    )
+
+
+# ----------------------------------------------------------------------------- path norms by enumeration
+
+
+def _enumerate(edges, sources, sinks, p):
+    """Σ over all source→sink paths of Π |w|^p in an explicit DAG given as {node: [(next, w), ...]}."""
+    total = 0.0
+
+    def walk(node, val):
+        nonlocal total
+        if node in sinks:
+            total += val
+        for nxt, w in edges.get(node, ()):
+            walk(nxt, val * abs(float(w)) ** p)
+
+    for s in sources:
+        walk(s, 1.0)
+    return total
+
+
+def _mlp_graph(p, sizes=(3, 4, 3, 2)):
+    """Nodes ("n", layer, j) (layer 0: inputs) and one bias node per layer ("b", layer)."""
+    edges, sources = {}, [("n", 0, j) for j in range(sizes[0])]
+    for layer in range(len(sizes) - 1):
+        w, b = np.asarray(p[f"w{layer}"]), np.asarray(p[f"b{layer}"])
+        for a in range(sizes[layer]):
+            edges[("n", layer, a)] = [(("n", layer + 1, c), w[a, c]) for c in range(sizes[layer + 1])]
+        sources.append(("b", layer + 1))
+        edges[("b", layer + 1)] = [(("n", layer + 1, c), b[c]) for c in range(sizes[layer + 1])]
+    return edges, sources, {("n", len(sizes) - 1, c) for c in range(sizes[-1])}
+
+
+def _rnn_graph(p, t_len):
+    """The unrolled graph of LinenRNN(layers=1, every_step=False) at length t_len."""
+    wi, bi = np.asarray(p["SimpleCell_0"]["i"]["kernel"]), np.asarray(p["SimpleCell_0"]["i"]["bias"])
+    wh = np.asarray(p["SimpleCell_0"]["h"]["kernel"])
+    wo, bo = np.asarray(p["Dense_0"]["kernel"]), np.asarray(p["Dense_0"]["bias"])
+    n_in, n = wi.shape
+    edges, sources = {}, []
+    for t in range(t_len):
+        for a in range(n_in):
+            sources.append(("x", t, a))
+            edges[("x", t, a)] = [(("h", t, c), wi[a, c]) for c in range(n)]
+        sources.append(("b", t))
+        edges[("b", t)] = [(("h", t, c), bi[c]) for c in range(n)]
+        for a in range(n):
+            if t + 1 < t_len:
+                edges[("h", t, a)] = [(("h", t + 1, c), wh[a, c]) for c in range(n)]
+            else:
+                edges[("h", t, a)] = [(("o", c), wo[a, c]) for c in range(wo.shape[1])]
+    sources.append(("bo",))
+    edges[("bo",)] = [(("o", c), bo[c]) for c in range(wo.shape[1])]
+    return edges, sources, {("o", c) for c in range(wo.shape[1])}
+
+
+@pytest.mark.parametrize("p", [1.0, 2.0, 3.0, 0.5])
+def test_path_norm_matches_enumeration(p):
+    params = _mlp_params(seed=7)
+    space = pj.trace(mlp_fn, params, jnp.ones((2, 3), F64))
+    edges, sources, sinks = _mlp_graph(params)
+    ref = _enumerate(edges, sources, sinks, p) ** (1.0 / p)
+    np.testing.assert_allclose(pj.path_norm(space, params, p=p), ref, rtol=1e-12)
+
+    fn, rparams, x = _linen(LinenRNN(hidden=2), (2, 3, 2), seed=3)
+    rspace = pj.trace(fn, rparams, x)
+    ref = _enumerate(*_rnn_graph(rparams, 3), p) ** (1.0 / p)
+    np.testing.assert_allclose(pj.path_norm(rspace, rparams, p=p), ref, rtol=1e-12)
+
+
+def test_path_norm_squared_is_gamma2_with_squared_pooling():
+    fn, params, x = _model("cnn")
+    space = pj.trace(fn, params, x)
+    np.testing.assert_allclose(pj.path_norm(space, params) ** 2, _gamma2_reference("cnn", fn, x)(params), rtol=1e-12)
+
+
+def _deep_params(depth=40, width=4, dtype=jnp.float32):
+    ks = jax.random.split(jax.random.key(0), depth)
+    ws = []
+    for i, k in enumerate(ks):  # first half ×2^5, second half ×2^-5: intermediate path sums reach ~2^230
+        scale = 2.0**5 if i < depth // 2 else 2.0**-5
+        ws.append((scale * jax.random.uniform(k, (width, width), F64, 0.5, 1.0)).astype(dtype))
+    return ws
+
+
+def _deep_fn(ws, x):
+    for w in ws[:-1]:
+        x = jax.nn.relu(x @ w)
+    return x @ ws[-1]
+
+
+def test_path_norm_deep_float32_does_not_overflow():
+    ws = _deep_params()
+    x = jnp.ones((1, 4), jnp.float32)
+    space = pj.trace(_deep_fn, ws, x)
+    w64 = [w.astype(F64) for w in ws]
+    ones = jnp.ones((1, 4), F64)
+    ref2 = float(jnp.sum(_deep_fn([w * w for w in w64], ones)))  # float64 reference (no overflow there)
+    naive = jnp.sum(_deep_fn([w * w for w in ws], x.astype(jnp.float32)))
+    assert not np.isfinite(float(naive)) or float(naive) == 0.0  # the naive float32 product overflows
+    got = pj.path_norm(space, ws)
+    assert got.dtype == jnp.float32 and np.isfinite(float(got))
+    np.testing.assert_allclose(float(got), np.sqrt(ref2), rtol=1e-5)
+    np.testing.assert_allclose(float(pj.path_norm(space, ws, p=1.0)), float(jnp.sum(_deep_fn(w64, ones))), rtol=1e-5)
+    # a path norm outside the float32 range is inf (documented), not NaN
+    big = [w * 8.0 for w in ws]
+    assert float(pj.path_norm(space, big)) == np.inf
+
+
+# ----------------------------------------------------------------------------- the optax contract
+
+
+def _loss(fn):
+    return lambda p, b: jnp.mean((fn(p, b[0]) - b[1]) ** 2)
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "rnn_stacked_every"])
+@pytest.mark.parametrize("second_order", [True, False])
+def test_update_is_rescaling_invariant(name, second_order):
+    fn, params, x = _model(name)
+    space = pj.trace(fn, params, x)
+    y = jnp.zeros_like(fn(params, x))
+    tx = pj.path_sgd(space, 0.05, second_order=second_order, eps=0.0, momentum=0.5, nesterov=True)
+    assert_update_invariant(tx, _loss(fn), space, params, (x, y), num_steps=2, rtol=1e-8, atol=1e-10)
+
+
+def test_update_differs_from_sgd_on_unbalanced_network():
+    fn, params, x = _model("mlp")
+    space = pj.trace(fn, params, x)
+    params = pj.random_rescale(space, params, jax.random.key(1), max_exponent=4)
+    g = jax.grad(_loss(fn))(params, (x, jnp.zeros((5, 2), F64)))
+    tx = pj.path_sgd(space, 1.0)
+    u, _ = tx.update(g, tx.init(params), params)
+    ratio = np.concatenate(
+        [np.ravel(-a / b) for a, b in zip(jax.tree_util.tree_leaves(u), jax.tree_util.tree_leaves(g))]
+    )
+    ratio = ratio[np.isfinite(ratio)]
+    assert ratio.size > 20
+    assert np.max(ratio) / np.min(ratio) > 10.0  # not a multiple of the gradient
+    chex.assert_trees_all_close(
+        u, jax.tree_util.tree_map(lambda a, k: -a / (k + 1e-8), g, pj.path_kappa(space, params))
+    )
+
+
+def test_jit_without_recompilation_and_every():
+    fn, params, x = _model("rnn_last")
+    space = pj.trace(fn, params, x)
+    tx = pj.path_sgd(space, 0.01, every=3)
+    traces = []
+
+    @jax.jit
+    def step(p, s):
+        traces.append(1)
+        g = jax.grad(_loss(fn))(p, (x, jnp.ones((2, 2), F64)))
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    state = tx.init(params)
+    p = params
+    kappas = []
+    for _ in range(5):
+        p_before = p
+        p, state = step(p, state)
+        kappas.append((p_before, state[0].kappa))
+    assert len(traces) == 1
+    # κ recomputed at steps 0 and 3 only
+    chex.assert_trees_all_close(kappas[0][1], pj.path_kappa(space, kappas[0][0]))
+    chex.assert_trees_all_close(kappas[2][1], kappas[0][1])
+    chex.assert_trees_all_close(kappas[3][1], pj.path_kappa(space, kappas[3][0]))
+    assert not np.allclose(np.asarray(kappas[3][1]["SimpleCell_0"]["h"]["kernel"]),
+                           np.asarray(kappas[0][1]["SimpleCell_0"]["h"]["kernel"]))  # fmt: skip
+
+
+def test_vmap_over_an_ensemble():
+    fn, params, x = _model("rnn_stacked_last")
+    space = pj.trace(fn, params, x)
+    members = [_tree_normal(params, s) for s in range(3)]
+    stacked = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *members)
+    got = jax.vmap(lambda p: pj.path_kappa(space, p))(stacked)
+    for i, m in enumerate(members):
+        chex.assert_trees_all_close(jax.tree_util.tree_map(lambda a, i=i: a[i], got), pj.path_kappa(space, m))
+    norms = jax.vmap(lambda p: pj.path_norm(space, p))(stacked)
+    np.testing.assert_allclose(norms, [pj.path_norm(space, m) for m in members], rtol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float64])
+def test_dtype_preserved(dtype):
+    fn, params, x = _model("rnn_last")
+    params = jax.tree_util.tree_map(lambda a: a.astype(dtype), params)
+    space = pj.trace(fn, params, x.astype(dtype))
+    tx = pj.path_sgd(space, 0.1)
+    g = jax.tree_util.tree_map(jnp.ones_like, params)
+    u, s = jax.jit(tx.update)(g, tx.init(params), params)
+    for a in jax.tree_util.tree_leaves((u, s[0].kappa, pj.path_kappa(space, params))):
+        assert a.dtype == dtype and np.all(np.isfinite(np.asarray(a, np.float32)))
+    assert pj.path_norm(space, params).dtype == dtype
+
+
+def test_dead_unit_gives_no_nan():
+    fn, params, x = _model("mlp")
+    params = dict(params)
+    params["w1"] = params["w1"].at[:, 0].set(0.0)  # hidden unit 0 of layer 2: no input ...
+    params["b1"] = params["b1"].at[0].set(0.0)
+    params["w2"] = params["w2"].at[0, :].set(0.0)  # ... and no output: κ = 0 on its edges
+    space = pj.trace(fn, params, x)
+    kappa = pj.path_kappa(space, params)
+    assert float(kappa["w2"][0, 0]) == 0.0 and float(kappa["w1"][0, 0]) == 0.0
+    tx = pj.path_sgd(space, 0.1, eps=0.0)
+    g = jax.grad(_loss(fn))(params, (x, jnp.ones((5, 2), F64)))
+    u, _ = tx.update(g, tx.init(params), params)
+    assert all(np.all(np.isfinite(np.asarray(a))) for a in jax.tree_util.tree_leaves(u))
+    assert float(u["w2"][0, 0]) == 0.0
+
+
+def test_errors():
+    fn, params, x = _model("mlp")
+    space = pj.trace(fn, params, x)
+    tx = pj.scale_by_path_sgd(space)
+    with pytest.raises(ValueError, match="needs params"):
+        tx.update(params, tx.init(params))
+    with pytest.raises(ValueError, match="every"):
+        pj.scale_by_path_sgd(space, every=0)
+
+    def tanh_fn(p, x):
+        return jnp.tanh(x @ p["w0"]) @ p["w1"]
+
+    tp = {"w0": jnp.ones((3, 4), F64), "w1": jnp.ones((4, 2), F64)}
+    tspace = pj.trace(tanh_fn, tp, x)
+    with pytest.raises(pj.PathKappaUnsupportedError, match="pinned"):
+        pj.path_kappa(tspace, tp)
+
+    def embed_fn(p, ids):
+        return jax.nn.relu(p["emb"][ids]) @ p["w"]
+
+    ep = {"emb": jnp.ones((5, 3), F64), "w": jnp.ones((3, 2), F64)}
+    espace = pj.trace(embed_fn, ep, jnp.array([0, 1, 2]))
+    with pytest.raises(pj.PathKappaUnsupportedError, match="int"):
+        pj.path_norm(espace, ep)
+
+
+def test_sharded_jit_matches_unsharded_8_devices():
+    code = textwrap.dedent(
+        """
+        import jax, jax.numpy as jnp, numpy as np, optax, flax.linen as nn, pathspace_jax as pj
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+        assert jax.device_count() == 8
+        class M(nn.Module):
+            @nn.compact
+            def __call__(self, x):
+                h = nn.RNN(nn.SimpleCell(8, activation_fn=nn.relu))(x)
+                return nn.Dense(2)(nn.relu(nn.Dense(16)(h[:, -1])))
+        m = M(); x = jax.random.normal(jax.random.key(1), (8, 5, 3)); p = m.init(jax.random.key(0), x)["params"]
+        fn = lambda p, x: m.apply({"params": p}, x)
+        space = pj.trace(fn, p, x)
+        tx = pj.path_sgd(space, 0.01, momentum=0.9)
+        def step(p, s):
+            g = jax.grad(lambda p: jnp.mean(fn(p, x) ** 2))(p)
+            u, s = tx.update(g, s, p)
+            return optax.apply_updates(p, u), s
+        mesh = Mesh(np.array(jax.devices()), ("d",))
+        spec = lambda a: P(None, "d") if a.ndim == 2 and a.shape[1] % 8 == 0 else P()
+        shard = lambda a: jax.device_put(a, NamedSharding(mesh, spec(a)))
+        ps = jax.tree_util.tree_map(shard, p)
+        f = jax.jit(step)
+        a, _ = f(ps, tx.init(ps))
+        b, _ = f(p, tx.init(p))
+        for u, v in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+            np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=1e-5, atol=1e-6)
+        print("ok")
+        """
+    )
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
