@@ -57,7 +57,13 @@ def ddp_sgd(
 
 
 def g_sgd(
-    space, learning_rate, momentum: float | None = None, nesterov: bool = False, *, min_ratio: float = 0.5
+    space,
+    learning_rate,
+    momentum: float | None = None,
+    nesterov: bool = False,
+    *,
+    min_ratio: float = 0.5,
+    min_share: float = 0.5,
 ) -> optax.GradientTransformationExtraArgs:
     """G-SGD (seed 001): SGD on the basis-path values, v ← v − η ∂L/∂v, then weight allocation.
 
@@ -68,7 +74,7 @@ def g_sgd(
       space: the `PathSpace` of the network (``pathspace_jax.trace``).
       learning_rate: η, a float or an optax schedule.
       momentum, nesterov: as in ``optax.sgd``.
-      min_ratio: see `pathspace_jax.in_path_space` (the in-skeleton rule).
+      min_ratio, min_share: see `pathspace_jax.in_path_space` (the in-skeleton rule).
 
     Returns:
       An `optax.GradientTransformationExtraArgs`; ``update(grads, state, params)`` needs params.
@@ -80,7 +86,8 @@ def g_sgd(
     References:
       Meng et al., "G-SGD", ICLR 2019; seed 001, Alg. 2.
     """
-    return transforms.in_path_space(optax.sgd(learning_rate, momentum, nesterov), space, min_ratio=min_ratio)
+    inner = optax.sgd(learning_rate, momentum, nesterov)
+    return transforms.in_path_space(inner, space, min_ratio=min_ratio, min_share=min_share)
 
 
 def g_adam(
@@ -93,6 +100,7 @@ def g_adam(
     *,
     nesterov: bool = False,
     min_ratio: float = 0.5,
+    min_share: float = 0.5,
 ) -> optax.GradientTransformationExtraArgs:
     """G-Adam (seed 001 App. E): Adam on the basis-path values, then weight allocation.
 
@@ -102,7 +110,7 @@ def g_adam(
     Args:
       space: the `PathSpace` of the network (``pathspace_jax.trace``).
       learning_rate, b1, b2, eps, eps_root, nesterov: as in ``optax.adam``.
-      min_ratio: see `pathspace_jax.in_path_space` (the in-skeleton rule).
+      min_ratio, min_share: see `pathspace_jax.in_path_space` (the in-skeleton rule).
 
     Returns:
       An `optax.GradientTransformationExtraArgs`; ``update(grads, state, params)`` needs params.
@@ -114,7 +122,7 @@ def g_adam(
       Kingma & Ba, "Adam", ICLR 2015; seed 001, App. E.
     """
     inner = optax.adam(learning_rate, b1, b2, eps, eps_root=eps_root, nesterov=nesterov)
-    return transforms.in_path_space(inner, space, min_ratio=min_ratio)
+    return transforms.in_path_space(inner, space, min_ratio=min_ratio, min_share=min_share)
 
 
 # ---------------------------------------------------------------------------- Path-SGD (issue 2)

@@ -348,14 +348,28 @@ def _coord_grads(space: PathSpace, w_leaves, g_leaves, ct):
     return gcs, cs, (a, b, ia, ib)
 
 
-def _allocate(space: PathSpace, w_leaves, dc_leaves, factors, ct, min_ratio: float):
+def _skeleton_share(space: PathSpace, w_leaves, factors, ct):
+    """Per node x: |c_{inskel(x)}| / s_x, s_x the norm of the coordinates of all edges into x (invariant)."""
+    sk = skeleton(space)
+    a, b, ia, ib = factors
+    s2 = jnp.zeros((space.num_nodes,), ct)
+    for w, li in zip(w_leaves, sk.leaves):
+        if li.kind == "other":
+            continue
+        red = jnp.sum(jnp.square(jnp.asarray(w, ct) * a[li.src_r]), axis=li.dst_sum_axes, keepdims=True)
+        s2 = s2.at[li.dst_r.reshape(-1)].add(jnp.broadcast_to(red, li.dst_r.shape).reshape(-1))
+    # |c_x| / s_x = |A_x B_x| / (|B_x| sqrt(s2_x)) = |A_x| / sqrt(s2_x)
+    return jnp.where(jnp.asarray(sk.hidden & ~sk.in_is_gauge), jnp.abs(a) * _safe_inv(jnp.sqrt(s2)), 0)
+
+
+def _allocate(space: PathSpace, w_leaves, dc_leaves, factors, ct, min_ratio: float, min_share: float = 0.0):
     """Weight updates realising coordinates ``c + dc`` with the gauge fixed (weight allocation).
 
-    The in-skeleton rule: each incoming skeleton coordinate ``c_x = A_x B_x`` moves by the ratio
-    ``ρ_x = max(1 + dc_x / c_x, min_ratio)`` (ρ = 1 where c_x = 0), so it never reaches zero or flips
-    sign and shrinks by at most ``min_ratio`` per step; it depends on coordinates and their updates
-    only, so it commutes with rescaling. Then ``A'_x = ρ_x A_x`` (inherited along gauge in-edges),
-    ``w'_e = (c_e + dc_e) / (A'_u B_v)`` and the gauge entries do not move.
+    The in-skeleton rule (see `pathspace_jax.in_path_space`): each incoming skeleton coordinate
+    ``c_x = A_x B_x`` moves by the ratio ``ρ_x = max(1 + dc_x / c_x, lo_x)`` with
+    ``lo_x = max(min_ratio, min(1, min_share / share_x))`` (ρ = 1 where c_x = 0); it depends on
+    coordinates and their updates only, so it commutes with rescaling. Then ``A'_x = ρ_x A_x``
+    (inherited along gauge in-edges), ``w'_e = (c_e + dc_e) / (A'_u B_v)``; the gauge does not move.
     """
     sk = skeleton(space)
     a, b, ia, ib = factors
@@ -365,7 +379,11 @@ def _allocate(space: PathSpace, w_leaves, dc_leaves, factors, ct, min_ratio: flo
         if li.inskel_flat.size:
             d_in = d_in.at[li.inskel_node].set(_get_flat(jnp.asarray(dc, ct), li.inskel_flat))
     free = jnp.asarray(sk.hidden & ~sk.in_is_gauge)
-    rho = jnp.maximum(1 + d_in * ia * ib, jnp.asarray(min_ratio, ct))
+    lo = jnp.full((n,), min_ratio, ct)
+    if min_share > 0:  # the share |c_x| / s_x may not drop below min_share (nor shrink at all if already below)
+        share = _skeleton_share(space, w_leaves, factors, ct)
+        lo = jnp.maximum(lo, jnp.minimum(min_share * _safe_inv(share), 1))
+    rho = jnp.maximum(1 + d_in * ia * ib, lo)
     r0 = jnp.where(free, rho, 1)
     r = r0
     if sk.in_is_gauge.any():

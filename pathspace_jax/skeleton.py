@@ -57,7 +57,8 @@ class LeafIndex:
       src_r, dst_r: the leaf's ``src`` / ``dst`` node arrays reduced to the smallest shape that
         broadcasts back to the leaf (a Dense kernel's src is ``(n_in, 1)``, a conv kernel's
         ``(1, 1, c_in, 1)``), so that node vectors are gathered with O(nodes) work, not O(m).
-      sum_axes: the axes along which ``src`` is constant (summing over them gives per-src sums).
+      sum_axes: the axes along which ``src`` is constant (summing over them gives per-src sums);
+        ``dst_sum_axes`` likewise for ``dst``.
       gauge_flat, gauge_node: flat indices (in the leaf) of its gauge entries and their source nodes.
       inskel_flat, inskel_node: flat indices of its (incoming) skeleton entries and their target nodes.
     """
@@ -71,6 +72,7 @@ class LeafIndex:
     gauge_node: np.ndarray
     inskel_flat: np.ndarray
     inskel_node: np.ndarray
+    dst_sum_axes: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -266,11 +268,20 @@ def skeleton(space: PathSpace) -> Skeleton:
             li_obj = LeafIndex("other", offset, z, z, (), z, z, z, z)
         else:
             src_r, sum_axes = _reduce(np.asarray(leaf.src, np.int64))
-            dst_r, _ = _reduce(np.asarray(leaf.dst, np.int64))
+            dst_r, dst_sum_axes = _reduce(np.asarray(leaf.dst, np.int64))
             g_nodes = np.flatnonzero(hidden & (out_leaf == li))
             i_nodes = np.flatnonzero(hidden & (in_leaf == li) & ~in_is_gauge)
             li_obj = LeafIndex(
-                leaf.kind, offset, src_r, dst_r, sum_axes, out_flat[g_nodes], g_nodes, in_flat[i_nodes], i_nodes
+                leaf.kind,
+                offset,
+                src_r,
+                dst_r,
+                sum_axes,
+                out_flat[g_nodes],
+                g_nodes,
+                in_flat[i_nodes],
+                i_nodes,
+                dst_sum_axes,
             )
         leaf_idx.append(li_obj)
         offset += leaf.size

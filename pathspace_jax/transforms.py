@@ -124,7 +124,7 @@ class InPathSpaceState(NamedTuple):
 
 
 def in_path_space(
-    inner: optax.GradientTransformation, space, *, min_ratio: float = 0.5
+    inner: optax.GradientTransformation, space, *, min_ratio: float = 0.5, min_share: float = 0.5
 ) -> optax.GradientTransformationExtraArgs:
     """Run any optax transformation on the path coordinates instead of the weights (G-SGD, G-Adam).
 
@@ -143,19 +143,27 @@ def in_path_space(
     the coordinates and ∂L/∂c are rescaling invariant and the gauge does not move, a step from
     T_α(w) gives the same function as a step from w, for every ``inner``.
 
-    **In-skeleton rule.** The allocation divides by ``A_u = c_{inskel(u)} / B_u``, which would cross
-    zero with the incoming skeleton coordinate of u. Each such coordinate therefore moves by the
-    ratio ``max(1 + dc/c, min_ratio)``: it never reaches zero or changes sign and shrinks by at most
-    a factor ``min_ratio`` per step (growth is not limited). The rule depends only on coordinates
-    and on the inner update, so it is rescaling invariant; it is inactive in ordinary steps. Gauge
-    weights never move, so B never changes. Biases are never divisors (Flax initialises them to
-    zero); zero-valued divisors (a zero skeleton weight at the start) give a zero update, not NaN.
+    **In-skeleton rule.** The allocation divides by ``A_x = c_x / B_x``, c_x the coordinate of x's
+    incoming skeleton edge, so c_x must never reach zero or change sign; and a c_x that is small
+    next to the other coordinates entering x makes the chart ill-conditioned (paths through x have
+    values ∝ 1/c_x; under cross-entropy the G-SGD flow is drawn to that singularity and diverges).
+    Each in-skeleton coordinate therefore moves by the ratio ``ρ_x = max(1 + dc_x / c_x, lo_x)``,
+    ``lo_x = max(min_ratio, min(1, min_share / share_x))``, where ``share_x = |c_x| / s_x`` and s_x is
+    the norm of the coordinates of all edges into x: it never changes sign, shrinks by at most a
+    factor ``min_ratio`` per step, and never shrinks below a share ``min_share`` of x's incoming
+    coordinate norm (if its share is already smaller, it may only grow). Growth is not limited.
+    Coordinates are rescaling invariant, so the rule is; it only acts on the H in-skeleton
+    coordinates, every other coordinate moves exactly by ``dc``. ``min_share = 0`` gives plain
+    G-SGD up to sign protection. Gauge weights never move, so B never changes. Biases are never
+    divisors (Flax initialises them to zero); a zero divisor (a zero skeleton weight at the start)
+    gives a zero update, not NaN.
 
     Args:
       inner: any optax transformation (``optax.sgd``, ``optax.adam``, a chain with clipping or a
         schedule, ``...ExtraArgs`` variants).
       space: the `PathSpace` of the network (``pathspace_jax.trace``).
       min_ratio: the in-skeleton rule's largest shrink factor per step, in (0, 1).
+      min_share: the in-skeleton rule's floor on ``|c_x| / s_x``, in [0, 1].
 
     Returns:
       An `optax.GradientTransformationExtraArgs`; ``update(grads, state, params, **extra_args)`` needs
@@ -175,6 +183,8 @@ def in_path_space(
 
     if not 0 < min_ratio < 1:
         raise ValueError(f"min_ratio must be in (0, 1), got {min_ratio}")
+    if not 0 <= min_share <= 1:
+        raise ValueError(f"min_share must be in [0, 1], got {min_share}")
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params):
@@ -190,7 +200,7 @@ def in_path_space(
         gc_tree = jax.tree_util.tree_unflatten(space.treedef, [x.astype(jnp.result_type(y)) for x, y in zip(gc, g)])
         c_tree = jax.tree_util.tree_unflatten(space.treedef, [x.astype(jnp.result_type(y)) for x, y in zip(c, w)])
         dc, inner_state = inner.update(gc_tree, state.inner_state, c_tree, **extra_args)
-        u = _coords._allocate(space, w, space.leaves_of(dc, "inner updates"), factors, ct, min_ratio)
+        u = _coords._allocate(space, w, space.leaves_of(dc, "inner updates"), factors, ct, min_ratio, min_share)
         out = [x.astype(jnp.result_type(y)) for x, y in zip(u, g)]
         return jax.tree_util.tree_unflatten(space.treedef, out), InPathSpaceState(inner_state=inner_state)
 

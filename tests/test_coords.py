@@ -30,6 +30,16 @@ IDS = [c.name for c in CASES]
 SMALL = ["mlp", "residual_cnn", "stacked_rnn_every_step", "embedding_rnn", "tanh_mlp_partly_pinned", "nnx_rnn"]
 
 
+# jitted once per space (a PathSpace is hashable): eager op-by-op dispatch would dominate the runtime
+to_coords = jax.jit(pj.to_coords, static_argnums=0)
+from_coords = jax.jit(pj.from_coords, static_argnums=0)
+canonicalize = jax.jit(pj.canonicalize, static_argnums=0)
+
+
+def _jitted(tx):
+    return optax.GradientTransformationExtraArgs(jax.jit(tx.init), jax.jit(tx.update))
+
+
 @pytest.fixture(scope="module")
 def spaces():
     return {c.name: pj.trace(c.fn, c.params, c.inputs(2)) for c in CASES}
@@ -62,7 +72,7 @@ def _loss_fn(case):
     y = jnp.sin(jnp.arange(np.prod(jax.eval_shape(case.fn, case.params, x).shape))).reshape(
         jax.eval_shape(case.fn, case.params, x).shape
     )
-    return (lambda p, b: jnp.mean((case.fn(p, b[0]) - b[1]) ** 2)), (x, y)
+    return jax.jit(lambda p, b: jnp.mean((case.fn(p, b[0]) - b[1]) ** 2)), (x, y)
 
 
 # ---------------------------------------------------------------------------- structure
@@ -78,7 +88,7 @@ def test_basis_paths_coordinates_and_rank(case, spaces):
     np.testing.assert_array_equal(mask, rows[:, 0] >= 0)  # gauge rows are all -1
 
     # every coordinate is the product of the weights on its basis path
-    coords = np.concatenate([np.ravel(c) for c in _leaves(pj.to_coords(space, case.params))])
+    coords = np.concatenate([np.ravel(c) for c in _leaves(to_coords(space, case.params))])
     np.testing.assert_allclose(coords[mask], np.asarray(_path_values(rows, flat))[mask], rtol=1e-13, atol=1e-15)
 
     # the paths are real input -> output paths of the reduction graph containing their own entry
@@ -109,22 +119,22 @@ def test_basis_paths_coordinates_and_rank(case, spaces):
 def test_coords_invariant_round_trip_canonicalize(case, spaces):
     space = spaces[case.name]
     p = case.params
-    c = pj.to_coords(space, p)
+    c = to_coords(space, p)
     mask = pj.coord_mask(space)
     chex.assert_trees_all_equal_shapes_and_dtypes(c, p)
-    chex.assert_trees_all_close(pj.from_coords(space, c), p, rtol=1e-13, atol=1e-15)
+    chex.assert_trees_all_close(from_coords(space, c), p, rtol=1e-13, atol=1e-15)
     x = case.inputs(3)
-    canon = pj.canonicalize(space, p)
+    canon = canonicalize(space, p)
     chex.assert_trees_all_close(case.fn(canon, x), case.fn(p, x), rtol=1e-11, atol=1e-13)
     for m, w in zip(_leaves(mask), _leaves(canon)):
         np.testing.assert_array_equal(np.abs(np.asarray(w)[~m]), 1.0)  # gauge weights are ±1
     for k in jax.random.split(jax.random.key(7), 2):
         q = pj.random_rescale(space, p, k)
         assert any(not np.array_equal(a, b) for a, b in zip(_leaves(p), _leaves(q)))
-        cq = pj.to_coords(space, q)
+        cq = to_coords(space, q)
         for m, a, b in zip(_leaves(mask), _leaves(c), _leaves(cq)):
             np.testing.assert_allclose(np.asarray(a)[m], np.asarray(b)[m], rtol=1e-13, atol=1e-15)
-        chex.assert_trees_all_close(pj.canonicalize(space, q), canon, rtol=1e-13, atol=1e-15)
+        chex.assert_trees_all_close(canonicalize(space, q), canon, rtol=1e-13, atol=1e-15)
 
 
 def test_skeleton_never_uses_biases_or_recurrent_edges(spaces):
@@ -153,7 +163,7 @@ def _dense_coord_grad(space, case, loss, batch):
     flat, unravel = ravel_pytree(case.params)
     rows = _rows(space)
     mask = rows[:, 0] >= 0
-    jac = np.asarray(jax.jacfwd(lambda f: _path_values(rows[mask], f))(flat))  # (m - H, m)
+    jac = np.asarray(jax.jit(jax.jacfwd(lambda f: _path_values(rows[mask], f)))(flat))  # (m - H, m)
     gw = np.asarray(ravel_pytree(jax.grad(loss)(case.params, batch))[0])
     gv, *_ = np.linalg.lstsq(jac.T, gw, rcond=None)
     np.testing.assert_allclose(jac.T @ gv, gw, rtol=1e-9, atol=1e-12)  # the system is consistent
@@ -167,20 +177,33 @@ def test_g_sgd_step_moves_coordinates_by_minus_eta_grad(name, spaces):
     case, space = ZOO[name], spaces[name]
     loss, batch = _loss_fn(case)
     gv, mask = _dense_coord_grad(space, case, loss, batch)
-    c0 = np.asarray(ravel_pytree(pj.to_coords(space, case.params))[0])
+    c0 = np.asarray(ravel_pytree(to_coords(space, case.params))[0])
     inskel = _inskel(_rows(space))
     # small enough that no in-skeleton coordinate would shrink by half (the in-skeleton rule stays inactive)
     eta = min(1e-3, 0.4 * float(np.min(np.abs(c0[inskel] / gv[inskel]))))
-    tx = pj.g_sgd(space, eta)
     g = jax.grad(loss)(case.params, batch)
-    u, _ = tx.update(g, tx.init(case.params), case.params)
-    new = optax.apply_updates(case.params, u)
-    dc = ravel_pytree(pj.to_coords(space, new))[0] - ravel_pytree(pj.to_coords(space, case.params))[0]
-    np.testing.assert_allclose(np.asarray(dc)[mask], -eta * gv[mask], rtol=1e-7, atol=1e-12)
-    # gauge weights do not move
-    np.testing.assert_array_equal(np.asarray(ravel_pytree(u)[0])[~mask], 0.0)
-    # and G-SGD is not plain SGD
-    assert not np.allclose(ravel_pytree(u)[0], -eta * ravel_pytree(g)[0])
+
+    def step(tx):
+        u, _ = tx.update(g, tx.init(case.params), case.params)
+        new = optax.apply_updates(case.params, u)
+        return u, np.asarray(ravel_pytree(to_coords(space, new))[0]) - c0
+
+    # with the in-skeleton rule's share floor off: every coordinate moves by exactly -eta dL/dv
+    u, dc = step(_jitted(pj.g_sgd(space, eta, min_share=0.0)))
+    np.testing.assert_allclose(dc[mask], -eta * gv[mask], rtol=1e-7, atol=1e-12)
+    np.testing.assert_array_equal(np.asarray(ravel_pytree(u)[0])[~mask], 0.0)  # gauge weights do not move
+    assert not np.allclose(ravel_pytree(u)[0], -eta * ravel_pytree(g)[0])  # G-SGD is not plain SGD
+
+    # default rule: all other coordinates still move exactly; an in-skeleton one moves exactly, or less
+    # (held back on its way towards zero), never past zero
+    _, dc = step(_jitted(pj.g_sgd(space, eta)))
+    other = mask & ~inskel
+    np.testing.assert_allclose(dc[other], -eta * gv[other], rtol=1e-7, atol=1e-12)
+    want = -eta * gv[inskel]
+    got = dc[inskel]
+    exact = np.isclose(got, want, rtol=1e-7, atol=1e-12)
+    assert np.all(exact | ((np.sign(want) == -np.sign(c0[inskel])) & (np.abs(got) <= np.abs(want) + 1e-15)))
+    assert np.all(np.sign(c0[inskel] + got) == np.sign(c0[inskel]))
 
 
 @pytest.mark.parametrize("name", ["mlp", "residual_cnn", "stacked_rnn_every_step"])
@@ -189,20 +212,20 @@ def test_in_path_space_adam_applies_adam_to_coordinate_gradient(name, spaces):
     loss, batch = _loss_fn(case)
     gv, mask = _dense_coord_grad(space, case, loss, batch)
     lr = 1e-4
-    tx = pj.in_path_space(optax.adam(lr), space)
+    tx = _jitted(pj.in_path_space(optax.adam(lr), space, min_share=0.0))
     state = tx.init(case.params)
     p = case.params
     g = jax.grad(loss)(p, batch)
     u, state = tx.update(g, state, p)
     new = optax.apply_updates(p, u)
-    dc = np.asarray(ravel_pytree(pj.to_coords(space, new))[0] - ravel_pytree(pj.to_coords(space, p))[0])
+    dc = np.asarray(ravel_pytree(to_coords(space, new))[0] - ravel_pytree(to_coords(space, p))[0])
     ref = optax.adam(lr)
     _, unravel = ravel_pytree(p)
     gv_tree = unravel(jnp.asarray(gv))
     expected, _ = ref.update(gv_tree, ref.init(gv_tree))
     np.testing.assert_allclose(dc[mask], np.asarray(ravel_pytree(expected)[0])[mask], rtol=1e-6, atol=1e-4 * lr)
     # g_adam is the same transformation
-    u2, _ = pj.g_adam(space, lr).update(g, pj.g_adam(space, lr).init(p), p)
+    u2, _ = pj.g_adam(space, lr, min_share=0.0).update(g, pj.g_adam(space, lr).init(p), p)
     chex.assert_trees_all_close(u2, u, rtol=1e-12, atol=1e-15)
 
 
@@ -219,7 +242,9 @@ def test_update_invariant_under_rescaling(name, spaces):
             optax.chain(optax.clip_by_global_norm(0.1), optax.sgd(optax.linear_schedule(0.1, 0.0, 5))), space
         ),
     ):
-        pj.testing.assert_update_invariant(tx, loss, space, case.params, batch, num_steps=3, rtol=1e-9, atol=1e-12)
+        pj.testing.assert_update_invariant(
+            _jitted(tx), loss, space, case.params, batch, num_steps=3, rtol=1e-9, atol=1e-12
+        )
     with pytest.raises(AssertionError):  # the assertion has teeth: plain SGD is not invariant
         pj.testing.assert_update_invariant(optax.sgd(0.05), loss, space, case.params, batch, rtol=1e-9)
 
@@ -243,20 +268,30 @@ def test_in_skeleton_sign_flip_rule(name, spaces):
     inskel = _inskel(rows)
     assert inskel.sum() > 0
     p = case.params
-    c0 = np.asarray(ravel_pytree(pj.to_coords(space, p))[0])
-    tx = pj.in_path_space(_propose(-2.0), space, min_ratio=0.25)
+    c0 = np.asarray(ravel_pytree(to_coords(space, p))[0])
+    tx = pj.in_path_space(_propose(-2.0), space, min_ratio=0.25, min_share=0.0)
     g = jax.tree_util.tree_map(jnp.zeros_like, p)
     results = []
     for q in (p, pj.random_rescale(space, p, jax.random.key(3))):
         u, _ = tx.update(g, tx.init(q), q)
         new = optax.apply_updates(q, u)
         assert all(np.isfinite(np.asarray(a)).all() for a in _leaves(new))
-        c1 = np.asarray(ravel_pytree(pj.to_coords(space, new))[0])
+        c1 = np.asarray(ravel_pytree(to_coords(space, new))[0])
         np.testing.assert_allclose(c1[inskel], 0.25 * c0[inskel], rtol=1e-12)  # shrunk, same sign
         np.testing.assert_allclose(c1[mask & ~inskel], -c0[mask & ~inskel], rtol=1e-12, atol=1e-15)
         results.append(case.fn(new, batch := case.inputs(3)))
     chex.assert_trees_all_close(results[0], results[1], rtol=1e-10, atol=1e-13)  # the rule is invariant
-    del batch
+    # the default rule (share floor on): no in-skeleton coordinate flips or vanishes, and it is invariant
+    tx = pj.in_path_space(_propose(-2.0), space)
+    results = []
+    for q in (p, pj.random_rescale(space, p, jax.random.key(3))):
+        new = optax.apply_updates(q, tx.update(g, tx.init(q), q)[0])
+        c1 = np.asarray(ravel_pytree(to_coords(space, new))[0])
+        assert np.all(np.sign(c1[inskel]) == np.sign(c0[inskel])) and np.all(
+            np.abs(c1[inskel]) >= 0.5 * np.abs(c0[inskel])
+        )
+        results.append(case.fn(new, batch))
+    chex.assert_trees_all_close(results[0], results[1], rtol=1e-10, atol=1e-13)
 
 
 def test_zero_initialised_biases_and_float_dtypes():
@@ -279,8 +314,8 @@ def test_zero_initialised_biases_and_float_dtypes():
                 q = optax.apply_updates(q, u)
             assert all(np.isfinite(np.asarray(a, np.float64)).all() for a in _leaves(q))
             assert not all(np.array_equal(a, b) for a, b in zip(_leaves(q), _leaves(p)))
-        c = pj.to_coords(space, p)
-        assert all(np.isfinite(np.asarray(a, np.float64)).all() for a in _leaves(pj.from_coords(space, c)))
+        c = to_coords(space, p)
+        assert all(np.isfinite(np.asarray(a, np.float64)).all() for a in _leaves(from_coords(space, c)))
 
 
 # ---------------------------------------------------------------------------- jit, vmap, errors
