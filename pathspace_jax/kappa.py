@@ -19,9 +19,9 @@ sequence length.
 ``max`` of two activations) is applied to the non-negative |·|^p values as it is: each window passes
 on the largest of its incoming path sums. The result is the path norm of the network in which every
 window is replaced by the single input of largest path sum (so it depends on p only through that
-choice), κ is the derivative of that piecewise-polynomial function (one-sided at ties), and it is
-still rescaling-equivariant, because node-wise rescaling multiplies every path sum through a node by
-the same factor.
+choice), κ is the derivative of that piecewise-polynomial function (at exact ties JAX's convention for
+the derivative of a max applies), and both stay rescaling-equivariant, because node-wise rescaling
+multiplies every path sum through a node by the same factor, which does not change the choice.
 
 **κ⁽¹⁾ and κ⁽²⁾.** Let G(p̃) be γ²_net as a function of the squared parameters p̃ = p². Then
 ½ ∂²G(p²)/∂p² = ∂G/∂p̃ + 2 p² ∂²G/∂p̃², so κ = κ⁽¹⁾ + κ⁽²⁾ with
