@@ -276,7 +276,15 @@ def scale_by_path_sgd(
         if every == 1:
             kappa = compute()
         else:
-            kappa = jax.lax.cond(state.count % every == 0, compute, lambda: state.kappa)
+            # the branches exchange raveled leaves: on XLA:CPU a 2-D cond output gets whatever layout the κ
+            # computation prefers (often column-major), which costs a transpose on every skipped step
+            def flat(tree):
+                return [jnp.ravel(a) for a in jax.tree_util.tree_leaves(tree)]
+
+            ks = jax.lax.cond(state.count % every == 0, lambda: flat(compute()), lambda: flat(state.kappa))
+            kappa = jax.tree_util.tree_unflatten(
+                space.treedef, [k.reshape(jnp.shape(a)) for k, a in zip(ks, jax.tree_util.tree_leaves(state.kappa))]
+            )
         g_leaves = space.leaves_of(updates, "updates")
         out = []
         for g, k, is_other in zip(g_leaves, jax.tree_util.tree_leaves(kappa), other, strict=True):
