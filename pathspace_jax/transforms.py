@@ -273,18 +273,18 @@ def scale_by_path_sgd(
             k = path_kappa(space, params, second_order=second_order)
             return jax.tree_util.tree_map(lambda a, b: a.astype(b.dtype), k, state.kappa)
 
-        if every == 1:
-            kappa = compute()
-        else:
-            # the branches exchange raveled leaves: on XLA:CPU a 2-D cond output gets whatever layout the κ
-            # computation prefers (often column-major), which costs a transpose on every skipped step
-            def flat(tree):
-                return [jnp.ravel(a) for a in jax.tree_util.tree_leaves(tree)]
+        # κ travels as raveled leaves: on XLA:CPU a 2-D κ (an outer product for a dense kernel) otherwise gets a
+        # column-major layout and is transposed into the state on every step (benchmarks/README.md)
+        def flat(tree):
+            return [jnp.ravel(a) for a in jax.tree_util.tree_leaves(tree)]
 
+        if every == 1:
+            ks = jax.lax.optimization_barrier(flat(compute()))
+        else:
             ks = jax.lax.cond(state.count % every == 0, lambda: flat(compute()), lambda: flat(state.kappa))
-            kappa = jax.tree_util.tree_unflatten(
-                space.treedef, [k.reshape(jnp.shape(a)) for k, a in zip(ks, jax.tree_util.tree_leaves(state.kappa))]
-            )
+        kappa = jax.tree_util.tree_unflatten(
+            space.treedef, [k.reshape(jnp.shape(a)) for k, a in zip(ks, jax.tree_util.tree_leaves(state.kappa))]
+        )
         g_leaves = space.leaves_of(updates, "updates")
         out = []
         for g, k, is_other in zip(g_leaves, jax.tree_util.tree_leaves(kappa), other, strict=True):
