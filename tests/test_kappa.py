@@ -477,3 +477,30 @@ def test_sharded_jit_matches_unsharded_8_devices():
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_path_kappa_compiles_once_per_shape():
+    from pathspace_jax import kappa as kappa_mod
+
+    fn, params, x = _model("rnn_last")
+    space = pj.trace(fn, params, x)
+    pj.path_kappa(space, params)
+    before = kappa_mod._kappa_jit._cache_size()
+    for s in range(3):
+        pj.path_kappa(space, _tree_normal(params, 100 + s))
+    assert kappa_mod._kappa_jit._cache_size() == before
+
+
+def test_weight_tying_refused_for_second_order_only():
+    def tied_fn(p, x):  # the same W on two layers: a path crosses it twice outside any recurrence
+        h = jax.nn.relu(x @ p["w"])
+        return jax.nn.relu(h @ p["w"]) @ p["v"]
+
+    p = {"w": _normal(jax.random.key(0), (3, 3)), "v": _normal(jax.random.key(1), (3, 2))}
+    x = jnp.ones((2, 3), F64)
+    space = pj.trace(tied_fn, p, x)
+    with pytest.raises(pj.PathKappaUnsupportedError, match="tying"):
+        pj.path_kappa(space, p)
+    # κ⁽¹⁾ = ∂G/∂p̃ with G(p̃) the model on squared params and an all-ones input
+    g_tilde = jax.grad(lambda q: jnp.sum(tied_fn(q, jnp.ones((1, 3), F64))))(_squared(p))
+    chex.assert_trees_all_close(pj.path_kappa(space, p, second_order=False), g_tilde, rtol=1e-10)
