@@ -184,9 +184,12 @@ class PathSpace:
         return hash(self.fingerprint)
 
     def __eq__(self, other: object) -> bool:
+        # The traced function is part of the identity: two functions can share a graph (an RNN read
+        # out at the last step or at every step) while κ, path norms and caches keyed on the space
+        # must tell them apart.
         if not isinstance(other, PathSpace):
             return NotImplemented
-        return self.fingerprint == other.fingerprint
+        return self.fingerprint == other.fingerprint and (self.fn is other.fn or self.fn == other.fn)
 
     def __repr__(self) -> str:
         return (

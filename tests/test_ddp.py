@@ -368,6 +368,20 @@ def test_alpha_zero_is_path_sgd_kappa(name):
         chex.assert_trees_all_close(got, path_kappa(space, params), rtol=1e-8, atol=1e-12)
 
 
+def test_functions_with_one_graph_are_not_confused():
+    """Two functions with the same reduction graph (here f and 3·f) get their own κ: the caches of the
+    compiled program are keyed on the traced function, not on the graph alone."""
+    fn, _, params, x, space = _case("mlp")
+    tripled = pj.trace(lambda p, x: 3.0 * fn(p, x), params, x)
+    assert tripled != space
+    a = pj.ddp_kappa(space, params, x, alpha=0.0)
+    b = pj.ddp_kappa(tripled, params, x, alpha=0.0)
+    chex.assert_trees_all_close(b, jax.tree_util.tree_map(lambda k: 9.0 * k, a), rtol=1e-12)
+    b = pj.ddp_kappa(tripled, params, x, alpha=1.0)
+    a = pj.ddp_kappa(space, params, x, alpha=1.0)
+    chex.assert_trees_all_close(b, jax.tree_util.tree_map(lambda k: 9.0 * k, a), rtol=1e-12)
+
+
 def test_kappa_does_not_depend_on_the_data_at_alpha_zero():
     fn, _, params, x, space = _case("cnn")
     a = pj.ddp_kappa(space, params, x, alpha=0.0)
