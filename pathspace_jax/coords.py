@@ -313,11 +313,27 @@ def _coord_grads(space: PathSpace, w_leaves, g_leaves, ct):
     over the children y whose incoming skeleton edge is x's gauge edge. Zero at gauge entries.
 
     Returns ``(coordinate gradient leaves, coordinate leaves, (a, b, inv_a, inv_b))``, in ``ct``.
+    Per leaf this is elementwise code with broadcast node factors and iota masks (fused by XLA).
     """
     sk = skeleton(space)
     a, b = _node_factors(space, w_leaves, ct)
     ia, ib = _safe_inv(a), _safe_inv(b)
     p = jnp.zeros((space.num_nodes,), ct)
+    for w, g, li in zip(w_leaves, g_leaves, sk.leaves):
+        if li.kind != "weight":
+            continue
+        w = jnp.asarray(w, ct)
+        g = jnp.asarray(g, ct)
+        red = jnp.sum(g * w, axis=li.sum_axes, keepdims=True)
+        p = p.at[li.src_r.reshape(-1)].add(red.reshape(-1))
+        if li.gauge_flat.size:
+            p = p.at[li.gauge_node].add(-_get_flat(g, li.gauge_flat) * _get_flat(w, li.gauge_flat))
+    t = -p
+    if sk.in_is_gauge.any():
+        gate = jnp.asarray(sk.in_is_gauge)
+        for _ in range(sk.depth_in):
+            t = -p + jnp.zeros_like(p).at[sk.parent].add(jnp.where(gate, t, 0))
+    corr = t * ia * ib
     gcs, cs = [], []
     for w, g, li in zip(w_leaves, g_leaves, sk.leaves):
         if li.kind == "other":
@@ -326,25 +342,17 @@ def _coord_grads(space: PathSpace, w_leaves, g_leaves, ct):
             continue
         w = jnp.asarray(w, ct)
         g = jnp.asarray(g, ct)
+        shape = jnp.shape(w)
         gc = g * (ia[li.src_r] * ib[li.dst_r])
-        if li.kind == "weight":
-            red = jnp.sum(g * w, axis=li.sum_axes, keepdims=True)
-            p = p.at[li.src_r.reshape(-1)].add(red.reshape(-1))
-            if li.gauge_flat.size:
-                p = p.at[li.gauge_node].add(-_get_flat(g, li.gauge_flat) * _get_flat(w, li.gauge_flat))
-        gcs.append(_set_flat(gc, li.gauge_flat, 0))
         c = w * (a[li.src_r] * b[li.dst_r])
-        cs.append(_set_flat(c, li.gauge_flat, _get_flat(w, li.gauge_flat)))
-    t = -p
-    if sk.in_is_gauge.any():
-        gate = jnp.asarray(sk.in_is_gauge)
-        for _ in range(sk.depth_in):
-            t = -p + jnp.zeros_like(p).at[sk.parent].add(jnp.where(gate, t, 0))
-    corr = t * ia * ib
-    for i, li in enumerate(sk.leaves):
-        if li.inskel_flat.size:
-            x = gcs[i]
-            gcs[i] = jnp.reshape(jnp.reshape(x, (-1,)).at[li.inskel_flat].add(corr[li.inskel_node]), x.shape)
+        im, gm = li.inskel_mask(shape), li.gauge_mask(shape)
+        if im is not None:
+            gc = jnp.where(im, gc + corr[li.dst_r], gc)
+        if gm is not None:
+            gc = jnp.where(gm, 0, gc)
+            c = jnp.where(gm, w, c)
+        gcs.append(gc)
+        cs.append(c)
     return gcs, cs, (a, b, ia, ib)
 
 
@@ -391,6 +399,8 @@ def _allocate(space: PathSpace, w_leaves, dc_leaves, factors, ct, min_ratio: flo
         for _ in range(sk.depth_in):
             r = jnp.where(gate, r[sk.parent], r0)
     ir = 1 / r
+    # at the in-skeleton entry of x (from its parent): w' = w · ρ_x / R_parent(x)
+    ratio_in = rho * ir[sk.parent]
     out = []
     for w, dc, li in zip(w_leaves, dc_leaves, sk.leaves):
         if li.kind == "other":
@@ -398,9 +408,12 @@ def _allocate(space: PathSpace, w_leaves, dc_leaves, factors, ct, min_ratio: flo
             continue
         w = jnp.asarray(w, ct)
         dc = jnp.asarray(dc, ct)
+        shape = jnp.shape(w)
         u = (w + dc * (ia[li.src_r] * ib[li.dst_r])) * ir[li.src_r] - w
-        if li.inskel_flat.size:
-            x = li.inskel_node
-            u = _set_flat(u, li.inskel_flat, _get_flat(w, li.inskel_flat) * (rho[x] * ir[sk.parent[x]] - 1))
-        out.append(_set_flat(u, li.gauge_flat, 0))
+        im, gm = li.inskel_mask(shape), li.gauge_mask(shape)
+        if im is not None:
+            u = jnp.where(im, w * (ratio_in[li.dst_r] - 1), u)
+        if gm is not None:
+            u = jnp.where(gm, 0, u)
+        out.append(u)
     return out

@@ -73,6 +73,22 @@ class LeafIndex:
     inskel_flat: np.ndarray
     inskel_node: np.ndarray
     dst_sum_axes: tuple[int, ...] = ()
+    gauge_key: np.ndarray | None = None
+    inskel_key: np.ndarray | None = None
+
+    def flat_iota(self, shape):
+        """``arange(size).reshape(shape)`` as an XLA iota: fuses into elementwise code, no memory."""
+        import jax.numpy as jnp
+
+        return jnp.arange(int(np.prod(shape, dtype=np.int64)), dtype=jnp.int32).reshape(shape)
+
+    def gauge_mask(self, shape):
+        """Bool array of ``shape``, True at the gauge entries (a fused compare, not a scatter), or None."""
+        return None if self.gauge_key is None else self.flat_iota(shape) == self.gauge_key
+
+    def inskel_mask(self, shape):
+        """Bool array of ``shape``, True at the (non-gauge) in-skeleton entries, or None."""
+        return None if self.inskel_key is None else self.flat_iota(shape) == self.inskel_key
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -190,6 +206,17 @@ def _choose(num_nodes, cand_node, cand_other, cand_leaf, cand_flat, rank_in_grou
     return leaf, flat, other
 
 
+def _key(n, nodes, flats, node_r):
+    """Per entry of a reduced node array: the flat index of that node's special entry in the leaf (-1 if none)."""
+    if nodes.size == 0:
+        return None
+    per_node = np.full(n, -1, np.int64)
+    per_node[nodes] = flats
+    key = per_node[node_r].astype(np.int32)
+    key.flags.writeable = False
+    return key
+
+
 @functools.lru_cache(maxsize=64)
 def skeleton(space: PathSpace) -> Skeleton:
     """The skeleton of ``space`` (cached per space). See the module docstring for the rule."""
@@ -282,6 +309,8 @@ def skeleton(space: PathSpace) -> Skeleton:
                 in_flat[i_nodes],
                 i_nodes,
                 dst_sum_axes,
+                _key(n, g_nodes, out_flat[g_nodes], src_r),
+                _key(n, i_nodes, in_flat[i_nodes], dst_r),
             )
         leaf_idx.append(li_obj)
         offset += leaf.size
