@@ -127,7 +127,7 @@ def test_coords_invariant_round_trip_canonicalize(case, spaces):
     space = spaces[case.name]
     p = case.params
     x = case.inputs(3)
-    qs = [pj.random_rescale(space, p, k) for k in jax.random.split(jax.random.key(7), 2)]
+    qs = [pj.random_rescale(space, p, jax.random.key(7))]
     for q in qs:
         assert any(not np.array_equal(a, b) for a, b in zip(_leaves(p), _leaves(q)))
 
@@ -300,7 +300,8 @@ def test_in_skeleton_sign_flip_rule(name, spaces):
     assert inskel.sum() > 0
     p = case.params
     c0 = np.asarray(ravel_pytree(to_coords(space, p))[0])
-    tx = pj.in_path_space(_propose(-2.0), space, min_ratio=0.25, min_share=0.0)
+    tx = _jitted(pj.in_path_space(_propose(-2.0), space, min_ratio=0.25, min_share=0.0))
+    fn = jax.jit(case.fn)
     g = jax.tree_util.tree_map(jnp.zeros_like, p)
     results = []
     for q in (p, pj.random_rescale(space, p, jax.random.key(3))):
@@ -310,10 +311,10 @@ def test_in_skeleton_sign_flip_rule(name, spaces):
         c1 = np.asarray(ravel_pytree(to_coords(space, new))[0])
         np.testing.assert_allclose(c1[inskel], 0.25 * c0[inskel], rtol=1e-12)  # shrunk, same sign
         np.testing.assert_allclose(c1[mask & ~inskel], -c0[mask & ~inskel], rtol=1e-12, atol=1e-15)
-        results.append(case.fn(new, batch := case.inputs(3)))
+        results.append(fn(new, batch := case.inputs(3)))
     chex.assert_trees_all_close(results[0], results[1], rtol=1e-10, atol=1e-13)  # the rule is invariant
     # the default rule (share floor on): no in-skeleton coordinate flips or vanishes, and it is invariant
-    tx = pj.in_path_space(_propose(-2.0), space)
+    tx = _jitted(pj.in_path_space(_propose(-2.0), space))
     results = []
     for q in (p, pj.random_rescale(space, p, jax.random.key(3))):
         new = optax.apply_updates(q, tx.update(g, tx.init(q), q)[0])
@@ -321,7 +322,7 @@ def test_in_skeleton_sign_flip_rule(name, spaces):
         assert np.all(np.sign(c1[inskel]) == np.sign(c0[inskel])) and np.all(
             np.abs(c1[inskel]) >= 0.5 * np.abs(c0[inskel])
         )
-        results.append(case.fn(new, batch))
+        results.append(fn(new, batch))
     chex.assert_trees_all_close(results[0], results[1], rtol=1e-10, atol=1e-13)
 
 
