@@ -374,6 +374,10 @@ def test_jit_no_recompile_vmap_and_errors(spaces):
     for _ in range(3):
         p, s = step(p, s)
     assert len(traces) == 1
+    # no parameter-sized state beyond the inner optimizer's
+    assert _leaves(pj.g_sgd(space, 0.1).init(case.params)) == []
+    adam_state = _leaves(pj.g_adam(space, 0.1).init(case.params))
+    assert len(adam_state) == len(_leaves(optax.adam(0.1).init(case.params)))
 
     # vmap over an ensemble axis of params, grads and states
     members = [pj.random_rescale(space, case.params, k) for k in jax.random.split(jax.random.key(4), 3)]
