@@ -139,7 +139,8 @@ def in_path_space(
       3. weight allocation: the weights whose coordinates are ``c + dc`` with the same gauge
          (seed 001 eqs. 10–11); the update is their difference from ``params``.
 
-    So with ``inner = optax.sgd(η)`` the coordinates move by exactly −η ∂L/∂c (seed 001 eq. 6). Since
+    So with ``inner = optax.sgd(η)`` the coordinates move by exactly −η ∂L/∂c (seed 001 eq. 6), except
+    where the in-skeleton rule below holds back one of the H in-skeleton coordinates. Since
     the coordinates and ∂L/∂c are rescaling invariant and the gauge does not move, a step from
     T_α(w) gives the same function as a step from w, for every ``inner``.
 
