@@ -41,7 +41,7 @@ import numpy as np
 from pathspace_jax.graph import PathSpace
 from pathspace_jax.skeleton import Skeleton, skeleton
 
-__all__ = ["to_coords", "from_coords", "coord_mask", "basis_paths", "canonicalize"]
+__all__ = ["to_coords", "from_coords", "coord_mask", "basis_paths", "canonicalize", "skeleton_init"]
 
 
 # ---------------------------------------------------------------------------- static helpers
@@ -299,6 +299,50 @@ def canonicalize(space: PathSpace, params):
         wc = jnp.asarray(w, ct)
         wc = _set_flat(wc * (b[li.dst_r] * inv_b[li.src_r]), li.gauge_flat, jnp.sign(_get_flat(wc, li.gauge_flat)))
         out.append(wc.astype(jnp.result_type(w)))
+    return jax.tree_util.tree_unflatten(space.treedef, out)
+
+
+def skeleton_init(space: PathSpace, params):
+    """An initialisation for G-SGD: every skeleton weight (incoming and outgoing) set to ±1, its sign kept.
+
+    G-SGD moves a weight ``e = u -> v`` by ``η ∂L/∂w_e / (A_u B_v)²`` (A_u, B_v: the products of the
+    weights on u's incoming and v's outgoing skeleton chains). From a standard initialisation those
+    products of several small weights make the effective step of some weights 10⁴–10⁸ times SGD's, and
+    G-SGD diverges at any learning rate that SGD tolerates. With every skeleton weight ±1, A = B = ±1:
+    the coordinates are the weights up to sign, the coordinate gradient is ±∂L/∂w at the non-skeleton
+    entries, and G-SGD trains at SGD's learning rates. This is the initialisation of Meng et al.
+    (ICLR 2019).
+
+    It **changes the function** (it is not a rescaling: only the gauge, the outgoing skeleton weights,
+    can be set by rescaling — see `canonicalize`). Call it once on freshly initialised params, never on
+    trained ones. A zero skeleton weight becomes +1.
+
+    Args:
+      space: the `PathSpace` of the network.
+      params: freshly initialised params of the traced structure.
+
+    Returns:
+      The params with their H incoming and H outgoing skeleton weights set to ±1, same structure and
+      dtypes.
+
+    Example:
+      >>> params = pj.skeleton_init(space, model.init(key, x)["params"])
+      >>> tx = pj.g_sgd(space, 0.05)
+
+    References:
+      Meng et al., "G-SGD: Optimizing ReLU neural networks in its positively scale-invariant space",
+      ICLR 2019.
+    """
+    leaves = space.leaves_of(params)
+    out = []
+    for w, li in zip(leaves, skeleton(space).leaves):
+        w = jnp.asarray(w)
+        masks = [m for m in (li.inskel_mask(w.shape), li.gauge_mask(w.shape)) if m is not None]
+        if li.kind == "other" or not masks:
+            out.append(w)
+            continue
+        on_skeleton = functools.reduce(jnp.logical_or, masks)
+        out.append(jnp.where(on_skeleton, jnp.where(w < 0, -1, 1).astype(w.dtype), w))
     return jax.tree_util.tree_unflatten(space.treedef, out)
 
 

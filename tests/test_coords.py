@@ -480,3 +480,45 @@ def test_10000_g_sgd_steps_on_relu_rnn_stay_finite():
     p_g, l_g = run(pj.g_sgd(space, lr))
     assert all(np.isfinite(np.asarray(a)).all() for a in _leaves(p_g))
     assert float(l_g) < float(loss(params, x))  # and it trained
+
+
+@pytest.mark.parametrize("name", ["mlp", "residual_cnn", "stacked_rnn_every_step"])
+def test_skeleton_init_sets_exactly_the_skeleton_to_signs(name, spaces):
+    """Skeleton entries (found from the basis paths alone) become ±1 with their sign; nothing else moves;
+    then every basis path's value is ± its middle weight (A = B = ±1)."""
+    case, space = ZOO[name], spaces[name]
+    rows = _rows(space)
+    skel = _inskel(rows) | (rows[:, 0] < 0)
+    flat = np.asarray(ravel_pytree(case.params)[0])
+    new = np.asarray(ravel_pytree(pj.skeleton_init(space, case.params))[0])
+    np.testing.assert_array_equal(new[~skel], flat[~skel])
+    np.testing.assert_array_equal(new[skel], np.where(flat[skel] < 0, -1.0, 1.0))
+    coord = rows[:, 0] >= 0
+    np.testing.assert_allclose(np.abs(_path_values(rows, jnp.asarray(new)))[coord], np.abs(new)[coord], rtol=1e-12)
+
+
+def test_g_sgd_from_skeleton_init_trains_like_sgd():
+    """From `skeleton_init` (A = B = ±1, so ∂L/∂c = ±∂L/∂w at the non-skeleton entries) G-SGD trains at
+    SGD's learning rate."""
+    model = _RNN()
+    x = jax.random.normal(jax.random.key(0), (16, 10, 4), jnp.float32)
+    y = jnp.arange(16) % 3
+    params = model.init(jax.random.key(1), x)["params"]
+    space = pj.trace(lambda p, x: model.apply({"params": p}, x), params, x)
+    start = pj.skeleton_init(space, params)
+
+    def loss(p):
+        return optax.softmax_cross_entropy_with_integer_labels(model.apply({"params": p}, x), y).mean()
+
+    def run(tx):
+        def body(carry, _):
+            p, s = carry
+            u, s = tx.update(jax.grad(loss)(p), s, p)
+            return (optax.apply_updates(p, u), s), None
+
+        (p, _), _ = jax.jit(lambda p: jax.lax.scan(body, (p, tx.init(p)), None, length=300))(start)
+        return float(loss(p))
+
+    l_sgd, l_g = run(optax.sgd(0.05)), run(pj.g_sgd(space, 0.05))
+    assert np.isfinite(l_g) and l_g < 0.8 * float(loss(start)), (l_g, float(loss(start)))
+    assert l_g < 2.0 * l_sgd + 0.05, (l_g, l_sgd)
