@@ -4,8 +4,9 @@
 2. Unbalance it with a node-wise rescaling by powers of two: the function is the
    same, bit for bit, but the weights are not.
 3. Train from the balanced and from the unbalanced weights with plain SGD and
-   with the path-space optimisers of pathspace_jax. Plain SGD trains the two
-   very differently; the rescaling-invariant optimisers give the same curves.
+   with the path-space optimisers of pathspace_jax (Path-SGD, G-SGD, DDP-SGD).
+   Plain SGD trains the two very differently; the rescaling-invariant
+   optimisers give the same curves.
 
 Run:  pip install -e ".[examples]" && python examples/quickstart.py
 Writes examples/out/quickstart.png and prints a table.
@@ -52,7 +53,9 @@ def optimisers(space, lr):
     """name -> (transformation, whether its update needs the batch as `inputs=`)."""
     return {
         "SGD": (optax.sgd(lr), False),
-        "DDP-SGD (alpha=0.5)": (pj.ddp_sgd(space, lr, alpha=0.5), True),
+        "Path-SGD": (pj.path_sgd(space, lr), False),
+        "G-SGD": (pj.g_sgd(space, lr), False),
+        "DDP-SGD (alpha=0.5)": (pj.ddp_sgd(space, lr, alpha=0.5, estimator="probes"), True),
     }
 
 
@@ -101,6 +104,8 @@ def main():
     params = model.init(jax.random.key(0), data[0][:1])["params"]
     fn = lambda p, x: model.apply({"params": p}, x)  # noqa: E731
     space = pj.trace(fn, params, data[0][:1])
+    # G-SGD needs its skeleton weights at ±1 (Meng et al.'s initialisation); every optimiser starts there
+    params = pj.skeleton_init(space, params)
     print(pj.describe(space), "\n")
 
     unbalanced = pj.random_rescale(space, params, jax.random.key(1), max_exponent=args.unbalance)
@@ -117,9 +122,12 @@ def main():
                 )
                 bar.update()
 
-    print(f"{'optimiser':<24} {'start':<11} {'final loss':>10} {'test acc':>9}")
+    print(f"{'optimiser':<24} {'start':<11} {'final loss':>10} {'test acc':>9}  {'curves differ by':>16}")
     for (name, start), h in runs.items():
-        print(f"{name:<24} {start:<11} {h[-1, 0]:>10.4f} {h[-1, 1]:>9.3f}")
+        gap = np.max(np.abs(h[:, 0] - runs[name, "balanced"][:, 0]) / h[:, 0]) if start == "unbalanced" else None
+        gap_text = f"{gap:16.1e}" if gap is not None else ""
+        print(f"{name:<24} {start:<11} {h[-1, 0]:>10.4f} {h[-1, 1]:>9.3f}  {gap_text}")
+    print("(curves differ by: max relative difference of the training loss between the two starts)")
 
     args.out.mkdir(parents=True, exist_ok=True)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
