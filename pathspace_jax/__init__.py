@@ -1,17 +1,21 @@
 """pathspace_jax: path-space optimisation of ReLU networks in JAX.
 
-See ``trace`` for finding the reduction graph of a forward function, and
-``rescale`` / ``random_rescale`` / ``describe`` for working with it.
+* Structure: ``trace`` finds the reduction graph of a forward function (a `PathSpace`);
+  ``describe``, ``rescale`` and ``random_rescale`` work with it.
+* Path coordinates: ``to_coords``, ``from_coords``, ``coord_mask``, ``basis_paths``,
+  ``canonicalize``, ``skeleton_init``.
+* Path norms and κ: ``path_norm``, ``path_kappa`` (Path-SGD), ``ddp_kappa`` (DDP-SGD).
+* optax transformations: ``in_path_space`` / ``g_sgd`` / ``g_adam`` (G-SGD), ``scale_by_path_sgd`` /
+  ``path_sgd``, ``scale_by_ddp`` / ``ddp_sgd``.
+* ``pathspace_jax.testing``: chex assertions of rescaling invariance.
 """
 
 from pathspace_jax import testing
-
-# DDP-SGD (issue 5)
 from pathspace_jax.alias import ddp_sgd, g_adam, g_sgd, path_sgd
 from pathspace_jax.coords import basis_paths, canonicalize, coord_mask, from_coords, skeleton_init, to_coords
 from pathspace_jax.ddp import DDPUnsupportedError, ddp_kappa
 from pathspace_jax.graph import EdgeLeaf, NodeGroup, PathSpace
-from pathspace_jax.kappa import PathKappaUnsupportedError, path_kappa, path_norm  # Path-SGD (issue 2)
+from pathspace_jax.kappa import PathKappaUnsupportedError, path_kappa, path_norm
 from pathspace_jax.rescale import describe, random_alphas, random_rescale, rescale
 from pathspace_jax.trace import UnsupportedModelError, trace
 from pathspace_jax.transforms import (
@@ -26,18 +30,18 @@ from pathspace_jax.transforms import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "PathKappaUnsupportedError",  # Path-SGD (issue 2)
-    "ScaleByPathSGDState",
-    "path_kappa",
-    "path_norm",
-    "path_sgd",
-    "scale_by_path_sgd",
-    "DDPUnsupportedError",  # DDP-SGD (issue 5)
-    "ScaleByDDPState",
-    "ddp_kappa",
-    "ddp_sgd",
-    "scale_by_ddp",
-    "InPathSpaceState",  # G-SGD (issue 4)
+    # structure and rescaling
+    "EdgeLeaf",
+    "NodeGroup",
+    "PathSpace",
+    "UnsupportedModelError",
+    "describe",
+    "random_alphas",
+    "random_rescale",
+    "rescale",
+    "trace",
+    # path coordinates and G-SGD
+    "InPathSpaceState",
     "basis_paths",
     "canonicalize",
     "coord_mask",
@@ -47,14 +51,19 @@ __all__ = [
     "in_path_space",
     "skeleton_init",
     "to_coords",
-    "EdgeLeaf",
-    "NodeGroup",
-    "PathSpace",
-    "UnsupportedModelError",
-    "describe",
-    "random_alphas",
-    "random_rescale",
-    "rescale",
+    # Path-SGD
+    "PathKappaUnsupportedError",
+    "ScaleByPathSGDState",
+    "path_kappa",
+    "path_norm",
+    "path_sgd",
+    "scale_by_path_sgd",
+    # DDP-SGD
+    "DDPUnsupportedError",
+    "ScaleByDDPState",
+    "ddp_kappa",
+    "ddp_sgd",
+    "scale_by_ddp",
+    # invariance assertions
     "testing",
-    "trace",
 ]

@@ -8,6 +8,54 @@ import jax
 import jax.numpy as jnp
 import optax
 
+# ---------------------------------------------------------------------------- κ scaling (Path-SGD, DDP-SGD)
+
+
+def _check_every_eps(every, eps) -> None:
+    if not isinstance(every, int) or every < 1:
+        raise ValueError(f"every must be a positive int, got {every!r}")
+    if eps < 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+
+
+def _zeros_like_params(space, params):
+    leaves = space.leaves_of(params, "params")
+    return jax.tree_util.tree_unflatten(space.treedef, [jnp.zeros(jnp.shape(p), jnp.result_type(p)) for p in leaves])
+
+
+def _current_kappa(compute, kappa, count, every: int):
+    """κ = ``compute()`` at steps 0, every, 2·every, …, the stored ``kappa`` in between (one ``lax.cond``).
+
+    κ travels as raveled leaves: on XLA:CPU a 2-D κ (an outer product for a dense kernel) otherwise gets a
+    column-major layout and is transposed into the state on every step (benchmarks/README.md).
+    """
+
+    def flat(tree):
+        return [jnp.ravel(a) for a in jax.tree_util.tree_leaves(tree)]
+
+    def fresh():
+        return flat(jax.tree_util.tree_map(lambda a, b: a.astype(b.dtype), compute(), kappa))
+
+    if every == 1:
+        ks = jax.lax.optimization_barrier(fresh())
+    else:
+        ks = jax.lax.cond(count % every == 0, fresh, lambda: flat(kappa))
+    leaves, treedef = jax.tree_util.tree_flatten(kappa)
+    return jax.tree_util.tree_unflatten(treedef, [k.reshape(jnp.shape(a)) for k, a in zip(ks, leaves, strict=True)])
+
+
+def _divide_by_kappa(space, updates, kappa, eps: float):
+    """``g / (κ + eps)`` per entry, 0 where κ + eps = 0 (never NaN); leaves of kind "other" pass through."""
+    out = []
+    for leaf, g, k in zip(space.leaves, space.leaves_of(updates, "updates"), jax.tree_util.tree_leaves(kappa)):
+        if leaf.kind == "other":
+            out.append(g)
+            continue
+        den = (k + eps).astype(g.dtype)
+        out.append(jnp.where(den > 0, g / jnp.where(den > 0, den, jnp.ones_like(den)), jnp.zeros_like(g)))
+    return jax.tree_util.tree_unflatten(space.treedef, out)
+
+
 # ---------------------------------------------------------------------------- DDP-SGD (issue 5)
 
 
@@ -61,20 +109,12 @@ def scale_by_ddp(
     """
     from pathspace_jax.ddp import ddp_kappa
 
-    if not isinstance(every, int) or every < 1:
-        raise ValueError(f"every must be a positive int, got {every!r}")
-    if eps < 0:
-        raise ValueError(f"eps must be >= 0, got {eps}")
+    _check_every_eps(every, eps)
     if estimator not in ("exact", "probes"):
         raise ValueError(f"estimator must be 'exact' or 'probes', got {estimator!r}")
-    other = [leaf.kind == "other" for leaf in space.leaves]
 
     def init_fn(params):
-        leaves = space.leaves_of(params, "params")
-        kappa = jax.tree_util.tree_unflatten(
-            space.treedef, [jnp.zeros(jnp.shape(p), jnp.result_type(p)) for p in leaves]
-        )
-        return ScaleByDDPState(count=jnp.zeros([], jnp.int32), kappa=kappa)
+        return ScaleByDDPState(count=jnp.zeros([], jnp.int32), kappa=_zeros_like_params(space, params))
 
     def update_fn(updates, state, params=None, *, inputs=None, key=None, **extra_args):
         del extra_args
@@ -89,32 +129,18 @@ def scale_by_ddp(
             key = jax.random.fold_in(jax.random.key(0), state.count)
 
         def compute():
-            k = ddp_kappa(
+            return ddp_kappa(
                 space, params, inputs, alpha=alpha, moment=moment, estimator=estimator, num_probes=num_probes, key=key
             )
-            return jax.tree_util.tree_map(lambda a, b: a.astype(b.dtype), k, state.kappa)
 
-        if every == 1:
-            kappa = compute()
-        else:
-            kappa = jax.lax.cond(state.count % every == 0, compute, lambda: state.kappa)
-        g_leaves = space.leaves_of(updates, "updates")
-        k_leaves = jax.tree_util.tree_leaves(kappa)
-        out = []
-        for g, k, is_other in zip(g_leaves, k_leaves, other, strict=False):
-            if is_other:
-                out.append(g)
-                continue
-            den = (k + eps).astype(g.dtype)
-            safe = jnp.where(den > 0, den, jnp.ones_like(den))
-            out.append(jnp.where(den > 0, g / safe, jnp.zeros_like(g)))
-        new = jax.tree_util.tree_unflatten(space.treedef, out)
+        kappa = _current_kappa(compute, state.kappa, state.count, every)
+        new = _divide_by_kappa(space, updates, kappa, eps)
         return new, ScaleByDDPState(count=optax.safe_int32_increment(state.count), kappa=kappa)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-# ---------------------------------------------------------------------------- G-SGD: in_path_space (issue 4)
+# ---------------------------------------------------------------------------- G-SGD: in_path_space (issue 3)
 
 
 class InPathSpaceState(NamedTuple):
@@ -208,7 +234,7 @@ def in_path_space(
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-# ---------------------------------------------------------------------------- Path-SGD (issue 2)
+# ---------------------------------------------------------------------------- Path-SGD (issue 4)
 
 
 class ScaleByPathSGDState(NamedTuple):
@@ -252,50 +278,19 @@ def scale_by_path_sgd(
     from pathspace_jax.kappa import _check_space, path_kappa
 
     _check_space(space, "scale_by_path_sgd")
-    if not isinstance(every, int) or every < 1:
-        raise ValueError(f"every must be a positive int, got {every!r}")
-    if eps < 0:
-        raise ValueError(f"eps must be >= 0, got {eps}")
-    other = [leaf.kind == "other" for leaf in space.leaves]
+    _check_every_eps(every, eps)
 
     def init_fn(params):
-        leaves = space.leaves_of(params, "params")
-        kappa = jax.tree_util.tree_unflatten(
-            space.treedef, [jnp.zeros(jnp.shape(p), jnp.result_type(p)) for p in leaves]
-        )
-        return ScaleByPathSGDState(count=jnp.zeros([], jnp.int32), kappa=kappa)
+        return ScaleByPathSGDState(count=jnp.zeros([], jnp.int32), kappa=_zeros_like_params(space, params))
 
     def update_fn(updates, state, params=None, **extra_args):
         del extra_args
         if params is None:
             raise ValueError("scale_by_path_sgd needs params: call tx.update(updates, state, params)")
-
-        def compute():
-            k = path_kappa(space, params, second_order=second_order)
-            return jax.tree_util.tree_map(lambda a, b: a.astype(b.dtype), k, state.kappa)
-
-        # κ travels as raveled leaves: on XLA:CPU a 2-D κ (an outer product for a dense kernel) otherwise gets a
-        # column-major layout and is transposed into the state on every step (benchmarks/README.md)
-        def flat(tree):
-            return [jnp.ravel(a) for a in jax.tree_util.tree_leaves(tree)]
-
-        if every == 1:
-            ks = jax.lax.optimization_barrier(flat(compute()))
-        else:
-            ks = jax.lax.cond(state.count % every == 0, lambda: flat(compute()), lambda: flat(state.kappa))
-        kappa = jax.tree_util.tree_unflatten(
-            space.treedef, [k.reshape(jnp.shape(a)) for k, a in zip(ks, jax.tree_util.tree_leaves(state.kappa))]
+        kappa = _current_kappa(
+            lambda: path_kappa(space, params, second_order=second_order), state.kappa, state.count, every
         )
-        g_leaves = space.leaves_of(updates, "updates")
-        out = []
-        for g, k, is_other in zip(g_leaves, jax.tree_util.tree_leaves(kappa), other, strict=True):
-            if is_other:
-                out.append(g)
-                continue
-            den = (k + eps).astype(g.dtype)
-            safe = jnp.where(den > 0, den, jnp.ones_like(den))
-            out.append(jnp.where(den > 0, g / safe, jnp.zeros_like(g)))
-        new = jax.tree_util.tree_unflatten(space.treedef, out)
+        new = _divide_by_kappa(space, updates, kappa, eps)
         return new, ScaleByPathSGDState(count=optax.safe_int32_increment(state.count), kappa=kappa)
 
     return optax.GradientTransformation(init_fn, update_fn)
