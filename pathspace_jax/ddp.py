@@ -307,19 +307,17 @@ def _find_nodes(prog: _Program) -> None:
 
 
 @functools.lru_cache(maxsize=64)
-def _program(space: PathSpace, param_key: tuple, input_key: tuple) -> _Program:
+def _program(space: PathSpace, param_key: tuple, input_key: tuple, **flatten_options) -> _Program:
+    """The flat program of ``space.fn`` at these (shape, dtype) keys (cached: a `PathSpace` is hashable)."""
     param_specs = [jax.ShapeDtypeStruct(s, d) for s, d in param_key]
     input_specs = [jax.ShapeDtypeStruct(s, d) for s, d in input_key]
-    args_treedef = jax.tree_util.tree_structure(tuple(jax.tree_util.tree_unflatten(
-        jax.tree_util.tree_structure(space.arg_specs), input_specs)))  # fmt: skip
-    del args_treedef
+    args_def = jax.tree_util.tree_structure(space.arg_specs)
 
     def f(ps, xs):
-        args = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(space.arg_specs), xs)
-        return space.fn(jax.tree_util.tree_unflatten(space.treedef, ps), *args)
+        return space.fn(jax.tree_util.tree_unflatten(space.treedef, ps), *jax.tree_util.tree_unflatten(args_def, xs))
 
     closed = jax.make_jaxpr(f)(param_specs, input_specs)
-    return _flatten(closed, len(param_specs))
+    return _flatten(closed, len(param_specs), **flatten_options)
 
 
 # ----------------------------------------------------------------------------- evaluation

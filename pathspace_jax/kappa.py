@@ -77,7 +77,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pathspace_jax.ddp import _bind, _flatten, _power, _Program, _squared_op
+from pathspace_jax.ddp import _bind, _power, _Program, _program, _squared_op
 from pathspace_jax.graph import PathSpace
 
 __all__ = ["path_norm", "path_kappa", "PathKappaUnsupportedError"]
@@ -410,28 +410,13 @@ def _compute_dtype(leaves):
     return dt if dt in (jnp.float32, jnp.float64) else jnp.dtype(jnp.float32)
 
 
-@functools.lru_cache(maxsize=64)
-def _kprogram(space: PathSpace, fn, param_key: tuple, input_key: tuple) -> _Program:
-    # ``fn`` is part of the key: PathSpace equality ignores it, and two models can share a graph
-    del fn
-    param_specs = [jax.ShapeDtypeStruct(s, d) for s, d in param_key]
-    input_specs = [jax.ShapeDtypeStruct(s, d) for s, d in input_key]
-    args_def = jax.tree_util.tree_structure(space.arg_specs)
-
-    def f(ps, xs):
-        return space.fn(jax.tree_util.tree_unflatten(space.treedef, ps), *jax.tree_util.tree_unflatten(args_def, xs))
-
-    closed = jax.make_jaxpr(f)(param_specs, input_specs)
-    return _flatten(closed, len(param_specs), allow_scan=True, inline_custom=True)
-
-
 def _setup(space, leaves):
     dt = _compute_dtype(leaves)
     leaves = [jnp.asarray(p).astype(dt) for p in leaves]
     specs = jax.tree_util.tree_leaves(space.arg_specs)
     input_key = tuple(((1, *tuple(x.shape)[1:]), str(jnp.dtype(dt))) for x in specs)
     param_key = tuple((tuple(p.shape), str(p.dtype)) for p in leaves)
-    prog = _kprogram(space, space.fn, param_key, input_key)
+    prog = _program(space, param_key, input_key, allow_scan=True, inline_custom=True)
     ones = [jnp.ones(s, dt) for s, _ in input_key]
     return dt, leaves, prog, ones
 
@@ -508,13 +493,12 @@ def path_kappa(space: PathSpace, params, *, second_order: bool = True):
     """
     _check_space(space, "path_kappa")
     leaves = [jnp.asarray(p) for p in space.leaves_of(params, "params")]
-    out = _kappa_jit(space, space.fn, leaves, bool(second_order))
+    out = _kappa_jit(space, leaves, bool(second_order))
     return jax.tree_util.tree_unflatten(space.treedef, [k.astype(p.dtype) for k, p in zip(out, leaves, strict=True)])
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 3))
-def _kappa_jit(space, fn, leaves, second_order):  # fn: a jit key (PathSpace equality ignores it)
-    del fn
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def _kappa_jit(space, leaves, second_order):
     dt, ps, prog, ones = _setup(space, leaves)
     if second_order:
         _check_second_order(prog)
@@ -599,12 +583,11 @@ def path_norm(space: PathSpace, params, p: float = 2.0):
         raise ValueError(f"p must be > 0, got {p}")
     leaves = [jnp.asarray(x) for x in space.leaves_of(params, "params")]
     out_dtype = jnp.result_type(*leaves) if leaves else jnp.float32
-    return _norm_jit(space, space.fn, leaves, p).astype(out_dtype)
+    return _norm_jit(space, leaves, p).astype(out_dtype)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 3))
-def _norm_jit(space, fn, leaves, p):  # fn: a jit key (PathSpace equality ignores it)
-    del fn
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def _norm_jit(space, leaves, p):
     dt, ps, prog, ones = _setup(space, leaves)
     zero = jnp.zeros((), jnp.int32)
     vals = [_renorm(_V(_power(w, p), zero)) for w in ps] + [_V(o, zero) for o in ones]
