@@ -12,7 +12,7 @@ import numpy as np
 from pathspace_jax.graph import PathSpace
 from pathspace_jax.rescale import random_rescale
 
-__all__ = ["assert_function_invariant"]
+__all__ = ["assert_function_invariant", "assert_update_invariant"]
 
 
 def assert_function_invariant(
@@ -53,9 +53,7 @@ def assert_function_invariant(
         chex.assert_trees_all_close(fn(scaled, *args, **kwargs), expected, rtol=rtol, atol=atol)
 
 
-# ---------------------------------------------------------------------------- update invariance (issue 3)
-
-__all__ += ["assert_update_invariant"]
+# ---------------------------------------------------------------------------- update invariance
 
 
 def assert_update_invariant(

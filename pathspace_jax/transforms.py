@@ -56,7 +56,7 @@ def _divide_by_kappa(space, updates, kappa, eps: float):
     return jax.tree_util.tree_unflatten(space.treedef, out)
 
 
-# ---------------------------------------------------------------------------- DDP-SGD (issue 5)
+# ---------------------------------------------------------------------------- DDP-SGD
 
 
 class ScaleByDDPState(NamedTuple):
@@ -140,7 +140,7 @@ def scale_by_ddp(
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-# ---------------------------------------------------------------------------- G-SGD: in_path_space (issue 3)
+# ---------------------------------------------------------------------------- G-SGD: in_path_space
 
 
 class InPathSpaceState(NamedTuple):
@@ -234,7 +234,7 @@ def in_path_space(
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-# ---------------------------------------------------------------------------- Path-SGD (issue 4)
+# ---------------------------------------------------------------------------- Path-SGD
 
 
 class ScaleByPathSGDState(NamedTuple):
