@@ -43,7 +43,7 @@ def main() -> None:
         out = {}
         for a, b in pairs:
             r = interleaved_ratio(
-                steps[a], steps[b], params, txs[a].init(params), txs[b].init(params), x, y, rounds=5, repeats=20
+                steps[a], steps[b], params, txs[a].init(params), txs[b].init(params), x, y, rounds=9, repeats=30
             )
             out[f"{a}/{b}"] = round(r, 3)
             print(f"{name:28s} {a:7s} / {b:5s} {r:6.3f}x", flush=True)
