@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pathspace_jax.graph import PathSpace
+from pathspace_jax.graph import PathSpace, compute_dtype
 from pathspace_jax.skeleton import Skeleton, skeleton
 
 __all__ = ["to_coords", "from_coords", "coord_mask", "basis_paths", "canonicalize", "skeleton_init"]
@@ -76,13 +76,6 @@ def _node_gather(space, leaves, which, dtype):
         if idx.size:
             parts.append(jnp.reshape(leaf, (-1,))[idx].astype(dtype))
     return jnp.concatenate(parts)[perm]
-
-
-def _compute_dtype(leaves):
-    """float32 for half-precision leaves, otherwise the widest float dtype among the leaves."""
-    floats = [jnp.result_type(x) for x in leaves if jnp.issubdtype(jnp.result_type(x), jnp.floating)]
-    dt = jnp.result_type(*floats) if floats else jnp.float32
-    return jnp.promote_types(dt, jnp.float32)
 
 
 def _safe_inv(x):
@@ -163,7 +156,7 @@ def to_coords(space: PathSpace, params):
     """
     leaves = space.leaves_of(params)
     sk = skeleton(space)
-    ct = _compute_dtype(leaves)
+    ct = compute_dtype(leaves)
     a, b = _node_factors(space, leaves, ct)
     out = []
     for w, li in zip(leaves, sk.leaves):
@@ -196,7 +189,7 @@ def from_coords(space: PathSpace, coords):
     """
     leaves = space.leaves_of(coords, "coords")
     sk = skeleton(space)
-    ct = _compute_dtype(leaves)
+    ct = compute_dtype(leaves)
     b = _chain_B(sk, _node_gather(space, leaves, "out", ct))
     a = _A_from_coords(sk, _node_gather(space, leaves, "in", ct), b)
     out = []
@@ -288,7 +281,7 @@ def canonicalize(space: PathSpace, params):
     """
     leaves = space.leaves_of(params)
     sk = skeleton(space)
-    ct = _compute_dtype(leaves)
+    ct = compute_dtype(leaves)
     b = jnp.abs(_chain_B(sk, _node_gather(space, leaves, "out", ct)))
     inv_b = _safe_inv(b)
     out = []

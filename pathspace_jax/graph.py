@@ -31,12 +31,19 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 GroupKind = Literal["input", "hidden", "output", "pinned"]
 LeafKind = Literal["weight", "bias", "other"]
 
 BIAS_NODE = 0
+
+
+def compute_dtype(leaves) -> np.dtype:
+    """The dtype path-space arithmetic runs in: float32 for half-precision leaves, else the widest float."""
+    floats = [jnp.result_type(x) for x in leaves if jnp.issubdtype(jnp.result_type(x), jnp.floating)]
+    return jnp.promote_types(jnp.result_type(*floats) if floats else jnp.float32, jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -78,7 +78,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pathspace_jax.ddp import _bind, _power, _Program, _program, _squared_op
-from pathspace_jax.graph import PathSpace
+from pathspace_jax.graph import PathSpace, compute_dtype
 
 __all__ = ["path_norm", "path_kappa", "PathKappaUnsupportedError"]
 
@@ -405,13 +405,8 @@ def _check_space(space: PathSpace, who: str) -> None:
             )
 
 
-def _compute_dtype(leaves):
-    dt = jnp.result_type(*leaves) if leaves else jnp.float32
-    return dt if dt in (jnp.float32, jnp.float64) else jnp.dtype(jnp.float32)
-
-
 def _setup(space, leaves):
-    dt = _compute_dtype(leaves)
+    dt = compute_dtype(leaves)
     leaves = [jnp.asarray(p).astype(dt) for p in leaves]
     specs = jax.tree_util.tree_leaves(space.arg_specs)
     input_key = tuple(((1, *tuple(x.shape)[1:]), str(jnp.dtype(dt))) for x in specs)

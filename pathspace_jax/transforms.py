@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from pathspace_jax.graph import compute_dtype
+
 # ---------------------------------------------------------------------------- κ scaling (Path-SGD, DDP-SGD)
 
 
@@ -222,7 +224,7 @@ def in_path_space(
             raise ValueError("in_path_space needs params: call tx.update(grads, state, params)")
         w = space.leaves_of(params, "params")
         g = space.leaves_of(updates, "updates")
-        ct = _coords._compute_dtype(list(w) + list(g))
+        ct = compute_dtype(list(w) + list(g))
         gc, c, factors = _coords._coord_grads(space, w, g, ct)
         gc_tree = jax.tree_util.tree_unflatten(space.treedef, [x.astype(jnp.result_type(y)) for x, y in zip(gc, g)])
         c_tree = jax.tree_util.tree_unflatten(space.treedef, [x.astype(jnp.result_type(y)) for x, y in zip(c, w)])
