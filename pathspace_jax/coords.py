@@ -13,8 +13,11 @@ non-gauge entry ``e = u -> v`` is the value of its basis path,
 
 which is rescaling invariant. The H **gauge** entries (the outgoing skeleton edges) keep their
 weight as "coordinate", so the coordinate pytree has the shape of the params and
-``from_coords(space, to_coords(space, w)) == w``. Leaves of kind ``"other"`` (not edges of the
-homogeneous part) are their own coordinates. ``coord_mask`` is True at the m − H true coordinates.
+``from_coords(space, to_coords(space, w)) == w`` up to rounding: a non-gauge entry comes back as
+``(w·f)/f``, f a product of skeleton weights, within a few ulps of w, and bit for bit where the
+products are ±1 or powers of two (e.g. after `skeleton_init`). Leaves of kind ``"other"`` (not
+edges of the homogeneous part) are their own coordinates. ``coord_mask`` is True at the m − H true
+coordinates.
 
 Inverse map (weight allocation): B from the gauge; then ``A_v = c_{inskel(v)} / B_v`` (or
 ``A_parent(v) · w_{inskel(v)}`` when v's incoming skeleton edge is its parent's gauge edge); then
@@ -23,7 +26,9 @@ Inverse map (weight allocation): B from the gauge; then ``A_v = c_{inskel(v)} / 
 
 Everything is O(m): A and B are D sequential gathers of node vectors (D = skeleton depth), and each
 leaf multiplies by ``A[src]`` and ``B[dst]`` gathered with index arrays reduced to broadcastable
-shape (a Dense kernel's ``src`` is an ``(n_in, 1)`` array).
+shape (a Dense kernel's ``src`` is an ``(n_in, 1)`` array). Node ranges are contiguous for the usual
+layers, so these gathers are static slices and per-node sums are concatenations, which XLA fuses
+into a few elementwise kernels per leaf (`_take`, `_node_sum`).
 
 References:
   Meng et al., "G-SGD: Optimizing ReLU neural networks in its positively scale-invariant space",
@@ -78,6 +83,50 @@ def _node_gather(space, leaves, which, dtype):
     return jnp.concatenate(parts)[perm]
 
 
+def _range_start(idx: np.ndarray):
+    """``lo`` if the static index array, flattened, is ``lo, lo+1, …`` (a contiguous node range), else None."""
+    flat = np.ravel(idx)
+    if flat.size and np.array_equal(flat, flat[0] + np.arange(flat.size)):
+        return int(flat[0])
+    return None
+
+
+def _take(vec, idx: np.ndarray):
+    """``vec[idx]`` for a static index array: a static slice (fused by XLA) when idx is a contiguous range."""
+    lo = _range_start(idx)
+    if lo is None:
+        return vec[idx]
+    return jax.lax.slice_in_dim(vec, lo, lo + idx.size).reshape(idx.shape)
+
+
+def _node_sum(n: int, parts, dtype):
+    """Node vector of length n: ``Σ vals`` scattered at ``idx`` over ``parts = [(static idx, vals), …]``.
+
+    Parts on one contiguous node range are summed first and the disjoint ranges concatenated with zero
+    gaps (one fused op instead of a scatter per part); anything else is a scatter-add.
+    """
+    ranges, rest = {}, []
+    for idx, vals in parts:
+        vals = jnp.broadcast_to(vals, idx.shape).reshape(-1)
+        lo = _range_start(idx)
+        if lo is None:
+            rest.append((np.ravel(idx), vals))
+        else:
+            key = (lo, idx.size)
+            ranges[key] = ranges[key] + vals if key in ranges else vals
+    pieces, end = [], 0
+    for (lo, size), vals in sorted(ranges.items()):
+        if lo < end:  # overlapping ranges: scatter
+            rest.append((lo + np.arange(size), vals))
+            continue
+        pieces += [jnp.zeros((lo - end,), dtype), vals.astype(dtype)]
+        end = lo + size
+    out = jnp.concatenate([*pieces, jnp.zeros((n - end,), dtype)])
+    for idx, vals in rest:
+        out = out.at[idx].add(vals.astype(dtype))
+    return out
+
+
 def _safe_inv(x):
     nz = x != 0
     return jnp.where(nz, 1.0 / jnp.where(nz, x, 1), 0)
@@ -109,12 +158,6 @@ def _A_from_coords(sk: Skeleton, c_in, b):
     for _ in range(sk.depth_in):
         a = jnp.where(jnp.asarray(sk.in_is_gauge), a[sk.parent] * q, q)
     return a
-
-
-def _set_flat(x, idx, vals):
-    if idx.size == 0:
-        return x
-    return jnp.reshape(jnp.reshape(x, (-1,)).at[idx].set(vals), x.shape)
 
 
 def _get_flat(x, idx):
@@ -164,8 +207,10 @@ def to_coords(space: PathSpace, params):
             out.append(w)
             continue
         wc = jnp.asarray(w, ct)
-        c = wc * (a[li.src_r] * b[li.dst_r])
-        c = _set_flat(c, li.gauge_flat, _get_flat(wc, li.gauge_flat))
+        c = wc * (_take(a, li.src_r) * _take(b, li.dst_r))
+        gm = li.gauge_mask(c.shape)
+        if gm is not None:
+            c = jnp.where(gm, wc, c)
         out.append(c.astype(jnp.result_type(w)))
     return jax.tree_util.tree_unflatten(space.treedef, out)
 
@@ -185,7 +230,7 @@ def from_coords(space: PathSpace, coords):
       Params with the structure, shapes and dtypes of ``coords``.
 
     Example:
-      >>> params2 = pj.from_coords(space, pj.to_coords(space, params))  # == params
+      >>> params2 = pj.from_coords(space, pj.to_coords(space, params))  # == params, up to a few ulps
     """
     leaves = space.leaves_of(coords, "coords")
     sk = skeleton(space)
@@ -198,9 +243,11 @@ def from_coords(space: PathSpace, coords):
             out.append(c)
             continue
         cc = jnp.asarray(c, ct)
-        f = a[li.src_r] * b[li.dst_r]
+        f = _take(a, li.src_r) * _take(b, li.dst_r)
         w = jnp.where(f != 0, cc / jnp.where(f != 0, f, 1), 0)
-        w = _set_flat(w, li.gauge_flat, _get_flat(cc, li.gauge_flat))
+        gm = li.gauge_mask(w.shape)
+        if gm is not None:
+            w = jnp.where(gm, cc, w)
         out.append(w.astype(jnp.result_type(c)))
     return jax.tree_util.tree_unflatten(space.treedef, out)
 
@@ -290,7 +337,9 @@ def canonicalize(space: PathSpace, params):
             out.append(w)
             continue
         wc = jnp.asarray(w, ct)
-        wc = _set_flat(wc * (b[li.dst_r] * inv_b[li.src_r]), li.gauge_flat, jnp.sign(_get_flat(wc, li.gauge_flat)))
+        gm = li.gauge_mask(wc.shape)
+        scaled = wc * (_take(b, li.dst_r) * _take(inv_b, li.src_r))
+        wc = scaled if gm is None else jnp.where(gm, jnp.sign(wc), scaled)
         out.append(wc.astype(jnp.result_type(w)))
     return jax.tree_util.tree_unflatten(space.treedef, out)
 
@@ -355,16 +404,16 @@ def _coord_grads(space: PathSpace, w_leaves, g_leaves, ct):
     sk = skeleton(space)
     a, b = _node_factors(space, w_leaves, ct)
     ia, ib = _safe_inv(a), _safe_inv(b)
-    p = jnp.zeros((space.num_nodes,), ct)
+    parts = []
     for w, g, li in zip(w_leaves, g_leaves, sk.leaves):
         if li.kind != "weight":
             continue
-        w = jnp.asarray(w, ct)
-        g = jnp.asarray(g, ct)
-        red = jnp.sum(g * w, axis=li.sum_axes, keepdims=True)
-        p = p.at[li.src_r.reshape(-1)].add(red.reshape(-1))
-        if li.gauge_flat.size:
-            p = p.at[li.gauge_node].add(-_get_flat(g, li.gauge_flat) * _get_flat(w, li.gauge_flat))
+        gw = jnp.asarray(g, ct) * jnp.asarray(w, ct)
+        gm = li.gauge_mask(jnp.shape(w))
+        if gm is not None:
+            gw = jnp.where(gm, 0, gw)
+        parts.append((li.src_r, jnp.sum(gw, axis=li.sum_axes, keepdims=True)))
+    p = _node_sum(space.num_nodes, parts, ct)  # Σ g_e w_e over the non-gauge entries leaving each node
     t = -p
     if sk.in_is_gauge.any():
         gate = jnp.asarray(sk.in_is_gauge)
@@ -380,11 +429,11 @@ def _coord_grads(space: PathSpace, w_leaves, g_leaves, ct):
         w = jnp.asarray(w, ct)
         g = jnp.asarray(g, ct)
         shape = jnp.shape(w)
-        gc = g * (ia[li.src_r] * ib[li.dst_r])
-        c = w * (a[li.src_r] * b[li.dst_r])
+        gc = g * (_take(ia, li.src_r) * _take(ib, li.dst_r))
+        c = w * (_take(a, li.src_r) * _take(b, li.dst_r))
         im, gm = li.inskel_mask(shape), li.gauge_mask(shape)
         if im is not None:
-            gc = jnp.where(im, gc + corr[li.dst_r], gc)
+            gc = jnp.where(im, gc + _take(corr, li.dst_r), gc)
         if gm is not None:
             gc = jnp.where(gm, 0, gc)
             c = jnp.where(gm, w, c)
@@ -397,12 +446,12 @@ def _skeleton_share(space: PathSpace, w_leaves, factors, ct):
     """Per node x: |c_{inskel(x)}| / s_x, s_x the norm of the coordinates of all edges into x (invariant)."""
     sk = skeleton(space)
     a, b, ia, ib = factors
-    s2 = jnp.zeros((space.num_nodes,), ct)
-    for w, li in zip(w_leaves, sk.leaves):
-        if li.kind == "other":
-            continue
-        red = jnp.sum(jnp.square(jnp.asarray(w, ct) * a[li.src_r]), axis=li.dst_sum_axes, keepdims=True)
-        s2 = s2.at[li.dst_r.reshape(-1)].add(jnp.broadcast_to(red, li.dst_r.shape).reshape(-1))
+    parts = [
+        (li.dst_r, jnp.sum(jnp.square(jnp.asarray(w, ct) * _take(a, li.src_r)), axis=li.dst_sum_axes, keepdims=True))
+        for w, li in zip(w_leaves, sk.leaves)
+        if li.kind != "other"
+    ]
+    s2 = _node_sum(space.num_nodes, parts, ct)
     # |c_x| / s_x = |A_x B_x| / (|B_x| sqrt(s2_x)) = |A_x| / sqrt(s2_x)
     return jnp.where(jnp.asarray(sk.hidden & ~sk.in_is_gauge), jnp.abs(a) * _safe_inv(jnp.sqrt(s2)), 0)
 
@@ -419,10 +468,12 @@ def _allocate(space: PathSpace, w_leaves, dc_leaves, factors, ct, min_ratio: flo
     sk = skeleton(space)
     a, b, ia, ib = factors
     n = space.num_nodes
-    d_in = jnp.zeros((n,), ct)
-    for dc, li in zip(dc_leaves, sk.leaves):
-        if li.inskel_flat.size:
-            d_in = d_in.at[li.inskel_node].set(_get_flat(jnp.asarray(dc, ct), li.inskel_flat))
+    parts = [
+        (li.inskel_node, _get_flat(jnp.asarray(dc, ct), li.inskel_flat))
+        for dc, li in zip(dc_leaves, sk.leaves)
+        if li.inskel_flat.size
+    ]
+    d_in = _node_sum(n, parts, ct)  # the update of each node's incoming skeleton coordinate
     free = jnp.asarray(sk.hidden & ~sk.in_is_gauge)
     lo = jnp.full((n,), min_ratio, ct)
     if min_share > 0:  # the share |c_x| / s_x may not drop below min_share (nor shrink at all if already below)
@@ -446,10 +497,10 @@ def _allocate(space: PathSpace, w_leaves, dc_leaves, factors, ct, min_ratio: flo
         w = jnp.asarray(w, ct)
         dc = jnp.asarray(dc, ct)
         shape = jnp.shape(w)
-        u = (w + dc * (ia[li.src_r] * ib[li.dst_r])) * ir[li.src_r] - w
+        u = (w + dc * (_take(ia, li.src_r) * _take(ib, li.dst_r))) * _take(ir, li.src_r) - w
         im, gm = li.inskel_mask(shape), li.gauge_mask(shape)
         if im is not None:
-            u = jnp.where(im, w * (ratio_in[li.dst_r] - 1), u)
+            u = jnp.where(im, w * (_take(ratio_in, li.dst_r) - 1), u)
         if gm is not None:
             u = jnp.where(gm, 0, u)
         out.append(u)
