@@ -59,7 +59,7 @@ class LeafIndex:
         ``(1, 1, c_in, 1)``), so that node vectors are gathered with O(nodes) work, not O(m).
       sum_axes: the axes along which ``src`` is constant (summing over them gives per-src sums);
         ``dst_sum_axes`` likewise for ``dst``.
-      gauge_flat, gauge_node: flat indices (in the leaf) of its gauge entries and their source nodes.
+      gauge_flat: flat indices (in the leaf) of its gauge entries.
       inskel_flat, inskel_node: flat indices of its (incoming) skeleton entries and their target nodes.
     """
 
@@ -69,7 +69,6 @@ class LeafIndex:
     dst_r: np.ndarray
     sum_axes: tuple[int, ...]
     gauge_flat: np.ndarray
-    gauge_node: np.ndarray
     inskel_flat: np.ndarray
     inskel_node: np.ndarray
     dst_sum_axes: tuple[int, ...] = ()
@@ -292,7 +291,7 @@ def skeleton(space: PathSpace) -> Skeleton:
     for li, leaf in enumerate(space.leaves):
         if leaf.kind == "other":
             z = np.zeros(0, np.int64)
-            li_obj = LeafIndex("other", offset, z, z, (), z, z, z, z)
+            li_obj = LeafIndex("other", offset, z, z, (), z, z, z)
         else:
             src_r, sum_axes = _reduce(np.asarray(leaf.src, np.int64))
             dst_r, dst_sum_axes = _reduce(np.asarray(leaf.dst, np.int64))
@@ -305,7 +304,6 @@ def skeleton(space: PathSpace) -> Skeleton:
                 dst_r,
                 sum_axes,
                 out_flat[g_nodes],
-                g_nodes,
                 in_flat[i_nodes],
                 i_nodes,
                 dst_sum_axes,
