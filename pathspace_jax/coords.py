@@ -212,7 +212,7 @@ def to_coords(space: PathSpace, params):
         if gm is not None:
             c = jnp.where(gm, wc, c)
         out.append(c.astype(jnp.result_type(w)))
-    return jax.tree_util.tree_unflatten(space.treedef, out)
+    return space.unflatten_like(params, out)
 
 
 def from_coords(space: PathSpace, coords):
@@ -249,7 +249,7 @@ def from_coords(space: PathSpace, coords):
         if gm is not None:
             w = jnp.where(gm, cc, w)
         out.append(w.astype(jnp.result_type(c)))
-    return jax.tree_util.tree_unflatten(space.treedef, out)
+    return space.unflatten_like(coords, out)
 
 
 def coord_mask(space: PathSpace):
@@ -341,7 +341,7 @@ def canonicalize(space: PathSpace, params):
         scaled = wc * (_take(b, li.dst_r) * _take(inv_b, li.src_r))
         wc = scaled if gm is None else jnp.where(gm, jnp.sign(wc), scaled)
         out.append(wc.astype(jnp.result_type(w)))
-    return jax.tree_util.tree_unflatten(space.treedef, out)
+    return space.unflatten_like(params, out)
 
 
 def skeleton_init(space: PathSpace, params):
@@ -385,7 +385,7 @@ def skeleton_init(space: PathSpace, params):
             continue
         on_skeleton = functools.reduce(jnp.logical_or, masks)
         out.append(jnp.where(on_skeleton, jnp.where(w < 0, -1, 1).astype(w.dtype), w))
-    return jax.tree_util.tree_unflatten(space.treedef, out)
+    return space.unflatten_like(params, out)
 
 
 # ---------------------------------------------------------------------------- G-SGD kernels (O(m))

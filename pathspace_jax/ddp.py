@@ -531,7 +531,7 @@ def ddp_kappa(
         raise ValueError("inputs: the batch is empty")
     leaves = [jnp.asarray(p) for p in leaves]
     kappa = _kappa_jit(space, leaves, list(xs), key, alpha, moment, estimator, int(num_probes))
-    return jax.tree_util.tree_unflatten(space.treedef, kappa)
+    return space.unflatten_like(params, kappa)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7))

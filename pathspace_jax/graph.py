@@ -46,6 +46,26 @@ def compute_dtype(leaves) -> np.dtype:
     return jnp.promote_types(jnp.result_type(*floats) if floats else jnp.float32, jnp.float32)
 
 
+def leaf_path_strings(tree) -> list[str]:
+    """Key paths of the leaves of ``tree`` as ``"Dense_0/kernel"`` strings (nnx ``.value`` dropped)."""
+    out = []
+    for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        parts = []
+        for k in path:
+            if isinstance(k, jax.tree_util.DictKey):
+                parts.append(str(k.key))
+            elif isinstance(k, jax.tree_util.SequenceKey):
+                parts.append(str(k.idx))
+            elif isinstance(k, jax.tree_util.GetAttrKey):
+                parts.append(k.name)
+            else:
+                parts.append(str(k))
+        if len(parts) > 1 and parts[-1] == "value":
+            parts.pop()
+        out.append("/".join(parts) or "<root>")
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class NodeGroup:
     """A set of nodes that one rescaling vector acts on.
@@ -159,9 +179,14 @@ class PathSpace:
         return self.node_kinds() == 2
 
     def leaves_of(self, tree, what: str = "params") -> list[Any]:
-        """The leaves of ``tree``, checked against the traced params' structure and shapes."""
+        """The leaves of ``tree``, checked against the traced params' structure and shapes.
+
+        A tree with the traced structure is accepted, and so is one with other containers but the same
+        leaf paths: nnx ``Variable`` wrappers dropped (``nnx.Optimizer`` passes ``nnx.as_pure`` states),
+        or a dict for a ``FrozenDict``. Results built from it take its structure (`unflatten_like`).
+        """
         leaves, treedef = jax.tree_util.tree_flatten(tree)
-        if treedef != self.treedef:
+        if treedef != self.treedef and leaf_path_strings(tree) != [leaf.path for leaf in self.leaves]:
             raise ValueError(
                 f"{what} does not have the structure of the params this PathSpace was traced with:\n"
                 f"  expected {self.treedef}\n  got      {treedef}"
@@ -171,6 +196,11 @@ class PathSpace:
             if shape != spec.shape:
                 raise ValueError(f"{what} leaf {spec.path!r} has shape {shape}, expected {spec.shape}")
         return leaves
+
+    @staticmethod
+    def unflatten_like(tree, leaves):
+        """``leaves`` in the structure of ``tree`` (a tree accepted by `leaves_of`)."""
+        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(tree), leaves)
 
     # -- hashing ------------------------------------------------------------
     @property

@@ -489,7 +489,7 @@ def path_kappa(space: PathSpace, params, *, second_order: bool = True):
     _check_space(space, "path_kappa")
     leaves = [jnp.asarray(p) for p in space.leaves_of(params, "params")]
     out = _kappa_jit(space, leaves, bool(second_order))
-    return jax.tree_util.tree_unflatten(space.treedef, [k.astype(p.dtype) for k, p in zip(out, leaves, strict=True)])
+    return space.unflatten_like(params, [k.astype(p.dtype) for k, p in zip(out, leaves, strict=True)])
 
 
 @functools.partial(jax.jit, static_argnums=(0, 2))

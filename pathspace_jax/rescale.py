@@ -70,7 +70,7 @@ def rescale(space: PathSpace, params, alphas: Sequence[Any]):
         else:
             factor = a[spec.dst] / a[spec.src]
             out.append(w * factor.astype(w.dtype))
-    return jax.tree_util.tree_unflatten(space.treedef, out)
+    return space.unflatten_like(params, out)
 
 
 def random_alphas(space: PathSpace, key, *, max_exponent: int = 4) -> list[jax.Array]:

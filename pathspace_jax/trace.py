@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
-from pathspace_jax.graph import BIAS_NODE, EdgeLeaf, NodeGroup, PathSpace
+from pathspace_jax.graph import BIAS_NODE, EdgeLeaf, NodeGroup, PathSpace, leaf_path_strings
 
 __all__ = ["trace", "UnsupportedModelError", "leaf_path_strings"]
 
@@ -52,26 +52,6 @@ def _source(eqn) -> str:
         return source_info_util.summarize(eqn.source_info)
     except Exception:  # pragma: no cover - private API drift
         return "<unknown source>"
-
-
-def leaf_path_strings(tree) -> list[str]:
-    """Key paths of the leaves of ``tree`` as ``"Dense_0/kernel"`` strings (nnx ``.value`` dropped)."""
-    out = []
-    for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        parts = []
-        for k in path:
-            if isinstance(k, jax.tree_util.DictKey):
-                parts.append(str(k.key))
-            elif isinstance(k, jax.tree_util.SequenceKey):
-                parts.append(str(k.idx))
-            elif isinstance(k, jax.tree_util.GetAttrKey):
-                parts.append(k.name)
-            else:
-                parts.append(str(k))
-        if len(parts) > 1 and parts[-1] == "value":
-            parts.pop()
-        out.append("/".join(parts) or "<root>")
-    return out
 
 
 # ---------------------------------------------------------------------------

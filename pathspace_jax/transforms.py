@@ -22,7 +22,7 @@ def _check_every_eps(every, eps) -> None:
 
 def _zeros_like_params(space, params):
     leaves = space.leaves_of(params, "params")
-    return jax.tree_util.tree_unflatten(space.treedef, [jnp.zeros(jnp.shape(p), jnp.result_type(p)) for p in leaves])
+    return space.unflatten_like(params, [jnp.zeros(jnp.shape(p), jnp.result_type(p)) for p in leaves])
 
 
 def _current_kappa(compute, kappa, count, every: int):
@@ -55,7 +55,7 @@ def _divide_by_kappa(space, updates, kappa, eps: float):
             continue
         den = (k + eps).astype(g.dtype)
         out.append(jnp.where(den > 0, g / jnp.where(den > 0, den, jnp.ones_like(den)), jnp.zeros_like(g)))
-    return jax.tree_util.tree_unflatten(space.treedef, out)
+    return space.unflatten_like(updates, out)
 
 
 # ---------------------------------------------------------------------------- DDP-SGD
@@ -226,12 +226,12 @@ def in_path_space(
         g = space.leaves_of(updates, "updates")
         ct = compute_dtype(list(w) + list(g))
         gc, c, factors = _coords._coord_grads(space, w, g, ct)
-        gc_tree = jax.tree_util.tree_unflatten(space.treedef, [x.astype(jnp.result_type(y)) for x, y in zip(gc, g)])
-        c_tree = jax.tree_util.tree_unflatten(space.treedef, [x.astype(jnp.result_type(y)) for x, y in zip(c, w)])
+        gc_tree = space.unflatten_like(updates, [x.astype(jnp.result_type(y)) for x, y in zip(gc, g)])
+        c_tree = space.unflatten_like(params, [x.astype(jnp.result_type(y)) for x, y in zip(c, w)])
         dc, inner_state = inner.update(gc_tree, state.inner_state, c_tree, **extra_args)
         u = _coords._allocate(space, w, space.leaves_of(dc, "inner updates"), factors, ct, min_ratio, min_share)
         out = [x.astype(jnp.result_type(y)) for x, y in zip(u, g)]
-        return jax.tree_util.tree_unflatten(space.treedef, out), InPathSpaceState(inner_state=inner_state)
+        return space.unflatten_like(updates, out), InPathSpaceState(inner_state=inner_state)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

@@ -1,0 +1,100 @@
+"""Every transformation in a real nnx training loop: ``nnx.Optimizer`` inside ``nnx.jit``.
+
+``nnx.Optimizer`` calls ``tx.init`` on the ``nnx.State`` of ``nnx.Param`` variables (the structure that
+was traced) but ``tx.update`` on ``nnx.as_pure`` states (plain arrays, no ``Variable`` wrappers). The
+loop must accept both and give, step for step, the same params as the functional loop over the traced
+state.
+"""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import pathspace_jax as pj
+
+
+class _MLP(nnx.Module):
+    def __init__(self, rngs):
+        self.l1 = nnx.Linear(4, 8, rngs=rngs)
+        self.l2 = nnx.Linear(8, 6, rngs=rngs)
+        self.l3 = nnx.Linear(6, 3, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l3(jax.nn.relu(self.l2(jax.nn.relu(self.l1(x)))))
+
+
+_X = jax.random.normal(jax.random.key(0), (16, 4), jnp.float32)
+_Y = jnp.arange(16) % 3
+_TXS = {
+    "g_sgd": (lambda space: pj.g_sgd(space, 0.05, momentum=0.9), False),
+    "g_adam": (lambda space: pj.g_adam(space, 1e-2), False),
+    "path_sgd": (lambda space: pj.path_sgd(space, 0.05), False),
+    "ddp_sgd": (lambda space: pj.ddp_sgd(space, 0.05, alpha=0.5), True),
+}
+
+
+def _loss(model, x, y):
+    return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+
+
+@pytest.mark.parametrize("name", list(_TXS))
+def test_nnx_optimizer_matches_the_functional_loop(name):
+    make, needs_inputs = _TXS[name]
+    model = _MLP(nnx.Rngs(0))
+    graphdef, params = nnx.split(model, nnx.Param)
+    space = pj.trace(lambda p, x: nnx.merge(graphdef, p)(x), params, _X)
+    params = pj.skeleton_init(space, params)  # G-SGD's start (A = B = ±1); the same start for all
+    nnx.update(model, params)
+    tx = make(space)
+    kw = {"inputs": _X} if needs_inputs else {}
+
+    # nnx: the optimizer owns the state, updates the model in place
+    opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    @nnx.jit
+    def nnx_step(model, opt):
+        loss, grads = nnx.value_and_grad(_loss)(model, _X, _Y)
+        opt.update(model, grads, **kw)
+        return loss
+
+    # functional: the traced nnx.State of params through tx.init / tx.update / optax.apply_updates
+    @jax.jit
+    def step(p, s):
+        g = jax.grad(lambda p: _loss(nnx.merge(graphdef, p), _X, _Y))(p)
+        u, s = tx.update(g, s, p, **kw)
+        return optax.apply_updates(p, u), s
+
+    p, s = params, tx.init(params)
+    losses = []
+    for _ in range(5):
+        losses.append(float(nnx_step(model, opt)))
+        p, s = step(p, s)
+    chex.assert_trees_all_close(nnx.state(model, nnx.Param), p, rtol=1e-5, atol=1e-6)
+    assert losses[-1] < losses[0]
+    assert not np.allclose(nnx.state(model, nnx.Param)["l1"]["kernel"][...], params["l1"]["kernel"][...])
+
+
+def test_pure_state_and_structure_errors():
+    """The path-space maps take pure states and return their structure; other trees get a clear error."""
+    graphdef, params = nnx.split(_MLP(nnx.Rngs(0)), nnx.Param)
+    space = pj.trace(lambda p, x: nnx.merge(graphdef, p)(x), params, _X)
+    pure = nnx.as_pure(params)
+    assert jax.tree_util.tree_structure(pure) != jax.tree_util.tree_structure(params)
+    c = pj.to_coords(space, pure)
+    assert jax.tree_util.tree_structure(c) == jax.tree_util.tree_structure(pure)
+    chex.assert_trees_all_equal(c, nnx.as_pure(pj.to_coords(space, params)))
+    chex.assert_trees_all_equal(pj.path_kappa(space, pure), nnx.as_pure(pj.path_kappa(space, params)))
+
+    renamed = {"a" + k: v for k, v in nnx.to_pure_dict(pure).items()}
+    with pytest.raises(ValueError, match="structure of the params"):
+        pj.to_coords(space, renamed)
+    shorter = nnx.to_pure_dict(pure)
+    del shorter["l3"]
+    with pytest.raises(ValueError, match="structure of the params"):
+        pj.g_sgd(space, 0.1).update(shorter, optax.EmptyState(), shorter)
