@@ -476,7 +476,9 @@ def _allocate(space: PathSpace, w_leaves, dc_leaves, factors, ct, min_ratio: flo
     d_in = _node_sum(n, parts, ct)  # the update of each node's incoming skeleton coordinate
     free = jnp.asarray(sk.hidden & ~sk.in_is_gauge)
     lo = jnp.full((n,), min_ratio, ct)
-    if min_share > 0:  # the share |c_x| / s_x may not drop below min_share (nor shrink at all if already below)
+    # the share |c_x| / s_x may not drop below min_share (nor shrink at all if already below); min_share
+    # may be a tracer (optax.inject_hyperparams)
+    if isinstance(min_share, jax.core.Tracer) or min_share > 0:
         share = _skeleton_share(space, w_leaves, factors, ct)
         lo = jnp.maximum(lo, jnp.minimum(min_share * _safe_inv(share), 1))
     rho = jnp.maximum(1 + d_in * ia * ib, lo)

@@ -6,6 +6,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from pathspace_jax.graph import compute_dtype
@@ -13,11 +14,26 @@ from pathspace_jax.graph import compute_dtype
 # ---------------------------------------------------------------------------- κ scaling (Path-SGD, DDP-SGD)
 
 
+def _traced(x) -> bool:
+    """True for a hyperparameter that is a tracer (``optax.inject_hyperparams`` passes arrays): not checkable."""
+    return isinstance(x, jax.core.Tracer)
+
+
 def _check_every_eps(every, eps) -> None:
-    if not isinstance(every, int) or every < 1:
+    if not _traced(every) and (isinstance(every, bool) or np.ndim(every) or int(every) != every or every < 1):
         raise ValueError(f"every must be a positive int, got {every!r}")
-    if eps < 0:
+    if not _traced(eps) and not eps >= 0:
         raise ValueError(f"eps must be >= 0, got {eps}")
+
+
+def _check_static(where: str, **hyperparams) -> None:
+    """Refuse traced hyperparameters that select the program run (not numbers in it)."""
+    traced = [name for name, value in hyperparams.items() if _traced(value)]
+    if traced:
+        raise TypeError(
+            f"{where}: {', '.join(traced)} select the computation and must be Python values, got traced arrays; "
+            f"with optax.inject_hyperparams pass static_args={tuple(hyperparams)}"
+        )
 
 
 def _zeros_like_params(space, params):
@@ -38,7 +54,7 @@ def _current_kappa(compute, kappa, count, every: int):
     def fresh():
         return flat(jax.tree_util.tree_map(lambda a, b: a.astype(b.dtype), compute(), kappa))
 
-    if every == 1:
+    if isinstance(every, int) and every == 1:
         ks = jax.lax.optimization_barrier(fresh())
     else:
         ks = jax.lax.cond(count % every == 0, fresh, lambda: flat(kappa))
@@ -112,6 +128,7 @@ def scale_by_ddp(
     from pathspace_jax.ddp import ddp_kappa
 
     _check_every_eps(every, eps)
+    _check_static("scale_by_ddp", alpha=alpha, num_probes=num_probes)
     if estimator not in ("exact", "probes"):
         raise ValueError(f"estimator must be 'exact' or 'probes', got {estimator!r}")
 
@@ -210,9 +227,9 @@ def in_path_space(
     """
     from pathspace_jax import coords as _coords
 
-    if not 0 < min_ratio < 1:
+    if not _traced(min_ratio) and not 0 < min_ratio < 1:
         raise ValueError(f"min_ratio must be in (0, 1), got {min_ratio}")
-    if not 0 <= min_share <= 1:
+    if not _traced(min_share) and not 0 <= min_share <= 1:
         raise ValueError(f"min_share must be in [0, 1], got {min_share}")
     inner = optax.with_extra_args_support(inner)
 

@@ -98,3 +98,31 @@ def test_pure_state_and_structure_errors():
     del shorter["l3"]
     with pytest.raises(ValueError, match="structure of the params"):
         pj.g_sgd(space, 0.1).update(shorter, optax.EmptyState(), shorter)
+
+
+def test_optax_inject_hyperparams():
+    """``optax.inject_hyperparams`` turns every numeric argument into a (traced) array: the learning rate
+    in the state then acts like the constant, and DDP's program-selecting arguments get a clear error."""
+    graphdef, params = nnx.split(_MLP(nnx.Rngs(0)), nnx.Param)
+    space = pj.trace(lambda p, x: nnx.merge(graphdef, p)(x), params, _X)
+    params = nnx.as_pure(pj.skeleton_init(space, params))
+    grads = jax.grad(lambda p: _loss(nnx.merge(graphdef, p), _X, _Y))(params)
+    for name, (_, needs_inputs) in _TXS.items():
+        kw = {"inputs": _X} if needs_inputs else {}
+        factory = getattr(pj, name)
+        extra = {"alpha": 0.5} if name == "ddp_sgd" else {}
+        tx = factory(space, 0.05, **extra)
+        injected = optax.inject_hyperparams(factory)(space, learning_rate=0.5, **extra)
+        update = jax.jit(lambda g, s, p, tx=injected, kw=kw: tx.update(g, s, p, **kw))
+        if name == "ddp_sgd":
+            with pytest.raises(TypeError, match="static_args"):
+                update(grads, injected.init(params), params)
+            injected = optax.inject_hyperparams(factory, static_args=("alpha", "num_probes"))(
+                space, learning_rate=0.5, **extra
+            )
+            update = jax.jit(lambda g, s, p, tx=injected, kw=kw: tx.update(g, s, p, **kw))
+        state = injected.init(params)
+        state.hyperparams["learning_rate"] = jnp.asarray(0.05, jnp.float32)
+        want, _ = tx.update(grads, tx.init(params), params, **kw)  # 0.05 built in
+        got, _ = update(grads, state, params)
+        chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-7)
