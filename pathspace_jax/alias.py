@@ -68,9 +68,11 @@ def g_sgd(
     """G-SGD (seed 001): SGD on the basis-path values, v ← v − η ∂L/∂v, then weight allocation.
 
     ``in_path_space(optax.sgd(learning_rate, momentum, nesterov), space)``; momentum (if any) is kept
-    in path coordinates. Start from `pathspace_jax.skeleton_init` params: from a standard
-    initialisation G-SGD's effective step on a weight u -> v is η/(A_u B_v)² (products of skeleton
-    weights), far larger than SGD's, and it diverges at SGD's learning rates.
+    in path coordinates. G-SGD's effective step on a weight u -> v is η/(A_u B_v)² (A, B: products
+    along the skeleton chains), so its learning rate depends on the skeleton: with the skeleton that
+    `pathspace_jax.trace` chooses from the params' values (the default) it trains at SGD's learning
+    rates from a standard initialisation; with ``trace(..., skeleton="index")`` or abstract params,
+    start from `pathspace_jax.skeleton_init` params (A = B = ±1) instead.
 
     Args:
       space: the `PathSpace` of the network (``pathspace_jax.trace``).

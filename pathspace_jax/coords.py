@@ -348,12 +348,13 @@ def skeleton_init(space: PathSpace, params):
     """An initialisation for G-SGD: every skeleton weight (incoming and outgoing) set to ±1, its sign kept.
 
     G-SGD moves a weight ``e = u -> v`` by ``η ∂L/∂w_e / (A_u B_v)²`` (A_u, B_v: the products of the
-    weights on u's incoming and v's outgoing skeleton chains). From a standard initialisation those
-    products of several small weights make the effective step of some weights 10⁴–10⁸ times SGD's, and
-    G-SGD diverges at any learning rate that SGD tolerates. With every skeleton weight ±1, A = B = ±1:
-    the coordinates are the weights up to sign, the coordinate gradient is ±∂L/∂w at the non-skeleton
-    entries, and G-SGD trains at SGD's learning rates. This is the initialisation of Meng et al.
-    (ICLR 2019).
+    weights on u's incoming and v's outgoing skeleton chains). With the skeleton chosen by index (from
+    the graph alone: ``trace(..., skeleton="index")`` or abstract params), a chain through one small
+    initial weight makes the effective step of some weights 10⁴–10⁸ times SGD's, and G-SGD diverges at
+    any learning rate that SGD tolerates. With every skeleton weight ±1, A = B = ±1: the coordinates
+    are the weights up to sign, the coordinate gradient is ±∂L/∂w at the non-skeleton entries, and
+    G-SGD trains at SGD's learning rates. This is the initialisation of Meng et al. (ICLR 2019). With
+    the skeleton chosen from the params' values (``trace``'s default) it is not needed.
 
     It **changes the function** (it is not a rescaling: only the gauge, the outgoing skeleton weights,
     can be set by rescaling — see `canonicalize`). Call it once on freshly initialised params, never on

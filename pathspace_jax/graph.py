@@ -136,6 +136,9 @@ class PathSpace:
         computations (κ, path norms) can re-trace it.
       arg_specs: ``jax.ShapeDtypeStruct`` pytree of the positional arguments
         after ``params`` it was traced with.
+      skeleton_edges: ``(incoming, outgoing)``, per node the index into ``ravel_pytree(params)[0]`` of
+        the skeleton edge chosen from the params' values (`pathspace_jax.skeleton`), -1 where the
+        index rule decides; None: the index rule everywhere.
     """
 
     treedef: Any
@@ -144,6 +147,7 @@ class PathSpace:
     num_nodes: int
     fn: Callable[..., Any] = dataclasses.field(repr=False)
     arg_specs: Any = dataclasses.field(repr=False)
+    skeleton_edges: tuple[np.ndarray, np.ndarray] | None = dataclasses.field(default=None, repr=False)
 
     # -- sizes --------------------------------------------------------------
     @property
@@ -213,6 +217,8 @@ class PathSpace:
                 h.update(repr((leaf.path, leaf.shape, leaf.dtype, leaf.kind)).encode())
                 h.update(leaf.src.tobytes())
                 h.update(leaf.dst.tobytes())
+            for edges in self.skeleton_edges or ():
+                h.update(edges.tobytes())
             fp = h.hexdigest()
             object.__setattr__(self, "_fingerprint", fp)
         return fp

@@ -1,4 +1,4 @@
-"""The skeleton method (seed 001): skeleton edges, the gauge, and basis paths, chosen from the graph alone.
+"""The skeleton method (seed 001): skeleton edges, the gauge, and basis paths.
 
 For every **hidden** node v the skeleton holds
 
@@ -21,11 +21,21 @@ whose value is the coordinate of e (`pathspace_jax.coords`). There are m − H o
 incidence matrix has rank m − H (order the rows by depth: it is triangular on the non-gauge
 columns).
 
-Among the admissible edges the choice is deterministic, in the spirit of seed 001's Alg. 1
-(``M[j][j % n_in] = 1``): the k-th hidden node of a group takes the ``k mod n``-th admissible
-neighbour (in node order), and among parallel edges between the same two nodes (conv kernel taps)
-the middle one in flat order — the centre tap of an odd kernel. The choice depends on the graph only,
-so it commutes with rescaling.
+Which admissible edge? Two rules, both commuting with rescaling:
+
+* **by value** (`choose_by_value`; ``trace``'s default, stored in ``PathSpace.skeleton_edges``): in
+  order of depth, v takes the incoming edge ``u -> v`` with the largest ``|w_{u->v}| · |A_u|`` (A_u:
+  the product along u's chosen incoming chain), and in order of distance to the outputs the outgoing
+  edge ``v -> y`` with the largest ``|w_{v->y}| · |B_y|``. Under a rescaling all candidates of v scale
+  alike, so the choice is the same for every rescaling of the params. The chains then carry the
+  largest path values, so G-SGD's divisors ``A_u B_v`` stay away from zero. With the index rule, a
+  chain through one small initial weight makes ``A_u B_v`` tiny (10⁻⁵–10⁻⁸ at a standard init) and
+  G-SGD's step ``η g / (A_u B_v)²`` diverges at any learning rate SGD uses.
+* **by index** (from the graph alone; abstract params or ``trace(..., skeleton="index")``), in the
+  spirit of seed 001's Alg. 1 (``M[j][j % n_in] = 1``): the k-th hidden node of a group takes the
+  ``k mod n``-th admissible neighbour (in node order), and among parallel edges between the same two
+  nodes (conv kernel taps) the middle one in flat order — the centre tap of an odd kernel. It also
+  decides for nodes whose value candidates are all zero.
 
 Fallbacks, documented because they make a divisor possibly zero: a hidden node that no weight edge
 reaches from a start node may take a bias edge as its incoming skeleton edge; a hidden node with no
@@ -216,9 +226,25 @@ def _key(n, nodes, flats, node_r):
     return key
 
 
-@functools.lru_cache(maxsize=64)
-def skeleton(space: PathSpace) -> Skeleton:
-    """The skeleton of ``space`` (cached per space). See the module docstring for the rule."""
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Candidates:
+    """The edges of a space flattened over its edge leaves, and which may be skeleton edges (numpy)."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    lid: np.ndarray  # leaf index
+    flat: np.ndarray  # flat index in the leaf
+    ravel: np.ndarray  # index into ravel_pytree(params)[0] (increasing)
+    is_bias: np.ndarray
+    incoming: np.ndarray  # bool: admissible incoming skeleton edge of its dst
+    outgoing: np.ndarray  # bool: admissible outgoing skeleton edge of its src
+    depth: np.ndarray  # per node: BFS depth from the start nodes along weight edges (-1: unreachable)
+    dist: np.ndarray  # per node: BFS distance to the end nodes
+    hidden: np.ndarray
+    rank: np.ndarray  # per node: index within its group
+
+
+def _candidates(space: PathSpace) -> _Candidates:
     n = space.num_nodes
     kinds = space.node_kinds()  # 0 bias, 1 input, 2 hidden, 3 output, 4 pinned
     hidden = kinds == 2
@@ -229,27 +255,108 @@ def skeleton(space: PathSpace) -> Skeleton:
         rank[g.offset : g.offset + g.size] = np.arange(g.size)
 
     # all edges, flattened (numpy, one pass over m)
-    srcs, dsts, lids, flats = [], [], [], []
+    srcs, dsts, lids, flats, ravels = [], [], [], [], []
+    offset = 0
     for li, leaf in enumerate(space.leaves):
-        if leaf.kind == "other":
-            continue
-        srcs.append(leaf.src.reshape(-1).astype(np.int64))
-        dsts.append(leaf.dst.reshape(-1).astype(np.int64))
-        lids.append(np.full(leaf.size, li, np.int64))
-        flats.append(np.arange(leaf.size, dtype=np.int64))
+        if leaf.kind != "other":
+            srcs.append(leaf.src.reshape(-1).astype(np.int64))
+            dsts.append(leaf.dst.reshape(-1).astype(np.int64))
+            lids.append(np.full(leaf.size, li, np.int64))
+            flats.append(np.arange(leaf.size, dtype=np.int64))
+            ravels.append(offset + flats[-1])
+        offset += leaf.size
     cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, np.int64)  # noqa: E731
-    src, dst, lid, flat = cat(srcs), cat(dsts), cat(lids), cat(flats)
+    src, dst = cat(srcs), cat(dsts)
     is_bias = src == BIAS_NODE
     ok = (~is_bias) & (group[src] != group[dst])  # weight edges between different groups
-
     start = (kinds == 1) | (kinds == 4)
     end = (kinds == 3) | (kinds == 4)
     depth = _bfs(n, start, src[ok], dst[ok])
     dist = _bfs(n, end, dst[ok], src[ok])
+    return _Candidates(
+        src=src,
+        dst=dst,
+        lid=cat(lids),
+        flat=cat(flats),
+        ravel=cat(ravels),
+        is_bias=is_bias,
+        # incoming: a weight edge from a strictly shallower node; outgoing: to a node strictly closer to the end
+        incoming=ok & hidden[dst] & (depth[src] >= 0) & (depth[dst] >= 0) & (depth[src] < depth[dst]),
+        outgoing=ok & hidden[src] & (dist[dst] >= 0) & (dist[src] >= 0) & (dist[dst] < dist[src]),
+        depth=depth,
+        dist=dist,
+        hidden=hidden,
+        rank=rank,
+    )
 
-    # incoming: a weight edge from a strictly shallower node
-    sel = ok & hidden[dst] & (depth[src] >= 0) & (depth[dst] >= 0) & (depth[src] < depth[dst])
+
+def choose_by_value(space: PathSpace, leaves) -> tuple[np.ndarray, np.ndarray]:
+    """The skeleton edges of the largest path values: per node, the index into ``ravel_pytree(params)[0]``.
+
+    In order of depth, node v takes the admissible incoming edge ``u -> v`` with the largest
+    ``|w_{u->v}| · |A_u|`` (``|A_u|``: the product along u's chosen incoming chain, 1 at start nodes); in
+    order of distance to the outputs, the admissible outgoing edge ``v -> y`` with the largest
+    ``|w_{v->y}| · |B_y|``. Every candidate of v scales by the same factor (α_v, resp. 1/α_v) under a
+    node-wise rescaling, so the choice is the same for every rescaling of the params (ties go to the
+    lowest index). ``-1`` where all candidates are zero (the index rule decides there).
+
+    Args:
+      space: a `PathSpace`.
+      leaves: concrete parameter leaves (numpy-convertible), in the space's leaf order.
+
+    Returns:
+      ``(incoming, outgoing)``: int64 arrays of length ``space.num_nodes``.
+    """
+    c = _candidates(space)
+    mag = [
+        np.abs(np.asarray(w, np.float64)).reshape(-1) for w, leaf in zip(leaves, space.leaves) if leaf.kind != "other"
+    ]
+    mag = np.concatenate(mag) if mag else np.zeros(0)
+
+    def pick(sel, level, node, other, factor):
+        chosen = np.full(space.num_nodes, -1, np.int64)
+        for d in range(1, int(level.max(initial=0)) + 1):
+            e = np.flatnonzero(sel & (level[node] == d))
+            if not e.size:
+                continue
+            score = mag[e] * factor[other[e]]
+            order = np.lexsort((c.ravel[e], -score, node[e]))  # per node: largest score, then lowest index
+            first = order[np.r_[True, node[e][order][1:] != node[e][order][:-1]]]
+            best, v = e[first], node[e][first]
+            factor[v] = score[first]
+            chosen[v] = np.where(score[first] > 0, c.ravel[best], -1)
+        chosen.setflags(write=False)
+        return chosen
+
+    ones = lambda: np.ones(space.num_nodes)  # noqa: E731
+    return (
+        pick(c.incoming, c.depth, c.dst, c.src, ones()),
+        pick(c.outgoing, c.dist, c.src, c.dst, ones()),
+    )
+
+
+def _prefer(c: _Candidates, preferred, leaf, flat, other, other_end):
+    """Replace the index rule's choice by ``preferred`` (ravel indices, -1: keep) where given."""
+    if preferred is None or not (preferred >= 0).any():
+        return leaf, flat, other
+    v = np.flatnonzero(preferred >= 0)
+    k = np.searchsorted(c.ravel, preferred[v])
+    leaf, flat, other = leaf.copy(), flat.copy(), other.copy()
+    leaf[v], flat[v], other[v] = c.lid[k], c.flat[k], other_end[k]
+    return leaf, flat, other
+
+
+@functools.lru_cache(maxsize=64)
+def skeleton(space: PathSpace) -> Skeleton:
+    """The skeleton of ``space`` (cached per space). See the module docstring for the rule."""
+    n = space.num_nodes
+    c = _candidates(space)
+    src, dst, lid, flat, hidden, rank, is_bias = c.src, c.dst, c.lid, c.flat, c.hidden, c.rank, c.is_bias
+    pref_in, pref_out = space.skeleton_edges or (None, None)
+
+    sel = c.incoming
     in_leaf, in_flat, parent = _choose(n, dst[sel], src[sel], lid[sel], flat[sel], rank)
+    in_leaf, in_flat, parent = _prefer(c, pref_in, in_leaf, in_flat, parent, src)
     missing = hidden & (in_leaf < 0)
     if missing.any():  # fallback: a bias edge (documented: the divisor may then be zero)
         selb = is_bias & missing[dst]
@@ -257,9 +364,9 @@ def skeleton(space: PathSpace) -> Skeleton:
         in_leaf = np.where(missing, bl, in_leaf)
         in_flat = np.where(missing, bf, in_flat)
         parent = np.where(missing, bp, parent)
-    # outgoing: a weight edge to a node strictly closer to the end nodes
-    sel = ok & hidden[src] & (dist[dst] >= 0) & (dist[src] >= 0) & (dist[dst] < dist[src])
+    sel = c.outgoing
     out_leaf, out_flat, child = _choose(n, src[sel], dst[sel], lid[sel], flat[sel], rank)
+    out_leaf, out_flat, child = _prefer(c, pref_out, out_leaf, out_flat, child, dst)
     for name, arr in (("incoming", in_leaf), ("outgoing", out_leaf)):
         bad = np.flatnonzero(hidden & (arr < 0))
         if bad.size:

@@ -37,6 +37,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from pathspace_jax.graph import BIAS_NODE, EdgeLeaf, NodeGroup, PathSpace, leaf_path_strings
+from pathspace_jax.skeleton import choose_by_value
 
 __all__ = ["trace", "UnsupportedModelError", "leaf_path_strings"]
 
@@ -932,7 +933,7 @@ def _check_params(params) -> tuple[list[Any], Any, list[str]]:
     return leaves, treedef, paths
 
 
-def trace(fn: Callable[..., Any], params, *args, strict: bool = False, **kwargs) -> PathSpace:
+def trace(fn: Callable[..., Any], params, *args, strict: bool = False, skeleton: str = "values", **kwargs) -> PathSpace:
     """Find the reduction graph of the ReLU part of ``fn``.
 
     ``fn(params, *args, **kwargs)`` must return the network's outputs (an array or
@@ -952,6 +953,13 @@ def trace(fn: Callable[..., Any], params, *args, strict: bool = False, **kwargs)
         dtypes are used. Integer inputs are token ids (an embedding lookup).
       strict: raise `UnsupportedModelError` instead of pinning, naming the
         primitive, the source line and the parameter paths involved.
+      skeleton: how the skeleton (the basis paths of `to_coords` and G-SGD) is
+        chosen. ``"values"`` (default): per node, the incoming and outgoing edge of
+        the largest path value in ``params`` (`pathspace_jax.skeleton.choose_by_value`;
+        the same for every rescaling of ``params``), which keeps G-SGD's divisors
+        away from zero; it falls back to ``"index"`` when ``params`` are abstract
+        (``ShapeDtypeStruct``, tracers). ``"index"``: from the graph alone (seed 001's
+        ``j mod n`` pattern).
       **kwargs: static keyword arguments bound into ``fn`` (e.g. ``train=False``).
 
     Returns:
@@ -965,10 +973,19 @@ def trace(fn: Callable[..., Any], params, *args, strict: bool = False, **kwargs)
       Meng et al., "G-SGD: Optimizing ReLU neural networks in its positively
       scale-invariant space", ICLR 2019 (the reduction graph; seed 001).
     """
+    if skeleton not in ("values", "index"):
+        raise ValueError(f"skeleton must be 'values' or 'index', got {skeleton!r}")
     leaves, treedef, paths = _check_params(params)
     bound = functools.partial(fn, **kwargs) if kwargs else fn
     arg_specs = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a)), args)
-    return _run_trace(bound, leaves, treedef, paths, arg_specs, strict)[0]
+    space = _run_trace(bound, leaves, treedef, paths, arg_specs, strict)[0]
+    concrete = all(
+        isinstance(x, (np.ndarray, np.generic)) or (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer))
+        for x in leaves
+    )
+    if skeleton == "values" and concrete:
+        space = dataclasses.replace(space, skeleton_edges=choose_by_value(space, leaves))
+    return space
 
 
 @functools.lru_cache(maxsize=64)

@@ -186,6 +186,70 @@ def test_skeleton_never_uses_biases_or_recurrent_edges(spaces):
         assert (rows[kind == "bias", 0] >= 0).all()
 
 
+@pytest.mark.parametrize(
+    "name", ["mlp", "residual_cnn", "stacked_rnn_every_step", "concat_mlp", "cnn1d_stride_dilation_avgpool"]
+)
+def test_value_skeleton_takes_the_largest_paths_and_commutes_with_rescaling(name, spaces):
+    """trace's default skeleton: each node's chosen chain carries the largest |path value| among the admissible
+    edges (checked by multiplying along the chains in numpy), and a rescaled copy of the params gets the same."""
+    from pathspace_jax.skeleton import _candidates, skeleton
+
+    case, space = ZOO[name], spaces[name]
+    assert space.skeleton_edges is not None
+    q = pj.random_rescale(space, case.params, jax.random.key(5))
+    assert pj.trace(case.fn, q, case.inputs(2)) == space  # the same skeleton (it is part of the identity)
+
+    flat = np.abs(np.asarray(ravel_pytree(case.params)[0]))
+    sk = skeleton(space)
+
+    def chain_product(chains):
+        return np.prod(np.where(chains >= 0, flat[np.maximum(chains, 0)], 1.0), axis=1)
+
+    a, b = chain_product(sk.chain_in_global()), chain_product(sk.chain_out_global())
+    c = _candidates(space)
+    e = np.flatnonzero(c.incoming)
+    assert (flat[c.ravel[e]] * a[c.src[e]] <= a[c.dst[e]] * (1 + 1e-12)).all()
+    e = np.flatnonzero(c.outgoing)
+    assert (flat[c.ravel[e]] * b[c.dst[e]] <= b[c.src[e]] * (1 + 1e-12)).all()
+
+    # abstract params, or skeleton="index": the rule from the graph alone
+    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), case.params)
+    by_index = pj.trace(case.fn, case.params, case.inputs(2), skeleton="index")
+    assert by_index.skeleton_edges is None and by_index != space
+    assert pj.trace(case.fn, abstract, case.inputs(2)) == by_index
+    with pytest.raises(ValueError, match="skeleton must be"):
+        pj.trace(case.fn, case.params, case.inputs(2), skeleton="largest")
+
+
+def test_g_sgd_from_a_standard_init_trains_at_sgd_learning_rates():
+    """With the value skeleton, G-SGD's divisors (products along the chains) are the largest path values, so
+    from Flax's standard init it trains at SGD's learning rates; with the index rule it diverges."""
+    model = nn.Sequential([nn.Dense(32), nn.relu, nn.Dense(32), nn.relu, nn.Dense(4)])
+    x = jax.random.normal(jax.random.key(0), (64, 10), jnp.float32)
+    y = jnp.argmax(x[:, :4] + 0.5 * x[:, 4:8], -1)
+    params = model.init(jax.random.key(1), x)["params"]
+
+    def loss(p):
+        return optax.softmax_cross_entropy_with_integer_labels(model.apply({"params": p}, x), y).mean()
+
+    def run(tx):
+        def body(carry, _):
+            p, s = carry
+            u, s = tx.update(jax.grad(loss)(p), s, p)
+            return (optax.apply_updates(p, u), s), None
+
+        (p, _), _ = jax.jit(lambda p: jax.lax.scan(body, (p, tx.init(p)), None, length=500))(params)
+        return float(loss(p))
+
+    fn = lambda p, x: model.apply({"params": p}, x)  # noqa: E731
+    by_value, by_index = pj.trace(fn, params, x), pj.trace(fn, params, x, skeleton="index")
+    start = float(loss(params))
+    for lr in (0.05, 0.2):
+        l_sgd, l_g = run(optax.sgd(lr)), run(pj.g_sgd(by_value, lr))
+        assert np.isfinite(l_g) and l_g < 0.05 * start and l_g < 2 * l_sgd + 1e-3, (lr, l_g, l_sgd)
+        assert not run(pj.g_sgd(by_index, lr)) < start  # the index rule's chains hold near-zero weights
+
+
 # ---------------------------------------------------------------------------- G-SGD maths
 
 
