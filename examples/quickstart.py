@@ -104,8 +104,7 @@ def main():
     params = model.init(jax.random.key(0), data[0][:1])["params"]
     fn = lambda p, x: model.apply({"params": p}, x)  # noqa: E731
     space = pj.trace(fn, params, data[0][:1])
-    # G-SGD needs its skeleton weights at ±1 (Meng et al.'s initialisation); every optimiser starts there
-    params = pj.skeleton_init(space, params)
+    # the skeleton (G-SGD's basis paths) is chosen from these values: the chains of the largest path values
     print(pj.describe(space), "\n")
 
     unbalanced = pj.random_rescale(space, params, jax.random.key(1), max_exponent=args.unbalance)
