@@ -1,4 +1,7 @@
-"""Time `trace` (and `describe`) on models of about a million parameters.
+"""Time `trace` on models of about a million parameters.
+
+With abstract params (``jax.eval_shape``) the skeleton comes from the graph alone; with concrete params
+``trace`` also chooses it from their values (`pathspace_jax.skeleton.choose_by_value`), timed separately.
 
 Run: python benchmarks/bench_trace.py   -> benchmarks/results/trace.json
 """
@@ -43,15 +46,24 @@ def bench(name, model, x, repeats=5):
     t0 = time.perf_counter()
     jax.make_jaxpr(fn)(params, x)
     make_jaxpr = time.perf_counter() - t0
+    concrete = model.init(jax.random.key(0), x)["params"]
+    by_value = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        pj.trace(fn, concrete, x)
+        by_value.append(time.perf_counter() - t0)
     times.sort()
+    by_value.sort()
     row = {
         "num_params": space.num_params,
         "num_hidden": space.num_hidden,
         "trace_seconds_median": times[len(times) // 2],
+        "trace_value_skeleton_seconds_median": by_value[len(by_value) // 2],
         "make_jaxpr_seconds": make_jaxpr,
     }
     print(
         f"{name:28s} m={space.num_params:>9,d}  trace {row['trace_seconds_median']:.3f}s  "
+        f"with the value skeleton {row['trace_value_skeleton_seconds_median']:.3f}s  "
         f"(make_jaxpr alone {make_jaxpr:.3f}s)"
     )
     return row

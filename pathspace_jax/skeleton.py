@@ -319,12 +319,13 @@ def choose_by_value(space: PathSpace, leaves) -> tuple[np.ndarray, np.ndarray]:
             e = np.flatnonzero(sel & (level[node] == d))
             if not e.size:
                 continue
-            score = mag[e] * factor[other[e]]
-            order = np.lexsort((c.ravel[e], -score, node[e]))  # per node: largest score, then lowest index
-            first = order[np.r_[True, node[e][order][1:] != node[e][order][:-1]]]
-            best, v = e[first], node[e][first]
-            factor[v] = score[first]
-            chosen[v] = np.where(score[first] > 0, c.ravel[best], -1)
+            score, v_of = mag[e] * factor[other[e]], node[e]
+            best = np.full(space.num_nodes, -1.0)
+            np.maximum.at(best, v_of, score)
+            top = np.flatnonzero(score == best[v_of])  # increasing: a node's first is its lowest index
+            v, first = np.unique(v_of[top], return_index=True)
+            factor[v] = best[v]
+            chosen[v] = np.where(best[v] > 0, c.ravel[e[top[first]]], -1)
         chosen.setflags(write=False)
         return chosen
 
