@@ -54,7 +54,7 @@ import numpy as np
 
 from pathspace_jax.graph import BIAS_NODE, PathSpace
 
-__all__ = ["Skeleton", "skeleton"]
+__all__ = ["Skeleton", "skeleton", "choose_by_value"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
