@@ -112,7 +112,8 @@ def describe(space: PathSpace) -> str:
     ws = max(len("shape"), *(len(r[1]) for r in rows))
     lines = [
         f"PathSpace: {space.num_params} parameters (m), {space.num_hidden} hidden nodes (H), "
-        f"{space.num_coords} path coordinates (m - H)",
+        f"{space.num_coords} path coordinates (m - H); skeleton chosen "
+        + ("from the params' values" if space.skeleton_edges is not None else "by index (from the graph alone)"),
         "",
         f"{'parameter':<{w}}  {'shape':<{ws}}  role",
     ]

@@ -176,6 +176,14 @@ def test_describe_names_roles_and_reasons():
     text = pj.describe(rnn)
     assert "SimpleCell_0/h/kernel" in text and "(recurrent)" in text
     assert "SimpleCell_0/i/bias" in text and "bias -> g" in text
+    assert "skeleton chosen from the params' values" in text
+    by_index = pj.trace(
+        ZOO["stacked_rnn_every_step"].fn,
+        ZOO["stacked_rnn_every_step"].params,
+        ZOO["stacked_rnn_every_step"].inputs(2),
+        skeleton="index",
+    )
+    assert "skeleton chosen by index" in pj.describe(by_index)
     tanh = ZOO["tanh_mlp_partly_pinned"]
     text = pj.describe(pj.trace(tanh.fn, tanh.params, tanh.inputs(2)))
     assert "pinned: tanh" in text and "zoo.py" in text
