@@ -82,6 +82,21 @@ def _loss_fn(case):
     return jax.jit(lambda p, b: jnp.mean((case.fn(p, b[0]) - b[1]) ** 2)), (x, y)
 
 
+def _final_loss(model, x, y, tx, params, steps):
+    """Cross-entropy of ``model`` after ``steps`` full-batch steps of ``tx`` from ``params`` (one jitted scan)."""
+
+    def loss(p):
+        return optax.softmax_cross_entropy_with_integer_labels(model.apply({"params": p}, x), y).mean()
+
+    def body(carry, _):
+        p, s = carry
+        u, s = tx.update(jax.grad(loss)(p), s, p)
+        return (optax.apply_updates(p, u), s), None
+
+    (p, _), _ = jax.jit(lambda p: jax.lax.scan(body, (p, tx.init(p)), None, length=steps))(params)
+    return float(loss(p))
+
+
 # ---------------------------------------------------------------------------- structure
 
 
@@ -228,22 +243,10 @@ def test_g_sgd_from_a_standard_init_trains_at_sgd_learning_rates():
     x = jax.random.normal(jax.random.key(0), (64, 10), jnp.float32)
     y = jnp.argmax(x[:, :4] + 0.5 * x[:, 4:8], -1)
     params = model.init(jax.random.key(1), x)["params"]
-
-    def loss(p):
-        return optax.softmax_cross_entropy_with_integer_labels(model.apply({"params": p}, x), y).mean()
-
-    def run(tx):
-        def body(carry, _):
-            p, s = carry
-            u, s = tx.update(jax.grad(loss)(p), s, p)
-            return (optax.apply_updates(p, u), s), None
-
-        (p, _), _ = jax.jit(lambda p: jax.lax.scan(body, (p, tx.init(p)), None, length=500))(params)
-        return float(loss(p))
-
+    run = lambda tx: _final_loss(model, x, y, tx, params, 500)  # noqa: E731
     fn = lambda p, x: model.apply({"params": p}, x)  # noqa: E731
     by_value, by_index = pj.trace(fn, params, x), pj.trace(fn, params, x, skeleton="index")
-    start = float(loss(params))
+    start = _final_loss(model, x, y, optax.identity(), params, 0)
     for lr in (0.05, 0.2):
         l_sgd, l_g = run(optax.sgd(lr)), run(pj.g_sgd(by_value, lr))
         assert np.isfinite(l_g) and l_g < 0.05 * start and l_g < 2 * l_sgd + 1e-3, (lr, l_g, l_sgd)
@@ -603,19 +606,7 @@ def test_g_sgd_from_skeleton_init_trains_like_sgd():
     params = model.init(jax.random.key(1), x)["params"]
     space = pj.trace(lambda p, x: model.apply({"params": p}, x), params, x)
     start = pj.skeleton_init(space, params)
-
-    def loss(p):
-        return optax.softmax_cross_entropy_with_integer_labels(model.apply({"params": p}, x), y).mean()
-
-    def run(tx):
-        def body(carry, _):
-            p, s = carry
-            u, s = tx.update(jax.grad(loss)(p), s, p)
-            return (optax.apply_updates(p, u), s), None
-
-        (p, _), _ = jax.jit(lambda p: jax.lax.scan(body, (p, tx.init(p)), None, length=300))(start)
-        return float(loss(p))
-
-    l_sgd, l_g = run(optax.sgd(0.05)), run(pj.g_sgd(space, 0.05))
-    assert np.isfinite(l_g) and l_g < 0.8 * float(loss(start)), (l_g, float(loss(start)))
+    l_sgd, l_g = (_final_loss(model, x, y, tx, start, 300) for tx in (optax.sgd(0.05), pj.g_sgd(space, 0.05)))
+    l_start = _final_loss(model, x, y, optax.identity(), start, 0)
+    assert np.isfinite(l_g) and l_g < 0.8 * l_start, (l_g, l_start)
     assert l_g < 2.0 * l_sgd + 0.05, (l_g, l_sgd)
