@@ -54,7 +54,7 @@ def _current_kappa(compute, kappa, count, every: int):
     def fresh():
         return flat(jax.tree_util.tree_map(lambda a, b: a.astype(b.dtype), compute(), kappa))
 
-    if isinstance(every, int) and every == 1:
+    if not _traced(every) and every == 1:
         ks = jax.lax.optimization_barrier(fresh())
     else:
         ks = jax.lax.cond(count % every == 0, fresh, lambda: flat(kappa))
