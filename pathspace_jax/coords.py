@@ -164,6 +164,23 @@ def _get_flat(x, idx):
     return jnp.reshape(x, (-1,))[idx]
 
 
+def _map_edge_leaves(space: PathSpace, tree, leaves, ct, value, gauge):
+    """Per edge leaf x (in ``ct``): ``value(x, leaf_index)``, with ``gauge(x)`` at the gauge entries; back in the
+    leaf's dtype and in ``tree``'s structure. Leaves of kind ``"other"`` pass through."""
+    out = []
+    for x, li in zip(leaves, skeleton(space).leaves):
+        if li.kind == "other":
+            out.append(x)
+            continue
+        xc = jnp.asarray(x, ct)
+        y = value(xc, li)
+        gm = li.gauge_mask(y.shape)
+        if gm is not None:
+            y = jnp.where(gm, gauge(xc), y)
+        out.append(y.astype(jnp.result_type(x)))
+    return space.unflatten_like(tree, out)
+
+
 def _node_factors(space, leaves, dtype):
     """(A, B) node vectors from the params' leaves."""
     sk = skeleton(space)
@@ -198,21 +215,10 @@ def to_coords(space: PathSpace, params):
       Seed 001 (basis paths of the reduction graph); Meng et al., ICLR 2019.
     """
     leaves = space.leaves_of(params)
-    sk = skeleton(space)
     ct = compute_dtype(leaves)
     a, b = _node_factors(space, leaves, ct)
-    out = []
-    for w, li in zip(leaves, sk.leaves):
-        if li.kind == "other":
-            out.append(w)
-            continue
-        wc = jnp.asarray(w, ct)
-        c = wc * (_take(a, li.src_r) * _take(b, li.dst_r))
-        gm = li.gauge_mask(c.shape)
-        if gm is not None:
-            c = jnp.where(gm, wc, c)
-        out.append(c.astype(jnp.result_type(w)))
-    return space.unflatten_like(params, out)
+    coord = lambda w, li: w * (_take(a, li.src_r) * _take(b, li.dst_r))  # noqa: E731
+    return _map_edge_leaves(space, params, leaves, ct, coord, lambda w: w)
 
 
 def from_coords(space: PathSpace, coords):
@@ -237,19 +243,12 @@ def from_coords(space: PathSpace, coords):
     ct = compute_dtype(leaves)
     b = _chain_B(sk, _node_gather(space, leaves, "out", ct))
     a = _A_from_coords(sk, _node_gather(space, leaves, "in", ct), b)
-    out = []
-    for c, li in zip(leaves, sk.leaves):
-        if li.kind == "other":
-            out.append(c)
-            continue
-        cc = jnp.asarray(c, ct)
+
+    def weight(c, li):
         f = _take(a, li.src_r) * _take(b, li.dst_r)
-        w = jnp.where(f != 0, cc / jnp.where(f != 0, f, 1), 0)
-        gm = li.gauge_mask(w.shape)
-        if gm is not None:
-            w = jnp.where(gm, cc, w)
-        out.append(w.astype(jnp.result_type(c)))
-    return space.unflatten_like(coords, out)
+        return jnp.where(f != 0, c / jnp.where(f != 0, f, 1), 0)
+
+    return _map_edge_leaves(space, coords, leaves, ct, weight, lambda c: c)
 
 
 def coord_mask(space: PathSpace):
@@ -331,17 +330,8 @@ def canonicalize(space: PathSpace, params):
     ct = compute_dtype(leaves)
     b = jnp.abs(_chain_B(sk, _node_gather(space, leaves, "out", ct)))
     inv_b = _safe_inv(b)
-    out = []
-    for w, li in zip(leaves, sk.leaves):
-        if li.kind == "other":
-            out.append(w)
-            continue
-        wc = jnp.asarray(w, ct)
-        gm = li.gauge_mask(wc.shape)
-        scaled = wc * (_take(b, li.dst_r) * _take(inv_b, li.src_r))
-        wc = scaled if gm is None else jnp.where(gm, jnp.sign(wc), scaled)
-        out.append(wc.astype(jnp.result_type(w)))
-    return space.unflatten_like(params, out)
+    scaled = lambda w, li: w * (_take(b, li.dst_r) * _take(inv_b, li.src_r))  # noqa: E731
+    return _map_edge_leaves(space, params, leaves, ct, scaled, jnp.sign)
 
 
 def skeleton_init(space: PathSpace, params):
