@@ -71,298 +71,24 @@ References:
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pathspace_jax.ddp import _bind, _power, _Program, _program, _squared_op
+from pathspace_jax import jaxpr as jx
+from pathspace_jax import squared
 from pathspace_jax.graph import PathSpace, compute_dtype
+from pathspace_jax.squared import V, align, evaluate, raise_power, renorm
 
 __all__ = ["path_norm", "path_kappa", "PathKappaUnsupportedError"]
 
+
 _WHO = "path_kappa"
-_MULTIPLICATIVE = {"mul", "div", "dot_general", "conv_general_dilated"}
-# ops that make a squared scan body non-linear in its carry (κ⁽²⁾ needs linearity)
-_NONLINEAR = {"max", "min", "reduce_max", "reduce_min", "reduce_window_max", "select_n", "argmax", "sort"}
 
 
 class PathKappaUnsupportedError(ValueError):
     """Raised when a model is outside what path norms / Path-SGD's κ are computed for (see the module docstring)."""
-
-
-class _V(NamedTuple):
-    """A non-constant value of the |·|^p network: mantissa ``m`` times 2^``e`` (``e`` None: not tracked)."""
-
-    m: Any
-    e: Any
-
-
-def _is_float(x) -> bool:
-    return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
-
-
-def _renorm(v: _V) -> _V:
-    if v.e is None or not _is_float(v.m) or jnp.size(v.m) == 0:
-        return v
-    _, k = jnp.frexp(jax.lax.stop_gradient(jnp.max(jnp.abs(v.m))))
-    k = k.astype(jnp.int32)
-    return _V(jnp.ldexp(v.m, -k), v.e + k)
-
-
-def _align(vals: list) -> tuple[list, Any]:
-    """Bring every tracked float operand to the largest exponent; returns mantissas and that exponent."""
-    es = [v.e for v in vals if isinstance(v, _V) and v.e is not None and _is_float(v.m)]
-    if not es:
-        return [v.m if isinstance(v, _V) else v for v in vals], None
-    top = functools.reduce(jnp.maximum, es)
-    out = []
-    for v in vals:
-        if isinstance(v, _V):
-            out.append(jnp.ldexp(v.m, v.e - top) if v.e is not None and _is_float(v.m) else v.m)
-        else:
-            out.append(v)
-    return out, top
-
-
-def _is_relu(e, ks, vals) -> int | None:
-    """Index of the activation operand of ``max(x, 0)`` (identity on non-negative values), else None."""
-    if e.prim.name != "max" or len(vals) != 2 or sorted(ks) != ["act", "const"]:
-        return None
-    c = vals[ks.index("const")]
-    if isinstance(c, jax.core.Tracer) or np.any(np.asarray(c)):
-        return None
-    if jnp.shape(c) not in ((), jnp.shape(vals[ks.index("act")].m)):
-        return None
-    return ks.index("act")
-
-
-class _Scan(NamedTuple):
-    """What κ⁽²⁾ needs from one top-level scan (recorded during the evaluation)."""
-
-    cin: Any  # (T, n): carry entering every step (processing order as stored by scan: index order)
-    a: Any  # (n, n): carry-to-carry Jacobian of the squared body, A[out, in]
-
-
-def _evaluate(
-    prog: _Program,
-    invals: list,
-    power: float,
-    hooks: dict | None = None,
-    record: dict | None = None,
-    perturb: dict | None = None,
-):
-    """Evaluate the |·|^power network; returns the values of ``prog.out_ids``.
-
-    ``hooks`` maps the index of a top-level scan equation to a zero array (T, n) added to the carry it
-    produces at every step (its gradient is the carry adjoint ν); ``record`` receives `_Scan`s;
-    ``perturb`` maps a var to a value added to it where it is produced.
-    """
-    kinds = prog.kinds
-    env: dict[int, Any] = dict(prog.consts)
-    env.update(zip(prog.in_ids, invals, strict=True))
-
-    def rd(x):
-        return jnp.asarray(x[1]) if isinstance(x, tuple) else env[x]
-
-    for idx, e in enumerate(prog.eqns):
-        ks = [("const" if isinstance(x, tuple) else kinds[x]) for x in e.ins]
-        vals = [rd(x) for x in e.ins]
-        out_kind = kinds[e.outs[0]]
-        if e.prim.name == "scan":
-            outs = _eval_scan(e, vals, power, None if hooks is None else hooks.get(idx), record, idx)
-        elif out_kind == "const":
-            outs = _bind(e, vals)
-        elif (r := _is_relu(e, ks, vals)) is not None:
-            outs = [vals[r]]
-        else:
-            if e.prim.name in _MULTIPLICATIVE:
-                es = [v.e for v in vals if isinstance(v, _V) and v.e is not None]
-                top = functools.reduce(lambda a, b: a + b, es) if es else None
-                ms = [v.m if isinstance(v, _V) else v for v in vals]
-            else:
-                ms, top = _align(vals)
-            res = _squared_op(e, ks, ms, out_kind, power, _WHO, PathKappaUnsupportedError)
-            outs = [_renorm(_V(m, top if _is_float(m) else None)) for m in res]
-        for o, v in zip(e.outs, outs, strict=True):
-            if perturb is not None and o in perturb:
-                v = _V(v.m + perturb[o].astype(v.m.dtype), v.e)
-            env[o] = v
-    return [rd(x) for x in prog.out_ids]
-
-
-def _to_v(x, power: float, stable: bool, dtype) -> _V:
-    """A constant entering a non-constant slot (a scan's zero initial carry): raise it to ``power``."""
-    if isinstance(x, _V):
-        return x
-    x = jnp.asarray(x)
-    m = _power(x if _is_float(x) else x.astype(dtype), power)
-    return _renorm(_V(m, jnp.zeros((), jnp.int32) if stable else None))
-
-
-def _eval_scan(e, vals, power, pert, record, idx):
-    bp: _Program = e.params["_body"]
-    nc, ncar = e.params["num_consts"], e.params["num_carry"]
-    length, reverse = e.params["length"], e.params["reverse"]
-    bk = [bp.kinds[i] for i in bp.in_ids]
-    stable = any(isinstance(v, _V) and v.e is not None for v in vals)
-    fdt = next((v.m.dtype for v in vals if isinstance(v, _V) and _is_float(v.m)), jnp.float32)
-    consts = vals[:nc]
-    init = [_to_v(v, power, stable, fdt) if bk[nc + j] != "const" else v for j, v in enumerate(vals[nc : nc + ncar])]
-    xs = vals[nc + ncar :]
-    xs_m = [v.m if isinstance(v, _V) else v for v in xs]
-    carry_out_ids = bp.out_ids[:ncar]
-    act_carry = [j for j in range(ncar) if bk[nc + j] != "const"]
-    shapes = [jnp.shape(init[j].m) for j in act_carry]
-    sizes = [int(np.prod(s, dtype=np.int64)) for s in shapes]
-
-    def flat(cs):
-        return jnp.concatenate([jnp.ravel(c) for c in cs]) if cs else jnp.zeros((0,), fdt)
-
-    def unflat(vec):
-        out, o = [], 0
-        for s, n in zip(shapes, sizes, strict=True):
-            out.append(vec[o : o + n].reshape(s))
-            o += n
-        return out
-
-    if pert is not None:
-        _check_linear_body(bp)
-
-    def body_out(carry_v, x_m, perturb_vec=None):
-        x_v = [_V(m, v.e) if isinstance(v, _V) else m for m, v in zip(x_m, xs, strict=True)]
-        perturb = None
-        if perturb_vec is not None:
-            perturb = dict(zip([carry_out_ids[j] for j in act_carry], unflat(perturb_vec), strict=True))
-        return _eval_body(bp, list(consts) + list(carry_v) + x_v, power, perturb)
-
-    def step(carry, x):
-        x_m, p_t = x
-        carry_v = [_V(*c) if isinstance(c, tuple) else c for c in carry]
-        outs = body_out(carry_v, x_m, p_t)
-        new = []
-        for j in range(ncar):
-            o = outs[j]
-            if bk[nc + j] != "const":
-                o = _to_v(o, power, stable, fdt)
-                new.append(tuple(o))
-            else:
-                new.append(o)
-        ys = []
-        for o in outs[ncar:]:
-            ys.append(tuple(o) if isinstance(o, _V) else (o, None))
-        if p_t is not None:
-            ys.append((jax.lax.stop_gradient(flat([carry_v[j].m for j in act_carry])), None))
-        return new, ys
-
-    init_c = [tuple(v) if isinstance(v, _V) else v for v in init]
-    carry, ys = jax.lax.scan(step, init_c, (xs_m, pert), length=length, reverse=reverse)
-    outs = [_V(*c) if isinstance(c, tuple) else c for c in carry]
-    if pert is not None:
-        cin = ys.pop()[0]
-        cv = list(init)
-        x0 = [jax.lax.stop_gradient(m[0]) for m in xs_m]
-
-        def carry_map(vec, cs, xv):
-            body_in = list(cv)
-            for j, c in zip(act_carry, unflat(vec), strict=True):
-                body_in[j] = _V(c, None)
-            xv = [_V(m, None) if isinstance(v, _V) else m for m, v in zip(xv, xs, strict=True)]
-            o = _evaluate(bp, list(cs) + body_in + xv, power)
-            return flat([o[j].m if isinstance(o[j], _V) else jnp.asarray(o[j], fdt) for j in act_carry])
-
-        n = sum(sizes)
-        cs = [jax.lax.stop_gradient(c) for c in consts]  # A carries no gradient
-        a = jax.jacfwd(carry_map)(jnp.zeros((n,), fdt), cs, x0)
-        record[idx] = _Scan(cin, a)
-        record[("entries", idx)] = _recurrent_entries(e, bp, consts, xs_m, act_carry, carry_map, n, fdt)
-    for y_m, y_e in ys:
-        if y_e is None:
-            outs.append(_V(y_m, None) if _is_float(y_m) else y_m)
-            continue
-        top = jnp.max(y_e)
-        shift = (y_e - top).reshape((-1,) + (1,) * (jnp.ndim(y_m) - 1))
-        outs.append(_renorm(_V(jnp.ldexp(y_m, shift), top)))
-    return outs
-
-
-def _eval_body(bp: _Program, invals: list, power: float, perturb: dict | None):
-    """`_evaluate` for a scan body, adding ``perturb[v]`` to the value of var v where it is produced."""
-    if perturb:
-        produced = {o for e in bp.eqns for o in e.outs}
-        if set(perturb) - produced:
-            raise PathKappaUnsupportedError(
-                f"{_WHO}(second_order=True): a scan carry is passed through its body unchanged; the exact κ⁽²⁾ "
-                "is implemented for bodies that compute every carry (use second_order=False)"
-            )
-    return _evaluate(bp, invals, power, perturb=perturb)
-
-
-def _check_linear_body(bp: _Program) -> None:
-    for e in bp.eqns:
-        if bp.kinds[e.outs[0]] == "const":
-            continue
-        if e.prim.name == "scan":
-            raise PathKappaUnsupportedError(
-                f"{_WHO}(second_order=True): nested scan at {e.where}; the exact κ⁽²⁾ is implemented for one level "
-                "of recurrence (use second_order=False for κ⁽¹⁾)"
-            )
-        if e.prim.name in _NONLINEAR:
-            zero = any(isinstance(x, tuple) and not np.any(np.asarray(x[1])) for x in e.ins)
-            if not (e.prim.name == "max" and zero):
-                raise PathKappaUnsupportedError(
-                    f"{_WHO}(second_order=True): {e.prim.name} at {e.where} makes the squared recurrent body "
-                    "non-linear in its carry; the exact κ⁽²⁾ needs a ReLU cell (use second_order=False)"
-                )
-
-
-def _recurrent_entries(e, bp, consts, xs_m, act_carry, carry_map, n, fdt) -> list:
-    """For each parameter const of the scan that maps carry to carry: (const position, src, dst, mask).
-
-    Probes the squared body with concrete all-ones parameters: ∂c_out/∂p̃_e with the carry set to 1 and
-    to (1, 2, …, n), minus its value at carry 0, must be one unit entry at row dst_e, equal to src_e + 1
-    (an entry that adds p̃_e · c[src_e] to c_out[dst_e]); any other pattern is refused for κ⁽²⁾.
-    """
-    nc = e.params["num_consts"]
-    bk = [bp.kinds[i] for i in bp.in_ids]
-    found = []
-    with jax.ensure_compile_time_eval():
-        cs = [jnp.ones(jnp.shape(c.m if isinstance(c, _V) else c), fdt) for c in consts]
-        x0 = [jnp.ones(jnp.shape(m)[1:], jnp.result_type(m)) for m in xs_m]
-        for j in range(nc):
-            if bk[j] != "param":
-                continue
-
-            def jac(carry, j=j):
-                def f(pj):
-                    c2 = list(cs)
-                    c2[j] = pj
-                    return carry_map(carry, c2, x0)
-
-                return np.asarray(jax.jacrev(f)(cs[j])).reshape(n, -1)
-
-            d0 = jac(jnp.zeros((n,), fdt))
-            d1 = jac(jnp.ones((n,), fdt)) - d0
-            d2 = jac(jnp.arange(1, n + 1, dtype=fdt)) - d0
-            if not np.any(d1):
-                continue
-            nz = d1 != 0
-            cols = nz.any(axis=0)
-            dst = np.argmax(nz, axis=0)
-            src = np.rint(d2[dst, np.arange(d2.shape[1])]).astype(np.int64) - 1
-            ok = (nz.sum(axis=0) <= 1) & (~cols | (d1[dst, np.arange(d1.shape[1])] == 1.0))
-            ok &= ~cols | ((src >= 0) & (src < n) & (np.count_nonzero(d2, axis=0) <= 1))
-            if not ok.all():
-                raise PathKappaUnsupportedError(
-                    f"{_WHO}(second_order=True): the scan at {e.where} uses a parameter (its const #{j}) for carry-"
-                    "to-carry connections other than single entries (e.g. a convolutional or two-layer recurrence); "
-                    "the exact κ⁽²⁾ is implemented for dense recurrent kernels (use second_order=False)"
-                )
-            shape = jnp.shape(cs[j])
-            found.append((j, np.where(cols, src, 0).reshape(shape), np.where(cols, dst, 0).reshape(shape),
-                          cols.reshape(shape)))  # fmt: skip
-    return found
 
 
 def _lag_sum(cin, nu, a):
@@ -411,7 +137,9 @@ def _setup(space, leaves):
     specs = jax.tree_util.tree_leaves(space.arg_specs)
     input_key = tuple(((1, *tuple(x.shape)[1:]), str(jnp.dtype(dt))) for x in specs)
     param_key = tuple((tuple(p.shape), str(p.dtype)) for p in leaves)
-    prog = _program(space, param_key, input_key, allow_scan=True, inline_custom=True)
+    prog = squared.program(
+        space, param_key, input_key, who=_WHO, err=PathKappaUnsupportedError, allow_scan=True, inline_custom=True
+    )
     ones = [jnp.ones(s, dt) for s, _ in input_key]
     return dt, leaves, prog, ones
 
@@ -431,12 +159,12 @@ def _live(eqns, out_ids) -> list:
     return kept[::-1]
 
 
-def _check_second_order(prog: _Program) -> None:
+def _check_second_order(prog: squared._Program) -> None:
     """Weight tying (one parameter used by two operations) puts it twice on some paths: refuse for κ⁽²⁾."""
     todo = [(set(prog.in_ids[: prog.n_params]), prog, "")]
     for e in prog.eqns:
         if e.prim.name == "scan":
-            bp = e.params["_body"]
+            bp = e.body
             todo.append(({i for i in bp.in_ids if bp.kinds[i] == "param"}, bp, f" (scan body at {e.where})"))
     for p_ids, pr, where in todo:
         uses: dict[int, int] = {}
@@ -502,21 +230,21 @@ def _kappa_jit(space, leaves, second_order):
         for idx, e in enumerate(prog.eqns):
             if e.prim.name != "scan":
                 continue
-            bp = e.params["_body"]
-            nc, ncar = e.params["num_consts"], e.params["num_carry"]
+            bp = e.body
+            nc, ncar = e.scan.num_consts, e.scan.num_carry
             if not any(bp.kinds[i] == "param" for i in bp.in_ids[:nc]):
                 continue
-            avals = e.params["jaxpr"].in_avals[nc : nc + ncar]
+            avals = jx.in_avals(e.scan.body)[nc : nc + ncar]
             n = sum(int(np.prod(a.shape, dtype=np.int64)) for a, i in zip(avals, bp.in_ids[nc:], strict=False)
                     if bp.kinds[i] != "const")  # fmt: skip
-            perts[idx] = jnp.zeros((e.params["length"], n), dt)
+            perts[idx] = jnp.zeros((e.scan.length, n), dt)
     static: dict = {}
 
     def g_of(sq, perts):
         rec: dict = {}
-        vals = [_V(s, None) for s in sq] + [_V(o, None) for o in ones]
-        outs = _act_outputs(prog, _evaluate(prog, vals, 2.0, hooks=perts, record=rec))
-        total = sum(jnp.sum(o.m if isinstance(o, _V) else o) for o in outs)
+        vals = [V(s, None) for s in sq] + [V(o, None) for o in ones]
+        outs = _act_outputs(prog, evaluate(prog, vals, 2.0, hooks=perts, record=rec))
+        total = sum(jnp.sum(o.m if isinstance(o, V) else o) for o in outs)
         static.update({k: v for k, v in rec.items() if isinstance(k, tuple)})
         return total, {k: v for k, v in rec.items() if not isinstance(k, tuple)}
 
@@ -527,7 +255,7 @@ def _kappa_jit(space, leaves, second_order):
     for idx, sc in rec.items():
         e = prog.eqns[idx]
         cin, nu = sc.cin, nus[idx]
-        if e.params["reverse"]:
+        if e.scan.reverse:
             cin, nu = cin[::-1], nu[::-1]
         q = _lag_sum(cin, nu, sc.a)
         for j, src, dst, mask in static[("entries", idx)]:
@@ -585,13 +313,13 @@ def path_norm(space: PathSpace, params, p: float = 2.0):
 def _norm_jit(space, leaves, p):
     dt, ps, prog, ones = _setup(space, leaves)
     zero = jnp.zeros((), jnp.int32)
-    vals = [_renorm(_V(_power(w, p), zero)) for w in ps] + [_V(o, zero) for o in ones]
-    outs = _act_outputs(prog, _evaluate(prog, vals, p))
-    sums = [_renorm(_V(jnp.sum(o.m), o.e if o.e is not None else zero)) for o in outs if isinstance(o, _V)]
-    sums += [_V(jnp.sum(jnp.abs(o)), zero) for o in outs if not isinstance(o, _V)]
+    vals = [renorm(V(raise_power(w, p), zero)) for w in ps] + [V(o, zero) for o in ones]
+    outs = _act_outputs(prog, evaluate(prog, vals, p))
+    sums = [renorm(V(jnp.sum(o.m), o.e if o.e is not None else zero)) for o in outs if isinstance(o, V)]
+    sums += [V(jnp.sum(jnp.abs(o)), zero) for o in outs if not isinstance(o, V)]
     if not sums:
         return jnp.zeros((), dt)
-    ms, top = _align(sums)
+    ms, top = align(sums)
     total = functools.reduce(jnp.add, ms)
     a = jnp.floor(top.astype(dt) / p).astype(jnp.int32)
     b = (top - a).astype(dt) / p if p == 1.0 else (top.astype(dt) - a.astype(dt) * p) / p

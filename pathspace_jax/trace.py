@@ -34,8 +34,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend import core as jcore
 
+from pathspace_jax import jaxpr as jx
 from pathspace_jax.graph import BIAS_NODE, EdgeLeaf, NodeGroup, PathSpace, leaf_path_strings
 from pathspace_jax.skeleton import choose_by_value
 
@@ -44,15 +44,6 @@ __all__ = ["trace", "UnsupportedModelError", "leaf_path_strings"]
 
 class UnsupportedModelError(ValueError):
     """Raised by ``trace(..., strict=True)`` when part of the model is not homogeneous."""
-
-
-def _source(eqn) -> str:
-    try:
-        from jax._src import source_info_util
-
-        return source_info_util.summarize(eqn.source_info)
-    except Exception:  # pragma: no cover - private API drift
-        return "<unknown source>"
 
 
 # ---------------------------------------------------------------------------
@@ -199,7 +190,6 @@ _NONLINEAR_UNARY = {
 }  # fmt: skip
 _DEGREE0_UNARY = {"sign", "is_finite", "not", "stop_gradient"}
 _COMPARE = {"eq", "ne", "lt", "le", "gt", "ge"}
-_CALL_KEYS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 _RANDOM_PREFIX = ("random_", "threefry", "rng_")
 
 
@@ -212,13 +202,11 @@ class _Interpreter:
         self.leaf_axes: list[list[list[int]]] = []
         self.step = 0
         self.eqn = None
-        self.vals: dict[Any, _Val] = {}  # every Var seen, in every (sub-)jaxpr
-        self.root_group: dict[int, int] = {}  # atom root -> group index, filled by _build
 
     # -- helpers -------------------------------------------------------------
     def reason(self, what: str = "") -> str:
         name = self.eqn.primitive.name if self.eqn is not None else "?"
-        where = _source(self.eqn) if self.eqn is not None else ""
+        where = jx.where(self.eqn) if self.eqn is not None else ""
         return f"{name}{': ' + what if what else ''} at {where}"
 
     def fresh(self, shape, *, position=False, input=False) -> list[list[int]]:
@@ -244,12 +232,12 @@ class _Interpreter:
 
     # -- running jaxprs ------------------------------------------------------
     def read(self, env, x) -> _Val:
-        if isinstance(x, jcore.Literal):
-            val = np.asarray(x.val)
+        if jx.is_literal(x):
+            val = jx.literal_value(x)
             return _Val(CONST, self.fresh(np.shape(val)), zero=not np.any(val))
         return env[x]
 
-    def run(self, jaxpr: jcore.Jaxpr, consts: Sequence[_Val], args: Sequence[_Val]) -> list[_Val]:
+    def run(self, jaxpr: jx.Jaxpr, consts: Sequence[_Val], args: Sequence[_Val]) -> list[_Val]:
         env: dict[Any, _Val] = {}
         for var, val in zip(jaxpr.constvars, consts):
             env[var] = val
@@ -264,14 +252,14 @@ class _Interpreter:
                 shape = getattr(var.aval, "shape", ())
                 assert len(val.axes) == len(shape), (eqn.primitive.name, val.axes, shape)
                 env[var] = val
-        self.vals.update(env)
         return [self.read(env, x) for x in jaxpr.outvars]
 
-    def run_closed(self, cj, args: Sequence[_Val]) -> list[_Val]:
-        if isinstance(cj, jcore.ClosedJaxpr):
-            consts = [self.const_val(c) for c in cj.consts]
-            return self.run(cj.jaxpr, consts, args)
-        return self.run(cj, [], args)
+    def run_closed(self, cj: jx.ClosedJaxpr, args: Sequence[_Val]) -> list[_Val]:
+        """Run a sub-jaxpr (``self.eqn`` is restored afterwards: reasons name the calling equation's line)."""
+        eqn = self.eqn
+        outs = self.run(cj.jaxpr, [self.const_val(c) for c in cj.consts], args)
+        self.eqn = eqn
+        return outs
 
     def const_val(self, c) -> _Val:
         shape = np.shape(c)
@@ -295,17 +283,10 @@ class _Interpreter:
             return [self.degree0(eqn, ins)]
         if name.startswith(_RANDOM_PREFIX) or name in ("iota", "empty", "stop_gradient"):
             return [_Val(CONST, self.fresh(v.aval.shape)) for v in eqn.outvars]
-        sub = next((eqn.params[k] for k in _CALL_KEYS if k in eqn.params), None)
-        if sub is not None and isinstance(sub, (jcore.Jaxpr, jcore.ClosedJaxpr)):
-            return self.call(eqn, sub, ins)
+        sub = jx.call_body(eqn)  # jit, custom_jvp_call, custom_vjp_call, checkpoint, ...: entered
+        if sub is not None:
+            return self.run_closed(sub, ins)
         return self.unknown(eqn, ins)
-
-    def call(self, eqn, sub, ins):
-        inner = sub.jaxpr if isinstance(sub, jcore.ClosedJaxpr) else sub
-        if len(inner.invars) != len(ins) or len(inner.outvars) != len(eqn.outvars):
-            return self.unknown(eqn, ins)
-        outs = self.run_closed(sub, ins)
-        return outs
 
     def unknown(self, eqn, ins):
         why = "not known to be positively homogeneous"
@@ -465,8 +446,8 @@ class _Interpreter:
         """Factors are matched right to left (numpy's broadcasting convention), so
         ``(C,) -> (1, C)`` keeps the parameter's atom on the last axis."""
         v = ins[0]
-        new_sizes = eqn.params["new_sizes"]
-        if eqn.params.get("dimensions") is not None:
+        new_sizes = jx.param(eqn, "new_sizes")
+        if jx.param(eqn, "dimensions", None) is not None:
             return self.unknown(eqn, ins)
         flat = [x for ax in v.axes for a in ax for x in self._ids(a)]
         scalars = list(v.scalars)
@@ -515,7 +496,7 @@ class _Interpreter:
 
     def rule_squeeze(self, eqn, ins):
         v = ins[0]
-        dims = {d % len(v.axes) for d in eqn.params["dimensions"]}
+        dims = {d % len(v.axes) for d in jx.param(eqn, "dimensions")}
         gone = [a for k in sorted(dims) for a in v.axes[k]]
         return [
             dataclasses.replace(v, axes=[ax for k, ax in enumerate(v.axes) if k not in dims], scalars=v.scalars + gone)
@@ -523,14 +504,14 @@ class _Interpreter:
 
     def rule_transpose(self, eqn, ins):
         v = ins[0]
-        return [dataclasses.replace(v, axes=[v.axes[p] for p in eqn.params["permutation"]])]
+        return [dataclasses.replace(v, axes=[v.axes[p] for p in jx.param(eqn, "permutation")])]
 
     def rule_broadcast_in_dim(self, eqn, ins):
         v = ins[0]
-        shape = eqn.params["shape"]
+        shape = jx.param(eqn, "shape")
         out = self.fresh(shape)
         in_shape = eqn.invars[0].aval.shape
-        for k, d in enumerate(eqn.params["broadcast_dimensions"]):
+        for k, d in enumerate(jx.param(eqn, "broadcast_dimensions")):
             if in_shape[k] == shape[d]:
                 out[d] = list(v.axes[k])
         return [dataclasses.replace(v, axes=out)]
@@ -557,7 +538,7 @@ class _Interpreter:
 
     def rule_rev(self, eqn, ins):
         v = ins[0]
-        keep = [k not in eqn.params["dimensions"] for k in range(len(v.axes))]
+        keep = [k not in jx.param(eqn, "dimensions") for k in range(len(v.axes))]
         return [self._reslice(eqn, v, keep, eqn.outvars[0].aval.shape, "reverses the nodes of a group")]
 
     def rule_dynamic_slice(self, eqn, ins):
@@ -568,7 +549,7 @@ class _Interpreter:
         if v.kind == ACT and not pad.zero:
             self.pin(v, "pads with a non-zero value")
         out_shape = eqn.outvars[0].aval.shape
-        keep = [cfg == (0, 0, 0) for cfg in eqn.params["padding_config"]]
+        keep = [cfg == (0, 0, 0) for cfg in jx.param(eqn, "padding_config")]
         return [self._reslice(eqn, v, keep, out_shape, "pads an axis")]
 
     def rule_dynamic_update_slice(self, eqn, ins):
@@ -590,7 +571,7 @@ class _Interpreter:
         return [_Val(kind, out)]
 
     def rule_concatenate(self, eqn, ins):
-        dim = eqn.params["dimension"]
+        dim = jx.param(eqn, "dimension")
         shape = eqn.outvars[0].aval.shape
         acts = [v for v in ins if v.kind == ACT]
         for v in ins:
@@ -625,7 +606,7 @@ class _Interpreter:
 
     def rule_split(self, eqn, ins):
         v = ins[0]
-        axis = eqn.params["axis"]
+        axis = jx.param(eqn, "axis")
         outs = []
         for var in eqn.outvars:
             shape = var.aval.shape
@@ -635,8 +616,8 @@ class _Interpreter:
 
     def rule_gather(self, eqn, ins):
         op, idx = ins[0], ins[1]
-        dn = eqn.params["dimension_numbers"]
-        slice_sizes = eqn.params["slice_sizes"]
+        dn = jx.param(eqn, "dimension_numbers")
+        slice_sizes = jx.param(eqn, "slice_sizes")
         in_shape = eqn.invars[0].aval.shape
         out_shape = eqn.outvars[0].aval.shape
         if idx.kind != CONST or dn.operand_batching_dims:
@@ -678,7 +659,7 @@ class _Interpreter:
     # -- reductions and pooling ------------------------------------------------
     def _reduce(self, eqn, ins, why):
         v = ins[0]
-        axes = set(eqn.params["axes"])
+        axes = set(jx.param(eqn, "axes"))
         self.mark_other(v, "reduced")
         gone = []
         for k in axes:
@@ -702,7 +683,7 @@ class _Interpreter:
 
     def rule_argmax(self, eqn, ins):
         v = ins[0]
-        axes = set(eqn.params["axes"])
+        axes = set(jx.param(eqn, "axes"))
         return [_Val(CONST, [ax for k, ax in enumerate(v.axes) if k not in axes])]
 
     rule_argmin = rule_argmax
@@ -710,24 +691,21 @@ class _Interpreter:
     def _cumulative(self, eqn, ins):
         v = ins[0]
         self.mark_other(v, "cumulative op")
-        self.atoms.pin(v.axes[eqn.params["axis"]], self.reason("accumulates along the nodes of a group"))
+        self.atoms.pin(v.axes[jx.param(eqn, "axis")], self.reason("accumulates along the nodes of a group"))
         return [dataclasses.replace(v, kind=v.kind if v.kind != PARAM else CONST)]
 
     rule_cumsum = rule_cummax = rule_cummin = _cumulative
 
     def _pool(self, eqn, ins):
         v = ins[0]
-        p = eqn.params
+        windows, strides, padding = (jx.param(eqn, k) for k in ("window_dimensions", "window_strides", "padding"))
         out_shape = eqn.outvars[0].aval.shape
         in_shape = eqn.invars[0].aval.shape
         self.mark_other(v, "pooled")
         keep = []
         for k in range(len(out_shape)):
             trivial = (
-                p["window_dimensions"][k] == 1
-                and p["window_strides"][k] == 1
-                and tuple(p["padding"][k]) == (0, 0)
-                and in_shape[k] == out_shape[k]
+                windows[k] == 1 and strides[k] == 1 and tuple(padding[k]) == (0, 0) and in_shape[k] == out_shape[k]
             )
             keep.append(trivial)
             if not trivial:
@@ -743,7 +721,7 @@ class _Interpreter:
     # -- linear maps with parameters ------------------------------------------------
     def rule_dot_general(self, eqn, ins):
         lhs, rhs = ins
-        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+        (lc, rc), (lb, rb) = jx.param(eqn, "dimension_numbers")
         lfree = [k for k in range(len(lhs.axes)) if k not in lc and k not in lb]
         rfree = [k for k in range(len(rhs.axes)) if k not in rc and k not in rb]
         out = [list(lhs.axes[k]) for k in lb] + [list(lhs.axes[k]) for k in lfree] + [list(rhs.axes[k]) for k in rfree]
@@ -785,15 +763,14 @@ class _Interpreter:
 
     def rule_conv_general_dilated(self, eqn, ins):
         lhs, rhs = ins
-        p = eqn.params
-        dn = p["dimension_numbers"]
+        dn = jx.param(eqn, "dimension_numbers")
         lspec, rspec, ospec = dn.lhs_spec, dn.rhs_spec, dn.out_spec
         out_shape = eqn.outvars[0].aval.shape
         out = [[] for _ in out_shape]
         out[ospec[0]] = list(lhs.axes[lspec[0]])
         for k in ospec[2:]:
             out[k] = [self.atoms.new(out_shape[k], position=True)]
-        grouped = p["feature_group_count"] != 1 or p["batch_group_count"] != 1
+        grouped = jx.param(eqn, "feature_group_count") != 1 or jx.param(eqn, "batch_group_count") != 1
         if rhs.kind == PARAM and lhs.kind in (ACT, CONST) and not grouped:
             self.atoms.unify(lhs.axes[lspec[1]], rhs.axes[rspec[1]], self.reason())
             self.use(rhs, rhs.axes[rspec[1]], "in")
@@ -843,8 +820,8 @@ class _Interpreter:
                     self.mark_other(co, "carried through a loop")
 
     def rule_scan(self, eqn, ins):
-        p = eqn.params
-        nc, nk = p["num_consts"], p["num_carry"]
+        sc = jx.scan(eqn)
+        nc, nk = sc.num_consts, sc.num_carry
         consts, init, xs = ins[:nc], ins[nc : nc + nk], ins[nc + nk :]
         carry = [self._carry_in(v) for v in init]
         body_xs = []
@@ -857,12 +834,9 @@ class _Interpreter:
                 body_xs.append(_Val(CONST, [list(ax) for ax in v.axes[1:]]))
             else:
                 body_xs.append(dataclasses.replace(v, axes=[list(ax) for ax in v.axes[1:]]))
-        eqn_saved = self.eqn
-        outs = self.run_closed(p["jaxpr"], list(consts) + carry + body_xs)
-        self.eqn = eqn_saved
+        outs = self.run_closed(sc.body, list(consts) + carry + body_xs)
         self._tie_carry(init, carry, outs[:nk])
-        length = p["length"]
-        time = [self.atoms.new(length, position=True)]
+        time = [self.atoms.new(sc.length, position=True)]
         ys = [
             dataclasses.replace(v, axes=[list(time)] + v.axes, kind=v.kind if v.kind != PARAM else CONST)
             for v in outs[nk:]
@@ -870,23 +844,17 @@ class _Interpreter:
         return carry + ys
 
     def rule_while(self, eqn, ins):
-        p = eqn.params
-        cn, bn = p["cond_nconsts"], p["body_nconsts"]
+        w = jx.while_loop(eqn)
+        cn, bn = w.cond_nconsts, w.body_nconsts
         bconsts, init = ins[cn : cn + bn], ins[cn + bn :]
         carry = [self._carry_in(v) for v in init]
-        eqn_saved = self.eqn
-        outs = self.run_closed(p["body_jaxpr"], list(bconsts) + carry)
-        self.eqn = eqn_saved
+        outs = self.run_closed(w.body, list(bconsts) + carry)
         self._tie_carry(init, carry, outs)
         return carry
 
     def rule_cond(self, eqn, ins):
         ops = ins[1:]
-        results = []
-        eqn_saved = self.eqn
-        for br in eqn.params["branches"]:
-            results.append(self.run_closed(br, ops))
-            self.eqn = eqn_saved
+        results = [self.run_closed(br, ops) for br in jx.cond_branches(eqn)]
         outs = []
         for vals in zip(*results):
             acts = [v for v in vals if v.kind == ACT]
@@ -898,15 +866,6 @@ class _Interpreter:
                     self.atoms.unify(a, b, self.reason("branches of cond"))
             outs.append(acts[0])
         return outs
-
-    def rule_custom_jvp_call(self, eqn, ins):
-        return self.call(eqn, eqn.params["call_jaxpr"], ins)
-
-    def rule_custom_vjp_call(self, eqn, ins):
-        sub = eqn.params.get("call_jaxpr", eqn.params.get("fun_jaxpr"))
-        return self.call(eqn, sub, ins)
-
-    rule_custom_vjp_call_jaxpr = rule_custom_vjp_call
 
 
 # ---------------------------------------------------------------------------
@@ -986,23 +945,6 @@ def trace(fn: Callable[..., Any], params, *args, strict: bool = False, skeleton:
     if skeleton == "values" and concrete:
         space = dataclasses.replace(space, skeleton_edges=choose_by_value(space, leaves))
     return space
-
-
-@functools.lru_cache(maxsize=64)
-def analyze(space: PathSpace) -> tuple[jcore.ClosedJaxpr, _Interpreter]:
-    """Re-trace ``space.fn`` and return its jaxpr with the interpreter that labelled it.
-
-    For code that walks the jaxpr again (the squared network of κ, the
-    data-dependent recursion of DDP): ``interp.vals[var]`` is the abstract value
-    of every variable (its ``kind`` and, per axis, atoms), ``interp.atoms.find``
-    gives an atom's root and ``interp.root_group[root]`` the index into
-    ``space.groups`` of the node group it belongs to (absent for positions:
-    batch, time, space). The jaxpr takes ``(param leaves list, args tuple)``.
-    """
-    leaves = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in space.leaves]
-    paths = [leaf.path for leaf in space.leaves]
-    _, closed, interp = _run_trace(space.fn, leaves, space.treedef, paths, space.arg_specs, False)
-    return closed, interp
 
 
 def _run_trace(bound, leaves, treedef, paths, arg_specs, strict):
@@ -1146,8 +1088,6 @@ def _build(interp: _Interpreter, treedef, leaves, paths, fn, arg_specs, strict) 
             kind = "hidden"
         groups.append(NodeGroup(f"g{gi}", size, kind, offset, reasons if kind != "input" else ()))
         key_index[key] = gi
-        if len(key) == 1:
-            interp.root_group[key[0]] = gi
         offset += size
     num_nodes = offset
     offsets = np.array([g.offset for g in groups])

@@ -1,0 +1,225 @@
+"""The one module that reads JAX's internal jaxpr format.
+
+Everything else in pathspace_jax (the structure interpreter in `pathspace_jax.trace`, the |·|^p network
+of `pathspace_jax.squared`, DDP's forward pass) reads jaxprs through the functions here: equation
+parameters (`param`), literals, source lines, the sub-jaxprs of call-like primitives, and how ``scan``,
+``while`` and ``cond`` split their operands. The format changes between JAX releases; this module knows
+each layout by what an equation holds, never by comparing version strings:
+
+=====================  ==========================================  ==========================================
+what                   JAX 0.10                                    JAX 0.11+
+=====================  ==========================================  ==========================================
+sub-jaxprs             mostly ``ClosedJaxpr`` (``remat2``: open)   open ``Jaxpr`` (constants hoisted to operands)
+``scan`` split         ``num_consts``, ``num_carry``               ``ft_in`` = (consts, carry, xs) flat trees,
+                                                                   ``ft_out`` = (carry, ys)
+``jit`` / ``pjit``     ``jit`` with ``jaxpr``                      ``jit`` with ``jaxpr``
+custom derivatives     ``custom_jvp_call`` / ``custom_vjp_call``   the same, ``call_jaxpr`` open
+                       with ``call_jaxpr``
+=====================  ==========================================  ==========================================
+
+A layout it does not know raises `UnsupportedJaxprError`, naming the primitive, the installed JAX version
+and the source line of the user's code that produced the equation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+from jax.extend import core as jcore
+
+__all__ = [
+    "UnsupportedJaxprError",
+    "Scan",
+    "While",
+    "bind",
+    "call_body",
+    "closed",
+    "cond_branches",
+    "in_avals",
+    "is_literal",
+    "literal_value",
+    "param",
+    "primitive_names",
+    "scan",
+    "scan_split",
+    "where",
+    "while_loop",
+]
+
+Jaxpr = jcore.Jaxpr
+ClosedJaxpr = jcore.ClosedJaxpr
+
+# Parameters that hold the jaxpr of a call-like primitive (jit/pjit, custom_jvp_call, custom_vjp_call,
+# remat2/checkpoint, closed_call, core_call): entered as if inlined.
+_CALL_KEYS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+# Control flow with its own operand layout: never treated as a plain call.
+_CONTROL = {"scan", "while", "cond"}
+
+
+class UnsupportedJaxprError(NotImplementedError):
+    """A jaxpr equation in a layout this version of pathspace_jax does not know (a newer or older JAX)."""
+
+
+def where(eqn) -> str:
+    """``file:line (function)`` of the user's code that produced ``eqn`` (JAX's own frames skipped)."""
+    try:
+        from jax._src import source_info_util
+
+        return source_info_util.summarize(eqn.source_info)
+    except Exception:  # pragma: no cover - private API drift
+        return "<unknown source>"
+
+
+def _unknown(eqn, what: str) -> UnsupportedJaxprError:
+    return UnsupportedJaxprError(
+        f"pathspace_jax does not know the jaxpr layout of primitive {eqn.primitive.name!r} in JAX {jax.__version__} "
+        f"({what}; its params are {sorted(eqn.params)}), at {where(eqn)}. Please report it with your JAX version; "
+        "an older or newer JAX release may work meanwhile."
+    )
+
+
+_REQUIRED = object()
+
+
+def param(eqn, key: str, default: Any = _REQUIRED) -> Any:
+    """``eqn.params[key]`` (or ``default``), else an `UnsupportedJaxprError` naming the primitive, JAX version
+    and source line (never a bare ``KeyError``)."""
+    if key in eqn.params:
+        return eqn.params[key]
+    if default is not _REQUIRED:
+        return default
+    raise _unknown(eqn, f"no parameter {key!r}")
+
+
+def is_literal(x) -> bool:
+    """True for an operand that is a literal constant written into the jaxpr (not a variable)."""
+    return isinstance(x, jcore.Literal)
+
+
+def literal_value(x) -> np.ndarray:
+    """The value of a literal operand, as a numpy array of its dtype."""
+    return np.asarray(x.val, x.aval.dtype)
+
+
+def closed(j) -> ClosedJaxpr:
+    """A sub-jaxpr as a ``ClosedJaxpr``: JAX 0.11+ stores open ``Jaxpr``s whose constants are operands."""
+    if isinstance(j, ClosedJaxpr):
+        return j
+    if isinstance(j, Jaxpr):
+        if j.constvars:
+            raise UnsupportedJaxprError(
+                f"an open sub-jaxpr with {len(j.constvars)} constant variables and no values for them "
+                f"(JAX {jax.__version__}); pathspace_jax cannot evaluate it"
+            )
+        return ClosedJaxpr(j, ())
+    raise TypeError(f"expected a Jaxpr or ClosedJaxpr, got {type(j).__name__}")
+
+
+def in_avals(j) -> list:
+    """The abstract values of a (closed or open) jaxpr's inputs."""
+    inner = j.jaxpr if isinstance(j, ClosedJaxpr) else j
+    return [v.aval for v in inner.invars]
+
+
+def call_body(eqn) -> ClosedJaxpr | None:
+    """The jaxpr of a call-like equation (entered as if inlined), or None for every other primitive.
+
+    Call-like: any primitive but scan/while/cond whose params hold one jaxpr under ``jaxpr``, ``call_jaxpr``
+    or ``fun_jaxpr`` with as many inputs and outputs as the equation (``jit``/``pjit``, ``custom_jvp_call``,
+    ``custom_vjp_call``, ``remat2``/``checkpoint``, ``closed_call``).
+    """
+    if eqn.primitive.name in _CONTROL:
+        return None
+    for k in _CALL_KEYS:
+        sub = eqn.params.get(k)
+        if isinstance(sub, (Jaxpr, ClosedJaxpr)):
+            inner = sub.jaxpr if isinstance(sub, ClosedJaxpr) else sub
+            if len(inner.invars) != len(eqn.invars) or len(inner.outvars) != len(eqn.outvars):
+                raise _unknown(eqn, f"its {k} takes {len(inner.invars)} inputs for {len(eqn.invars)} operands")
+            return closed(sub)
+    return None
+
+
+def primitive_names(j) -> set[str]:
+    """The names of the primitives a jaxpr runs, calls entered (control flow listed by its own name)."""
+    inner = j.jaxpr if isinstance(j, ClosedJaxpr) else j
+    out: set[str] = set()
+    for e in inner.eqns:
+        sub = call_body(e)
+        out |= primitive_names(sub) if sub is not None else {e.primitive.name}
+    return out
+
+
+class Scan(NamedTuple):
+    """A ``scan`` equation: operands are ``consts + carry + xs``, results ``carry + ys``."""
+
+    num_consts: int
+    num_carry: int
+    length: int
+    reverse: bool
+    body: ClosedJaxpr  # inputs consts + carry + x slices, outputs carry + y slices
+
+
+def scan_split(params: dict, num_operands: int) -> tuple[int, int]:
+    """(num_consts, num_carry) of a scan from its params, in either layout (see the module docstring).
+
+    Raises:
+      KeyError: neither layout (the caller names the equation).
+      ValueError: the counts do not add up to ``num_operands``.
+    """
+    if "num_consts" in params and "num_carry" in params:  # JAX <= 0.10
+        nc, nk = int(params["num_consts"]), int(params["num_carry"])
+        if nc + nk > num_operands:
+            raise ValueError(f"num_consts + num_carry = {nc + nk} > {num_operands} operands")
+        return nc, nk
+    if "ft_in" in params:  # JAX >= 0.11: flat trees of the (consts, carry, xs) operand groups
+        parts = params["ft_in"].unpack()
+        sizes = [len(p) for p in parts]
+        if len(sizes) != 3 or sum(sizes) != num_operands:
+            raise ValueError(f"ft_in splits the operands as {sizes}, expected three groups of {num_operands} in all")
+        return sizes[0], sizes[1]
+    raise KeyError("num_consts/num_carry or ft_in")
+
+
+def scan(eqn) -> Scan:
+    """The operand split, length, direction and body of a ``scan`` equation."""
+    try:
+        nc, nk = scan_split(eqn.params, len(eqn.invars))
+    except (KeyError, ValueError, AttributeError, TypeError) as e:
+        raise _unknown(eqn, f"cannot split its operands into consts, carry and xs: {e}") from None
+    return Scan(nc, nk, int(param(eqn, "length")), bool(param(eqn, "reverse")), closed(param(eqn, "jaxpr")))
+
+
+class While(NamedTuple):
+    """A ``while`` equation: operands are ``cond_consts + body_consts + carry``."""
+
+    cond_nconsts: int
+    body_nconsts: int
+    cond: ClosedJaxpr
+    body: ClosedJaxpr
+
+
+def while_loop(eqn) -> While:
+    """The operand split and jaxprs of a ``while`` equation."""
+    return While(
+        int(param(eqn, "cond_nconsts")),
+        int(param(eqn, "body_nconsts")),
+        closed(param(eqn, "cond_jaxpr")),
+        closed(param(eqn, "body_jaxpr")),
+    )
+
+
+def cond_branches(eqn) -> list[ClosedJaxpr]:
+    """The branches of a ``cond`` equation; its operands are ``index, *ops``, each branch takes ``ops``."""
+    return [closed(b) for b in param(eqn, "branches")]
+
+
+def bind(prim, params: dict, vals: Sequence) -> list:
+    """Apply a primitive to concrete or traced values (as ``eval_jaxpr`` does); always returns a list."""
+    bp = prim.get_bind_params(params)
+    subfuns, kw = bp if isinstance(bp, tuple) else ((), bp)
+    out = prim.bind(*subfuns, *vals, **kw)
+    return list(out) if prim.multiple_results else [out]

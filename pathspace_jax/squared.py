@@ -1,0 +1,595 @@
+"""The |·|^p network of a traced function: one flat program and one evaluator, shared by path norms,
+Path-SGD's κ and DDP-SGD's γ² recursion.
+
+**The flat program.** `program` re-traces ``space.fn`` at given shapes and flattens its jaxpr (read through
+`pathspace_jax.jaxpr`, calls inlined) into a list of equations on integer variable ids, each variable of
+kind ``"param"`` (a view of the parameters), ``"act"`` (depends on the inputs) or ``"const"``. A ``scan`` is
+kept as one equation with its flattened body (its carry kinds iterated to a fixed point). It also marks the
+*node* pre-activations that DDP's recursion mixes statistics into: a value produced by a parameterised linear
+map (possibly plus biases, residual branches and constant factors) that is used by anything else (a ReLU,
+the next layer, two consumers, the function's output); every output of the function is a node.
+
+**The |·|^p network.** `evaluate` runs the program with every linear coefficient replaced by its |·|^p: the
+parameters arrive raised, fixed coefficients on a path (average pooling's 1/k, a constant scale) are raised
+here, ``sub``/``neg``/``abs`` become ``add``/identity, and ReLU, max pooling and the other operations of
+``_AS_IS`` are applied as they are to the non-negative values. On an all-ones input its outputs sum to
+Σ_paths Π |p_e|^p. Values are carried as `V` (a mantissa and an optional int32 power-of-two exponent
+renormalised after every operation, so products neither overflow nor underflow). Hooks let the callers
+mix node statistics in (DDP), perturb a scan's carries and record what κ⁽²⁾ needs (Path-SGD).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pathspace_jax import jaxpr as jx
+from pathspace_jax.graph import PathSpace
+
+# ops through which a pre-activation passes without becoming a node (one consumer)
+_TRANSPARENT = {"reshape", "squeeze", "expand_dims", "broadcast_in_dim", "transpose", "convert_element_type", "copy",
+                "copy_p", "reduce_precision", "neg"}  # fmt: skip
+_MERGE = {"add", "add_any", "sub", "mul", "div"}
+# ops evaluated as they are on the (non-negative) γ² values of the squared network
+_AS_IS = {"max", "select_n", "gt", "ge", "lt", "le", "eq", "ne", "reduce_window_max", "reduce_max", "reduce_sum",
+          "reduce_window_sum", "reshape", "squeeze", "expand_dims", "broadcast_in_dim", "transpose",
+          "convert_element_type", "copy", "copy_p", "reduce_precision", "concatenate", "slice", "pad", "rev",
+          "dynamic_slice", "add", "add_any", "stop_gradient", "not", "and", "or"}  # fmt: skip
+
+
+@dataclasses.dataclass
+class _Eqn:
+    prim: Any
+    params: dict
+    ins: list  # var ids, or ("lit", value)
+    outs: list[int]
+    where: str
+    scan: jx.Scan | None = None  # for a scan: its operand split, length, direction
+    body: _Program | None = None  # for a scan: its flattened body (in_ids: consts, carry, xs)
+
+
+@dataclasses.dataclass
+class _Program:
+    eqns: list[_Eqn]
+    n_params: int
+    in_ids: list[int]  # param ids then input ids
+    out_ids: list  # var ids or ("lit", value)
+    consts: dict[int, Any]
+    kinds: dict[int, str]  # "act" | "param" | "const"
+    nodes: list[int]  # var ids that are node pre-activations (in order of finalisation)
+    outputs: list[int]  # var ids of the function's outputs that are nodes
+    who: str = "path_kappa"  # the public function errors are reported for
+    err: type = ValueError  # the error it raises
+
+
+def _join(a: str, b: str) -> str:
+    order = {"const": 0, "param": 1, "act": 2}
+    return a if order[a] >= order[b] else b
+
+
+def _flatten(
+    closed: jx.ClosedJaxpr,
+    n_params: int,
+    *,
+    who: str,
+    err: type,
+    allow_scan: bool = False,
+    inline_custom: bool = False,
+    in_kinds: Sequence[str] | None = None,
+) -> _Program:
+    """Flatten ``closed`` (calls inlined) into a `_Program`.
+
+    ``allow_scan`` keeps each ``scan`` as one equation whose ``body`` is the flattened body (its in_ids:
+    consts, carry, xs; carry kinds joined with the body's carry outputs); otherwise scan, while and cond
+    raise ``err``. ``inline_custom`` enters every ``custom_jvp``/``custom_vjp`` call (ReLU written as
+    ``jax.nn.relu`` becomes a plain ``max``). ``in_kinds`` overrides the kinds of the inputs.
+    """
+    counter = iter(range(10**9))
+    eqns: list[_Eqn] = []
+    consts: dict[int, Any] = {}
+    kinds: dict[int, str] = {}
+
+    def kind_of(x):
+        return "const" if isinstance(x, tuple) else kinds[x]
+
+    def walk(jaxpr, const_vals, in_ids):
+        env = {}
+        for v, c in zip(jaxpr.constvars, const_vals, strict=False):
+            i = next(counter)
+            consts[i], kinds[i], env[v] = c, "const", i
+        for v, i in zip(jaxpr.invars, in_ids, strict=False):
+            env[v] = i
+
+        def read(x):
+            return ("lit", jx.literal_value(x)) if jx.is_literal(x) else env[x]
+
+        for e in jaxpr.eqns:
+            ins = [read(x) for x in e.invars]
+            ks = [kind_of(x) for x in ins]
+            sub = jx.call_body(e)
+            name = e.primitive.name
+            if name == "scan" and allow_scan:
+                outs, scan_eqn = _flatten_scan(e, ins, ks, kinds, counter, who, err, inline_custom)
+                eqns.append(scan_eqn)
+                for v, o in zip(e.outvars, outs, strict=True):
+                    env[v] = o
+                continue
+            if name in ("scan", "while", "cond"):
+                raise err(
+                    f"{who}: {name} at {jx.where(e)} is not supported: DDP-SGD's closed-form κ holds for "
+                    "feed-forward networks, where every path uses a parameter at most once (a recurrent kernel "
+                    "is used at every time step, so γ²_net is not quadratic in it)."
+                )
+            opaque = (
+                sub is not None
+                and not inline_custom
+                and name.startswith("custom_")
+                and "param" not in ks
+                and jx.primitive_names(sub) <= (_AS_IS - {"add", "add_any", "reduce_sum", "reduce_window_sum"})
+            )
+            if sub is not None and not opaque:
+                sub_in = []
+                for x in ins:
+                    if isinstance(x, tuple):
+                        i = next(counter)
+                        consts[i], kinds[i] = x[1], "const"
+                        x = i
+                    sub_in.append(x)
+                outs = walk(sub.jaxpr, sub.consts, sub_in)
+                for v, o in zip(e.outvars, outs, strict=False):
+                    if isinstance(o, tuple):
+                        i = next(counter)
+                        consts[i], kinds[i] = o[1], "const"
+                        o = i
+                    env[v] = o
+                continue
+            outs = []
+            k = "act" if "act" in ks else "param" if "param" in ks else "const"
+            for v in e.outvars:
+                i = next(counter)
+                env[v], kinds[i] = i, k
+                outs.append(i)
+            eqns.append(_Eqn(e.primitive, dict(e.params), ins, outs, jx.where(e)))
+        return [read(x) for x in jaxpr.outvars]
+
+    top = closed.jaxpr
+    in_ids = [next(counter) for _ in top.invars]
+    for j, i in enumerate(in_ids):
+        kinds[i] = in_kinds[j] if in_kinds is not None else "param" if j < n_params else "act"
+    out_ids = walk(top, closed.consts, in_ids)
+    prog = _Program(eqns, n_params, in_ids, out_ids, consts, kinds, [], [], who, err)
+    _find_nodes(prog)
+    return prog
+
+
+def _flatten_scan(e, ins, ks, kinds, counter, who, err, inline_custom) -> tuple[list[int], _Eqn]:
+    """One ``scan`` equation: flatten its body (carry kinds iterated to a fixed point), append it."""
+    sc = jx.scan(e)
+    nc, ncar = sc.num_consts, sc.num_carry
+    in_k = list(ks)
+    for _ in range(len(in_k) + 2):
+        bp = _flatten(sc.body, 0, who=who, err=err, allow_scan=True, inline_custom=inline_custom, in_kinds=in_k)
+        out_k = [("const" if isinstance(x, tuple) else bp.kinds[x]) for x in bp.out_ids]
+        new_k = list(in_k)
+        for j in range(ncar):
+            new_k[nc + j] = _join(in_k[nc + j], out_k[j])
+        if new_k == in_k:
+            break
+        in_k = new_k
+    outs = []
+    for j, _v in enumerate(e.outvars):
+        i = next(counter)
+        kinds[i] = in_k[nc + j] if j < ncar else out_k[j]
+        outs.append(i)
+    return outs, _Eqn(e.primitive, dict(e.params), ins, outs, jx.where(e), scan=sc, body=bp)
+
+
+def _find_nodes(prog: _Program) -> None:
+    """Mark the node pre-activations (see the module docstring)."""
+    kinds = prog.kinds
+    uses: dict[int, list[_Eqn]] = {}
+    for e in prog.eqns:
+        for x in e.ins:
+            if not isinstance(x, tuple):
+                uses.setdefault(x, []).append(e)
+    fresh: set[int] = set()
+    for e in prog.eqns:
+        name = e.prim.name
+        ins_k = [("const" if isinstance(x, tuple) else kinds[x]) for x in e.ins]
+        if kinds[e.outs[0]] != "act":
+            continue
+        if name in ("dot_general", "conv_general_dilated") and "param" in ins_k:
+            fresh.add(e.outs[0])
+        elif name in _TRANSPARENT or name in _MERGE:
+            if any((not isinstance(x, tuple)) and x in fresh for x in e.ins):
+                fresh.add(e.outs[0])
+    outs = [x for x in prog.out_ids if not isinstance(x, tuple) and kinds[x] == "act"]
+    nodes = []
+    for e in prog.eqns:
+        for v in e.outs:
+            if kinds[v] != "act":
+                continue
+            us = uses.get(v, [])
+            if v in outs:
+                nodes.append(v)
+                continue
+            if v not in fresh:
+                continue
+            merged = len(us) == 1 and (us[0].prim.name in _TRANSPARENT or us[0].prim.name in _MERGE)
+            if merged and us[0].prim.name in ("mul", "div"):
+                other = [x for x in us[0].ins if x != v]
+                merged = all(isinstance(x, tuple) or kinds[x] == "const" for x in other)
+            if not merged:
+                nodes.append(v)
+    for i in prog.in_ids[prog.n_params :]:  # an input returned as it is
+        if i in outs:
+            nodes.append(i)
+    prog.nodes = nodes
+    prog.outputs = list(dict.fromkeys(outs))
+
+
+@functools.lru_cache(maxsize=64)
+def program(space: PathSpace, param_key: tuple, input_key: tuple, **flatten_options) -> _Program:
+    """The flat program of ``space.fn`` at these (shape, dtype) keys (cached: a `PathSpace` is hashable).
+
+    ``flatten_options``: ``who`` and ``err`` (the public function and the error it raises), ``allow_scan``,
+    ``inline_custom`` (see `_flatten`).
+    """
+    param_specs = [jax.ShapeDtypeStruct(s, d) for s, d in param_key]
+    input_specs = [jax.ShapeDtypeStruct(s, d) for s, d in input_key]
+    args_def = jax.tree_util.tree_structure(space.arg_specs)
+
+    def f(ps, xs):
+        return space.fn(jax.tree_util.tree_unflatten(space.treedef, ps), *jax.tree_util.tree_unflatten(args_def, xs))
+
+    closed = jax.make_jaxpr(f)(param_specs, input_specs)
+    return _flatten(closed, len(param_specs), **flatten_options)
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+def bind(e: _Eqn, vals) -> list:
+    """Apply the equation's primitive to ``vals``."""
+    return jx.bind(e.prim, e.params, vals)
+
+
+def _nonzero(v) -> bool:
+    """True for a concrete non-zero constant (values computed under a trace are not checked)."""
+    if isinstance(v, jax.core.Tracer):
+        return False
+    return bool(np.any(np.asarray(v)))
+
+
+def raise_power(v, power: float):
+    """|v|^power of a constant coefficient (``v * v`` for power 2, exact)."""
+    return v * v if power == 2.0 else jnp.abs(v) ** power
+
+
+def _squared_op(e: _Eqn, ks: Sequence[str], vals: list, out_kind: str, power: float, who: str, err: type) -> list:
+    """One equation of the |·|^power ("squared" for power 2) network, on non-negative activation values.
+
+    Linear coefficients that are constants (average pooling's 1/k, a fixed scale) are raised to ``power``
+    (parameters arrive already raised); ``sub``/``neg``/``abs`` become ``add``/identity; ReLU, max pooling
+    and the other ops of ``_AS_IS`` are applied as they are. Anything else raises ``err``.
+    """
+    name = e.prim.name
+    if out_kind == "const":
+        return bind(e, vals)
+    if name in ("mul", "div") and sum(k != "const" for k in ks) == 1:
+        vals = [v if k != "const" else raise_power(v, power) for v, k in zip(vals, ks, strict=False)]
+        return bind(e, vals)
+    if name in ("dot_general", "conv_general_dilated"):
+        if ks.count("const") == 0 and "act" in ks and "param" in ks or ks.count("const") == 1:
+            vals = [v if k != "const" else raise_power(v, power) for v, k in zip(vals, ks, strict=False)]
+            return bind(e, vals)
+        raise err(
+            f"{who}: {name} at {e.where} multiplies two activations (or two parameters); the network "
+            "is not a ReLU network of the form path norms are defined for."
+        )
+    if name == "sub":
+        return [jnp.add(*vals)]
+    if name in ("neg", "abs"):
+        return [vals[0]]
+    if name in _AS_IS or name.startswith("custom_"):  # custom_*: kept whole only around ReLU-like code
+        if name in ("max", "min", "add", "add_any") and "act" in ks:
+            for k, v in zip(ks, vals, strict=True):
+                if k == "const" and _nonzero(v):
+                    raise err(f"{who}: {name} with a non-zero constant at {e.where} (not positively homogeneous)")
+        return bind(e, vals)
+    raise err(
+        f"{who}: primitive {name!r} at {e.where} is not positively homogeneous (or not supported by "
+        "the γ² recursion); it is defined here for ReLU networks only."
+    )
+
+
+_MULTIPLICATIVE = {"mul", "div", "dot_general", "conv_general_dilated"}
+# ops that make a squared scan body non-linear in its carry (κ⁽²⁾ needs linearity)
+_NONLINEAR = {"max", "min", "reduce_max", "reduce_min", "reduce_window_max", "select_n", "argmax", "sort"}
+
+
+class V(NamedTuple):
+    """A non-constant value of the |·|^p network: mantissa ``m`` times 2^``e`` (``e`` None: not tracked)."""
+
+    m: Any
+    e: Any
+
+
+def is_float(x) -> bool:
+    return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+def renorm(v: V) -> V:
+    if v.e is None or not is_float(v.m) or jnp.size(v.m) == 0:
+        return v
+    _, k = jnp.frexp(jax.lax.stop_gradient(jnp.max(jnp.abs(v.m))))
+    k = k.astype(jnp.int32)
+    return V(jnp.ldexp(v.m, -k), v.e + k)
+
+
+def align(vals: list) -> tuple[list, Any]:
+    """Bring every tracked float operand to the largest exponent; returns mantissas and that exponent."""
+    es = [v.e for v in vals if isinstance(v, V) and v.e is not None and is_float(v.m)]
+    if not es:
+        return [v.m if isinstance(v, V) else v for v in vals], None
+    top = functools.reduce(jnp.maximum, es)
+    out = []
+    for v in vals:
+        if isinstance(v, V):
+            out.append(jnp.ldexp(v.m, v.e - top) if v.e is not None and is_float(v.m) else v.m)
+        else:
+            out.append(v)
+    return out, top
+
+
+def _is_relu(e, ks, vals) -> int | None:
+    """Index of the activation operand of ``max(x, 0)`` (identity on non-negative values), else None."""
+    if e.prim.name != "max" or len(vals) != 2 or sorted(ks) != ["act", "const"]:
+        return None
+    c = vals[ks.index("const")]
+    if isinstance(c, jax.core.Tracer) or np.any(np.asarray(c)):
+        return None
+    if jnp.shape(c) not in ((), jnp.shape(vals[ks.index("act")].m)):
+        return None
+    return ks.index("act")
+
+
+class ScanRecord(NamedTuple):
+    """What κ⁽²⁾ needs from one top-level scan (recorded during the evaluation)."""
+
+    cin: Any  # (T, n): carry entering every step (processing order as stored by scan: index order)
+    a: Any  # (n, n): carry-to-carry Jacobian of the squared body, A[out, in]
+
+
+def evaluate(
+    prog: _Program,
+    invals: list,
+    power: float,
+    *,
+    post: Callable[[int, V], V] | None = None,
+    hooks: dict | None = None,
+    record: dict | None = None,
+):
+    """Evaluate the |·|^power network on ``invals`` (params raised to ``power``, then inputs, as `V`s).
+
+    Returns the values of ``prog.out_ids``. ``post(var, value)`` replaces the value of every input and
+    every non-constant var where it is produced (DDP mixes node statistics in). For κ⁽²⁾: ``hooks`` maps
+    the index of a top-level scan equation to a zero array (T, n) added to the carry it produces at every
+    step (its gradient is the carry adjoint ν), and ``record`` receives, under that index, a `ScanRecord`
+    and, under ``("entries", index)``, the recurrent entries found by `_recurrent_entries`.
+    """
+    kinds = prog.kinds
+    env: dict[int, Any] = dict(prog.consts)
+    env.update(zip(prog.in_ids, invals, strict=True))
+    if post is not None:
+        for i in prog.in_ids:
+            env[i] = post(i, env[i])
+
+    def rd(x):
+        return jnp.asarray(x[1]) if isinstance(x, tuple) else env[x]
+
+    for idx, e in enumerate(prog.eqns):
+        ks = [("const" if isinstance(x, tuple) else kinds[x]) for x in e.ins]
+        vals = [rd(x) for x in e.ins]
+        out_kind = kinds[e.outs[0]]
+        if e.prim.name == "scan":
+            outs = _eval_scan(e, vals, power, None if hooks is None else hooks.get(idx), record, idx)
+        elif out_kind == "const":
+            outs = bind(e, vals)
+        elif (r := _is_relu(e, ks, vals)) is not None:
+            outs = [vals[r]]
+        else:
+            if e.prim.name in _MULTIPLICATIVE:
+                es = [v.e for v in vals if isinstance(v, V) and v.e is not None]
+                top = functools.reduce(lambda a, b: a + b, es) if es else None
+                ms = [v.m if isinstance(v, V) else v for v in vals]
+            else:
+                ms, top = align(vals)
+            res = _squared_op(e, ks, ms, out_kind, power, prog.who, prog.err)
+            outs = [renorm(V(m, top if is_float(m) else None)) for m in res]
+        for o, v in zip(e.outs, outs, strict=True):
+            env[o] = post(o, v) if post is not None and out_kind != "const" else v
+    return [rd(x) for x in prog.out_ids]
+
+
+def _to_v(x, power: float, stable: bool, dtype) -> V:
+    """A constant entering a non-constant slot (a scan's zero initial carry): raise it to ``power``."""
+    if isinstance(x, V):
+        return x
+    x = jnp.asarray(x)
+    m = raise_power(x if is_float(x) else x.astype(dtype), power)
+    return renorm(V(m, jnp.zeros((), jnp.int32) if stable else None))
+
+
+def _eval_scan(e: _Eqn, vals, power, pert, record, idx):
+    bp = e.body
+    nc, ncar, length, reverse = e.scan.num_consts, e.scan.num_carry, e.scan.length, e.scan.reverse
+    bk = [bp.kinds[i] for i in bp.in_ids]
+    stable = any(isinstance(v, V) and v.e is not None for v in vals)
+    fdt = next((v.m.dtype for v in vals if isinstance(v, V) and is_float(v.m)), jnp.float32)
+    consts = vals[:nc]
+    init = [_to_v(v, power, stable, fdt) if bk[nc + j] != "const" else v for j, v in enumerate(vals[nc : nc + ncar])]
+    xs = vals[nc + ncar :]
+    xs_m = [v.m if isinstance(v, V) else v for v in xs]
+    carry_out_ids = bp.out_ids[:ncar]
+    act_carry = [j for j in range(ncar) if bk[nc + j] != "const"]
+    shapes = [jnp.shape(init[j].m) for j in act_carry]
+    sizes = [int(np.prod(s, dtype=np.int64)) for s in shapes]
+
+    def flat(cs):
+        return jnp.concatenate([jnp.ravel(c) for c in cs]) if cs else jnp.zeros((0,), fdt)
+
+    def unflat(vec):
+        out, o = [], 0
+        for s, n in zip(shapes, sizes, strict=True):
+            out.append(vec[o : o + n].reshape(s))
+            o += n
+        return out
+
+    if pert is not None:
+        _check_linear_body(bp)
+
+    def body_out(carry_v, x_m, perturb_vec=None):
+        x_v = [V(m, v.e) if isinstance(v, V) else m for m, v in zip(x_m, xs, strict=True)]
+        perturb = None
+        if perturb_vec is not None:
+            perturb = dict(zip([carry_out_ids[j] for j in act_carry], unflat(perturb_vec), strict=True))
+        return _eval_body(bp, list(consts) + list(carry_v) + x_v, power, perturb)
+
+    def step(carry, x):
+        x_m, p_t = x
+        carry_v = [V(*c) if isinstance(c, tuple) else c for c in carry]
+        outs = body_out(carry_v, x_m, p_t)
+        new = []
+        for j in range(ncar):
+            o = outs[j]
+            if bk[nc + j] != "const":
+                o = _to_v(o, power, stable, fdt)
+                new.append(tuple(o))
+            else:
+                new.append(o)
+        ys = []
+        for o in outs[ncar:]:
+            ys.append(tuple(o) if isinstance(o, V) else (o, None))
+        if p_t is not None:
+            ys.append((jax.lax.stop_gradient(flat([carry_v[j].m for j in act_carry])), None))
+        return new, ys
+
+    init_c = [tuple(v) if isinstance(v, V) else v for v in init]
+    carry, ys = jax.lax.scan(step, init_c, (xs_m, pert), length=length, reverse=reverse)
+    outs = [V(*c) if isinstance(c, tuple) else c for c in carry]
+    if pert is not None:
+        cin = ys.pop()[0]
+        cv = list(init)
+        x0 = [jax.lax.stop_gradient(m[0]) for m in xs_m]
+
+        def carry_map(vec, cs, xv):
+            body_in = list(cv)
+            for j, c in zip(act_carry, unflat(vec), strict=True):
+                body_in[j] = V(c, None)
+            xv = [V(m, None) if isinstance(v, V) else m for m, v in zip(xv, xs, strict=True)]
+            o = evaluate(bp, list(cs) + body_in + xv, power)
+            return flat([o[j].m if isinstance(o[j], V) else jnp.asarray(o[j], fdt) for j in act_carry])
+
+        n = sum(sizes)
+        cs = [jax.lax.stop_gradient(c) for c in consts]  # A carries no gradient
+        a = jax.jacfwd(carry_map)(jnp.zeros((n,), fdt), cs, x0)
+        record[idx] = ScanRecord(cin, a)
+        record[("entries", idx)] = _recurrent_entries(e, bp, consts, xs_m, act_carry, carry_map, n, fdt)
+    for y_m, y_e in ys:
+        if y_e is None:
+            outs.append(V(y_m, None) if is_float(y_m) else y_m)
+            continue
+        top = jnp.max(y_e)
+        shift = (y_e - top).reshape((-1,) + (1,) * (jnp.ndim(y_m) - 1))
+        outs.append(renorm(V(jnp.ldexp(y_m, shift), top)))
+    return outs
+
+
+def _eval_body(bp: _Program, invals: list, power: float, perturb: dict | None):
+    """`evaluate` for a scan body, adding ``perturb[v]`` to the value of var v where it is produced."""
+    if not perturb:
+        return evaluate(bp, invals, power)
+    produced = {o for e in bp.eqns for o in e.outs}
+    if set(perturb) - produced:
+        raise bp.err(
+            f"{bp.who}(second_order=True): a scan carry is passed through its body unchanged; the exact κ⁽²⁾ "
+            "is implemented for bodies that compute every carry (use second_order=False)"
+        )
+
+    def add(o, v):
+        return V(v.m + perturb[o].astype(v.m.dtype), v.e) if o in perturb else v
+
+    return evaluate(bp, invals, power, post=add)
+
+
+def _check_linear_body(bp: _Program) -> None:
+    for e in bp.eqns:
+        if bp.kinds[e.outs[0]] == "const":
+            continue
+        if e.prim.name == "scan":
+            raise bp.err(
+                f"{bp.who}(second_order=True): nested scan at {e.where}; the exact κ⁽²⁾ is implemented for one level "
+                "of recurrence (use second_order=False for κ⁽¹⁾)"
+            )
+        if e.prim.name in _NONLINEAR:
+            zero = any(isinstance(x, tuple) and not np.any(np.asarray(x[1])) for x in e.ins)
+            if not (e.prim.name == "max" and zero):
+                raise bp.err(
+                    f"{bp.who}(second_order=True): {e.prim.name} at {e.where} makes the squared recurrent body "
+                    "non-linear in its carry; the exact κ⁽²⁾ needs a ReLU cell (use second_order=False)"
+                )
+
+
+def _recurrent_entries(e, bp, consts, xs_m, act_carry, carry_map, n, fdt) -> list:
+    """For each parameter const of the scan that maps carry to carry: (const position, src, dst, mask).
+
+    Probes the squared body with concrete all-ones parameters: ∂c_out/∂p̃_e with the carry set to 1 and
+    to (1, 2, …, n), minus its value at carry 0, must be one unit entry at row dst_e, equal to src_e + 1
+    (an entry that adds p̃_e · c[src_e] to c_out[dst_e]); any other pattern is refused for κ⁽²⁾.
+    """
+    nc = e.scan.num_consts
+    bk = [bp.kinds[i] for i in bp.in_ids]
+    found = []
+    with jax.ensure_compile_time_eval():
+        cs = [jnp.ones(jnp.shape(c.m if isinstance(c, V) else c), fdt) for c in consts]
+        x0 = [jnp.ones(jnp.shape(m)[1:], jnp.result_type(m)) for m in xs_m]
+        for j in range(nc):
+            if bk[j] != "param":
+                continue
+
+            def jac(carry, j=j):
+                def f(pj):
+                    c2 = list(cs)
+                    c2[j] = pj
+                    return carry_map(carry, c2, x0)
+
+                return np.asarray(jax.jacrev(f)(cs[j])).reshape(n, -1)
+
+            d0 = jac(jnp.zeros((n,), fdt))
+            d1 = jac(jnp.ones((n,), fdt)) - d0
+            d2 = jac(jnp.arange(1, n + 1, dtype=fdt)) - d0
+            if not np.any(d1):
+                continue
+            nz = d1 != 0
+            cols = nz.any(axis=0)
+            dst = np.argmax(nz, axis=0)
+            src = np.rint(d2[dst, np.arange(d2.shape[1])]).astype(np.int64) - 1
+            ok = (nz.sum(axis=0) <= 1) & (~cols | (d1[dst, np.arange(d1.shape[1])] == 1.0))
+            ok &= ~cols | ((src >= 0) & (src < n) & (np.count_nonzero(d2, axis=0) <= 1))
+            if not ok.all():
+                raise bp.err(
+                    f"{bp.who}(second_order=True): the scan at {e.where} uses a parameter (its const #{j}) for carry-"
+                    "to-carry connections other than single entries (e.g. a convolutional or two-layer recurrence); "
+                    "the exact κ⁽²⁾ is implemented for dense recurrent kernels (use second_order=False)"
+                )
+            shape = jnp.shape(cs[j])
+            found.append((j, np.where(cols, src, 0).reshape(shape), np.where(cols, dst, 0).reshape(shape),
+                          cols.reshape(shape)))  # fmt: skip
+    return found
