@@ -212,7 +212,10 @@ class PathSpace:
         fp = self.__dict__.get("_fingerprint")
         if fp is None:
             h = hashlib.sha256()
-            h.update(repr((self.treedef, self.groups, self.num_nodes)).encode())
+            # the argument shapes too: one fn traced at two sequence lengths or image sizes has one graph but
+            # other path sums, and κ / path-norm programs are cached on the space
+            specs = [(tuple(s.shape), str(s.dtype)) for s in jax.tree_util.tree_leaves(self.arg_specs)]
+            h.update(repr((self.treedef, self.groups, self.num_nodes, specs)).encode())
             for leaf in self.leaves:
                 h.update(repr((leaf.path, leaf.shape, leaf.dtype, leaf.kind)).encode())
                 h.update(leaf.src.tobytes())

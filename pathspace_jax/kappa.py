@@ -10,10 +10,10 @@ output is 1), the ℓp path norm and Path-SGD's scaling are (seed 000; Neyshabur
 all-ones input (every input node active) with every linear coefficient replaced by its |·|^p: the
 parameters, and the fixed coefficients that lie on paths too (average pooling's 1/k becomes 1/k^p, a
 constant scale c becomes |c|^p, a residual skip's 1 stays 1). All values are then ≥ 0, so ReLU (and
-leaky ReLU, ``abs``) act as the identity. It is evaluated from the forward function's jaxpr (the
-machinery of `pathspace_jax.ddp`), so no parameter or module names are read; ``lax.scan`` (``nn.RNN``,
-``nnx.RNN``) is evaluated as a scan over the |·|^p body, which is the unrolled graph at the traced
-sequence length.
+leaky ReLU, ``abs``) act as the identity. It is evaluated from the forward function's jaxpr by the
+evaluator of `pathspace_jax.squared` (shared with DDP-SGD), so no parameter or module names are read;
+``lax.scan`` (``nn.RNN``, ``nnx.RNN``) is evaluated as a scan over the |·|^p body, which is the
+unrolled graph at the traced sequence length.
 
 **Max pooling** has no path-sum form. Here, as in `pathspace_jax.ddp_kappa`, max pooling (and any
 ``max`` of two activations) is applied to the non-negative |·|^p values as it is: each window passes

@@ -273,6 +273,19 @@ def test_path_norm_matches_enumeration(p):
     np.testing.assert_allclose(pj.path_norm(rspace, rparams, p=p), ref, rtol=1e-12)
 
 
+def test_one_fn_traced_at_two_lengths_gives_two_spaces():
+    """The space's identity includes the argument shapes: κ and path norms are cached on it."""
+    fn, params, _ = _linen(LinenRNN(hidden=2), (2, 3, 2), seed=3)
+    spaces = {t: pj.trace(fn, params, jnp.ones((2, t, 2), F64)) for t in (1, 8)}
+    assert spaces[1] != spaces[8]
+    for t, space in spaces.items():
+        ref = _enumerate(*_rnn_graph(params, t), 2.0) ** 0.5
+        np.testing.assert_allclose(pj.path_norm(space, params), ref, rtol=1e-12)
+        ones = jnp.ones((1, t, 2), F64)
+        k_ref = _half_hessian_diag(lambda p, ones=ones: jnp.sum(fn(_squared(p), ones)), params)
+        chex.assert_trees_all_close(pj.path_kappa(space, params), k_ref, rtol=1e-10, atol=1e-12)
+
+
 def test_path_norm_squared_is_gamma2_with_squared_pooling():
     fn, params, x = _model("cnn")
     space = pj.trace(fn, params, x)
