@@ -117,8 +117,10 @@ def interleaved_ratio(step_a, step_b, params, state_a, state_b, x, y, *, rounds:
 
 
 def write_results(name: str, rows: dict[str, Any]) -> Path:
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"{name}.json"
+    """Write ``results/<backend>-jax<version>/<name>.json`` (one folder per platform and JAX release)."""
+    folder = RESULTS / f"{jax.default_backend()}-jax{jax.__version__}"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.json"
     meta = {
         "backend": jax.default_backend(),
         "devices": [str(d) for d in jax.devices()],
