@@ -19,7 +19,8 @@ def ddp_sgd(
     num_probes: int = 1,
     momentum: float | None = None,
     every: int = 1,
-    eps: float = 1e-8,
+    damping: float = 1e-8,
+    eps: float = 0.0,
 ) -> optax.GradientTransformationExtraArgs:
     """DDP-SGD (seed 002): w ← w − η g / κ, κ = ½ ∂²γ²_net/∂w² on the current batch.
 
@@ -29,7 +30,7 @@ def ddp_sgd(
     Args:
       space: the `PathSpace` of the network (``pathspace_jax.trace``).
       learning_rate: η, a float or an optax schedule.
-      alpha, moment, estimator, num_probes, every, eps: see `pathspace_jax.scale_by_ddp`.
+      alpha, moment, estimator, num_probes, every, damping, eps: see `pathspace_jax.scale_by_ddp`.
       momentum: heavy-ball decay (``optax.trace``), or None.
 
     Returns:
@@ -44,7 +45,14 @@ def ddp_sgd(
     """
     parts = [
         transforms.scale_by_ddp(
-            space, alpha=alpha, moment=moment, estimator=estimator, num_probes=num_probes, eps=eps, every=every
+            space,
+            alpha=alpha,
+            moment=moment,
+            estimator=estimator,
+            num_probes=num_probes,
+            damping=damping,
+            eps=eps,
+            every=every,
         )
     ]
     if momentum is not None:
@@ -140,7 +148,8 @@ def path_sgd(
     nesterov: bool = False,
     second_order: bool = True,
     every: int = 1,
-    eps: float = 1e-8,
+    damping: float = 1e-8,
+    eps: float = 0.0,
 ) -> optax.GradientTransformation:
     """Path-SGD (seed 000): p ← p − η g / κ, κ = ½ ∂²γ²_net/∂p² (κ⁽¹⁾ + κ⁽²⁾ for recurrent kernels).
 
@@ -152,7 +161,8 @@ def path_sgd(
       learning_rate: η, a float or an optax schedule.
       momentum: momentum decay (``optax.trace``), or None.
       nesterov: Nesterov momentum (with ``momentum``).
-      second_order, every, eps: see `pathspace_jax.scale_by_path_sgd`.
+      second_order, every, damping, eps: see `pathspace_jax.scale_by_path_sgd` (the default damping keeps
+        the step rescaling invariant; ``eps`` does not).
 
     Returns:
       An `optax.GradientTransformation`; call ``update(grads, state, params)``.
@@ -165,7 +175,7 @@ def path_sgd(
       Neyshabur et al., "Path-normalized optimization of recurrent neural networks with ReLU activations",
       NeurIPS 2016; Neyshabur, Salakhutdinov, Srebro, "Path-SGD", NeurIPS 2015.
     """
-    parts = [transforms.scale_by_path_sgd(space, second_order=second_order, eps=eps, every=every)]
+    parts = [transforms.scale_by_path_sgd(space, second_order=second_order, damping=damping, eps=eps, every=every)]
     if momentum is not None:
         parts.append(optax.trace(decay=momentum, nesterov=nesterov))
     parts.append(optax.scale_by_learning_rate(learning_rate))

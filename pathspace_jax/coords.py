@@ -189,6 +189,75 @@ def _node_factors(space, leaves, dtype):
     return a, b
 
 
+def gauge_log2(space: PathSpace, leaves, dtype):
+    """Per node, ``l_v = log2|B_v|`` (B_v: the product of the weights on v's outgoing skeleton chain, the gauge).
+
+    Summed as logarithms, so no product overflows or underflows. 0 at non-hidden nodes and where a gauge
+    weight on the chain is 0. Under a node-wise rescaling T_β, ``l_v ↦ l_v − log2 β_v``.
+    """
+    sk = skeleton(space)
+    lw = jnp.log2(jnp.abs(_node_gather(space, leaves, "out", dtype)))
+    lb = jnp.zeros_like(lw)
+    for _ in range(sk.depth_out):
+        lb = lw + lb[sk.child]
+    return jnp.where(jnp.isfinite(lb), lb, 0)
+
+
+def edge_exponents(space: PathSpace, lg, power: float):
+    """Per leaf, ``power · (k_dst − k_src)`` with ``k = round(lg)``, broadcastable to the leaf (None for leaves of
+    kind "other"): the power-of-two exponent that `times_pow2` applies."""
+    k = jnp.round(lg)
+    return [
+        None if li.kind == "other" else power * (_take(k, li.dst_r) - _take(k, li.src_r))
+        for li in skeleton(space).leaves
+    ]
+
+
+def times_pow2(x, e):
+    """``x · 2^e`` for integer-valued ``e``, exact, in two halves so that no factor over- or underflows before the
+    product does (|e| up to twice the exponent range)."""
+    half = jnp.floor(0.5 * e)
+    return x * jnp.exp2(half) * jnp.exp2(e - half)
+
+
+def damping_scales(space: PathSpace, lg):
+    """Per leaf, ``2^(2((l − k)_dst − (l − k)_src))`` (k = round(l)): with `edge_exponents`, a constant added to κ in
+    the canonical frame times this is exactly ``constant · (B_v / B_u)²`` in the params' frame."""
+    f = lg - jnp.round(lg)
+    return [
+        None if li.kind == "other" else jnp.exp2(2.0 * (_take(f, li.dst_r) - _take(f, li.src_r)))
+        for li in skeleton(space).leaves
+    ]
+
+
+def to_canonical_frame(space: PathSpace, leaves, dtype):
+    """``(leaves in the canonical frame, l)``: every edge ``u -> v`` times ``2^(k_v − k_u)``, in ``dtype``, with
+    ``l`` = `gauge_log2` and ``k = round(l)``; leaves of kind "other" unchanged.
+
+    The canonical frame is the member of the params' rescaling orbit whose gauge weights are ±1 within a
+    factor √2 (`canonicalize` up to powers of two). It computes the same function and, since the factors
+    are powers of two, is bit for bit the same for every power-of-two rescaling of ``leaves``: quantities
+    that scale under rescaling (κ, gradients) are computed there, in range, and mapped back.
+    """
+    lg = gauge_log2(space, leaves, dtype)
+    out = [
+        jnp.asarray(w) if e is None else times_pow2(jnp.asarray(w, dtype), e)
+        for w, e in zip(leaves, edge_exponents(space, lg, 1.0))
+    ]
+    return out, lg
+
+
+def kappa_from_frame(space: PathSpace, kappa, lg):
+    """κ of the params from κ in their canonical frame: ``κ_c · 2^(2(k_v − k_u))`` on each edge ``u -> v``.
+
+    κ_c = 0 stays 0; a value beyond the dtype's range is ``inf`` (never 0, never NaN).
+    """
+    return [
+        k if e is None else jnp.where(k == 0, 0, times_pow2(k, e)).astype(jnp.result_type(k))
+        for k, e in zip(kappa, edge_exponents(space, lg, 2.0))
+    ]
+
+
 # ---------------------------------------------------------------------------- public maps
 
 

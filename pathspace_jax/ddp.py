@@ -64,7 +64,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pathspace_jax import squared
-from pathspace_jax.graph import PathSpace
+from pathspace_jax.coords import kappa_from_frame, to_canonical_frame
+from pathspace_jax.graph import PathSpace, compute_dtype
 
 __all__ = ["ddp_kappa", "DDPUnsupportedError"]
 
@@ -134,6 +135,56 @@ def _as_tuple(inputs) -> tuple:
     return tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
 
 
+def check_options(alpha, moment, estimator, num_probes) -> tuple[float, int]:
+    """Validate DDP's options; returns ``(alpha, num_probes)`` as Python numbers."""
+    alpha = float(alpha)
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    if moment not in ("second", "variance"):
+        raise ValueError(f"moment must be 'second' or 'variance', got {moment!r}")
+    if estimator not in ("exact", "probes"):
+        raise ValueError(f"estimator must be 'exact' or 'probes', got {estimator!r}")
+    if int(num_probes) < 1:
+        raise ValueError(f"num_probes must be >= 1, got {num_probes}")
+    return alpha, int(num_probes)
+
+
+def check_inputs(space: PathSpace, inputs) -> list:
+    """The batch's leaves, checked against the traced arguments: structure, dtype, per-example shape."""
+    args = _as_tuple(inputs)
+    specs = jax.tree_util.tree_leaves(space.arg_specs)
+    if jax.tree_util.tree_structure(args) != jax.tree_util.tree_structure(space.arg_specs):
+        raise ValueError(
+            f"inputs must match the positional arguments after params that the space was traced with: expected "
+            f"{len(specs)} array(s) in the structure {jax.tree_util.tree_structure(space.arg_specs)}, got "
+            f"{jax.tree_util.tree_structure(args)}"
+        )
+    xs = jax.tree_util.tree_leaves(args)
+    if not xs or any(jnp.ndim(x) == 0 for x in xs):
+        raise ValueError("inputs: every input needs a leading batch axis")
+    n = int(jnp.shape(xs[0])[0])
+    for i, (x, spec) in enumerate(zip(xs, specs, strict=True)):
+        dt = jnp.result_type(x)
+        if jax.dtypes.issubdtype(dt, jax.dtypes.prng_key):
+            raise DDPUnsupportedError(
+                f"ddp_kappa: input #{i} is a PRNG key (a dropout key?). DDP's κ is defined for a deterministic "
+                "network: trace and train a function that closes over the key, or the deterministic one "
+                "(e.g. deterministic=True)."
+            )
+        if not jnp.issubdtype(dt, jnp.floating):
+            raise DDPUnsupportedError(f"ddp_kappa: input #{i} must be floating point, got {dt}")
+        if tuple(jnp.shape(x))[1:] != tuple(spec.shape)[1:]:
+            raise ValueError(
+                f"inputs: input #{i} has shape {tuple(jnp.shape(x))}, but the space was traced with examples of "
+                f"shape {tuple(spec.shape)[1:]} (batch axis first): pass a batch of the traced example shape"
+            )
+        if jnp.shape(x)[0] != n:
+            raise ValueError(f"inputs: all inputs need the same batch size, got {[jnp.shape(x)[0] for x in xs]}")
+    if n < 1:
+        raise ValueError("inputs: the batch is empty")
+    return list(xs)
+
+
 def ddp_kappa(
     space: PathSpace,
     params,
@@ -179,42 +230,21 @@ def ddp_kappa(
       (15), App. A.2, Thm 2.
     """
     _check_space(space)
-    alpha = float(alpha)
-    if not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
-    if moment not in ("second", "variance"):
-        raise ValueError(f"moment must be 'second' or 'variance', got {moment!r}")
-    if estimator not in ("exact", "probes"):
-        raise ValueError(f"estimator must be 'exact' or 'probes', got {estimator!r}")
-    if estimator == "probes" and alpha > 0:
-        if key is None:
-            raise ValueError("ddp_kappa(estimator='probes') needs a PRNG key: pass key=jax.random.key(...)")
-        if int(num_probes) < 1:
-            raise ValueError(f"num_probes must be >= 1, got {num_probes}")
+    alpha, num_probes = check_options(alpha, moment, estimator, num_probes)
+    if estimator == "probes" and alpha > 0 and key is None:
+        raise ValueError("ddp_kappa(estimator='probes') needs a PRNG key: pass key=jax.random.key(...)")
     leaves = space.leaves_of(params, "params")
-    xs = jax.tree_util.tree_leaves(_as_tuple(inputs))
-    if jax.tree_util.tree_structure(_as_tuple(inputs)) != jax.tree_util.tree_structure(space.arg_specs):
-        raise ValueError(
-            f"inputs must match the traced positional arguments after params: expected the structure "
-            f"{jax.tree_util.tree_structure(space.arg_specs)}, got {jax.tree_util.tree_structure(_as_tuple(inputs))}"
-        )
-    if not xs or any(jnp.ndim(x) == 0 for x in xs):
-        raise ValueError("inputs: every input needs a leading batch axis")
-    n = int(jnp.shape(xs[0])[0])
-    for x in xs:
-        if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
-            raise DDPUnsupportedError(f"ddp_kappa: inputs must be floating point, got {jnp.result_type(x)}")
-        if jnp.shape(x)[0] != n:
-            raise ValueError(f"inputs: all inputs need the same batch size, got {[jnp.shape(x)[0] for x in xs]}")
-    if n < 1:
-        raise ValueError("inputs: the batch is empty")
+    xs = check_inputs(space, inputs)
     leaves = [jnp.asarray(p) for p in leaves]
-    kappa = _kappa_jit(space, leaves, list(xs), key, alpha, moment, estimator, int(num_probes))
-    return space.unflatten_like(params, kappa)
+    kappa, lg = _kappa_jit(space, leaves, xs, key, alpha, moment, estimator, num_probes)
+    return space.unflatten_like(params, kappa_from_frame(space, kappa, lg))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7))
 def _kappa_jit(space, leaves, xs, key, alpha, moment, estimator, num_probes):
+    """κ in the canonical frame (`pathspace_jax.coords.to_canonical_frame`) and the frame's log-gauge l."""
+    frame, lg = to_canonical_frame(space, leaves, compute_dtype(leaves))
+    leaves = [c.astype(p.dtype) for c, p in zip(frame, leaves, strict=True)]
     n = int(jnp.shape(xs[0])[0])
     param_key = tuple((tuple(p.shape), str(p.dtype)) for p in leaves)
     input_key = tuple(((1, *jnp.shape(x)[1:]), str(jnp.result_type(x))) for x in xs)
@@ -293,4 +323,4 @@ def _kappa_jit(space, leaves, xs, key, alpha, moment, estimator, num_probes):
                 wj = weights.reshape((1, -1) + (1,) * (J.ndim - 2))
                 kappa[j] = kappa[j] + jnp.sum(wj * J * J, axis=(0, 1)) / n
     kappa = [k.astype(p.dtype) for k, p in zip(kappa, leaves, strict=False)]
-    return kappa
+    return kappa, lg

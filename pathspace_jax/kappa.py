@@ -78,6 +78,7 @@ import numpy as np
 
 from pathspace_jax import jaxpr as jx
 from pathspace_jax import squared
+from pathspace_jax.coords import kappa_from_frame, to_canonical_frame
 from pathspace_jax.graph import PathSpace, compute_dtype
 from pathspace_jax.squared import V, align, evaluate, raise_power, renorm
 
@@ -132,8 +133,9 @@ def _check_space(space: PathSpace, who: str) -> None:
 
 
 def _setup(space, leaves):
+    """(dtype, leaves in the canonical frame, their node log-gauge l, the program, all-ones inputs)."""
     dt = compute_dtype(leaves)
-    leaves = [jnp.asarray(p).astype(dt) for p in leaves]
+    leaves, lg = to_canonical_frame(space, [jnp.asarray(p).astype(dt) for p in leaves], dt)
     specs = jax.tree_util.tree_leaves(space.arg_specs)
     input_key = tuple(((1, *tuple(x.shape)[1:]), str(jnp.dtype(dt))) for x in specs)
     param_key = tuple((tuple(p.shape), str(p.dtype)) for p in leaves)
@@ -141,7 +143,7 @@ def _setup(space, leaves):
         space, param_key, input_key, who=_WHO, err=PathKappaUnsupportedError, allow_scan=True, inline_custom=True
     )
     ones = [jnp.ones(s, dt) for s, _ in input_key]
-    return dt, leaves, prog, ones
+    return dt, leaves, lg, prog, ones
 
 
 def _act_outputs(prog, outs):
@@ -216,13 +218,14 @@ def path_kappa(space: PathSpace, params, *, second_order: bool = True):
     """
     _check_space(space, "path_kappa")
     leaves = [jnp.asarray(p) for p in space.leaves_of(params, "params")]
-    out = _kappa_jit(space, leaves, bool(second_order))
+    out = kappa_from_frame(space, *_kappa_jit(space, leaves, bool(second_order)))
     return space.unflatten_like(params, [k.astype(p.dtype) for k, p in zip(out, leaves, strict=True)])
 
 
 @functools.partial(jax.jit, static_argnums=(0, 2))
 def _kappa_jit(space, leaves, second_order):
-    dt, ps, prog, ones = _setup(space, leaves)
+    """κ in the canonical frame (`pathspace_jax.coords.to_canonical_frame`) and the frame's log-gauge l."""
+    dt, ps, lg, prog, ones = _setup(space, leaves)
     if second_order:
         _check_second_order(prog)
     perts = {}
@@ -268,7 +271,7 @@ def _kappa_jit(space, leaves, second_order):
             pj = param_pos[x]
             d2 = jnp.where(mask, q[src, dst], 0.0)
             kappa[pj] = kappa[pj] + 4.0 * sq[pj] * d2
-    return kappa
+    return kappa, lg
 
 
 def path_norm(space: PathSpace, params, p: float = 2.0):
@@ -309,11 +312,21 @@ def path_norm(space: PathSpace, params, p: float = 2.0):
     return _norm_jit(space, leaves, p).astype(out_dtype)
 
 
+def _power_v(w, p: float) -> V:
+    """|w|^p as a mantissa and exponent, formed after factoring out the leaf's largest power of two."""
+    if jnp.size(w) == 0:
+        return V(w, jnp.zeros((), jnp.int32))
+    _, k = jnp.frexp(jnp.max(jnp.abs(w)))
+    pk = p * k.astype(w.dtype)
+    e = jnp.floor(pk)
+    return renorm(V(raise_power(jnp.ldexp(w, -k), p) * jnp.exp2(pk - e), e.astype(jnp.int32)))
+
+
 @functools.partial(jax.jit, static_argnums=(0, 2))
 def _norm_jit(space, leaves, p):
-    dt, ps, prog, ones = _setup(space, leaves)
+    dt, ps, _, prog, ones = _setup(space, leaves)
     zero = jnp.zeros((), jnp.int32)
-    vals = [renorm(V(raise_power(w, p), zero)) for w in ps] + [V(o, zero) for o in ones]
+    vals = [_power_v(w, p) for w in ps] + [V(o, zero) for o in ones]
     outs = _act_outputs(prog, evaluate(prog, vals, p))
     sums = [renorm(V(jnp.sum(o.m), o.e if o.e is not None else zero)) for o in outs if isinstance(o, V)]
     sums += [V(jnp.sum(jnp.abs(o)), zero) for o in outs if not isinstance(o, V)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -19,11 +20,12 @@ def _traced(x) -> bool:
     return isinstance(x, jax.core.Tracer)
 
 
-def _check_every_eps(every, eps) -> None:
+def _check_every_eps(every, eps, damping) -> None:
     if not _traced(every) and (isinstance(every, bool) or np.ndim(every) or int(every) != every or every < 1):
         raise ValueError(f"every must be a positive int, got {every!r}")
-    if not _traced(eps) and not eps >= 0:
-        raise ValueError(f"eps must be >= 0, got {eps}")
+    for name, value in (("eps", eps), ("damping", damping)):
+        if not _traced(value) and not value >= 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
 
 
 def _check_static(where: str, **hyperparams) -> None:
@@ -36,9 +38,11 @@ def _check_static(where: str, **hyperparams) -> None:
         )
 
 
-def _zeros_like_params(space, params):
+def _kappa_state(space, params):
+    """Initial (κ, log2 gauge): zeros like params, and a zero node vector in the compute dtype."""
     leaves = space.leaves_of(params, "params")
-    return space.unflatten_like(params, [jnp.zeros(jnp.shape(p), jnp.result_type(p)) for p in leaves])
+    kappa = space.unflatten_like(params, [jnp.zeros(jnp.shape(p), jnp.result_type(p)) for p in leaves])
+    return kappa, jnp.zeros((space.num_nodes,), compute_dtype(leaves))
 
 
 def _current_kappa(compute, kappa, count, every: int):
@@ -62,15 +66,32 @@ def _current_kappa(compute, kappa, count, every: int):
     return jax.tree_util.tree_unflatten(treedef, [k.reshape(jnp.shape(a)) for k, a in zip(ks, leaves, strict=True)])
 
 
-def _divide_by_kappa(space, updates, kappa, eps: float):
-    """``g / (κ + eps)`` per entry, 0 where κ + eps = 0 (never NaN); leaves of kind "other" pass through."""
+def _divide_by_kappa(space, updates, kappa, log2_gauge, damping, eps):
+    """``g / (κ + damping · (B_v / B_u)² + eps)`` per entry ``u -> v``, from κ in the canonical frame.
+
+    With s = 2^(k_u − k_v) (k: the rounded `pathspace_jax.coords.gauge_log2`), κ = κ_c / s², so the update is
+    ``g s² / (κ_c + damping · d + eps s²)`` (d: `pathspace_jax.coords.damping_scales`, within [1/4, 4]):
+    the gradient taken to the canonical frame, divided there, and brought back, so nothing overflows where
+    the update itself is representable. 0 where the denominator is 0 (never NaN); leaves of kind "other"
+    pass through.
+    """
+    from pathspace_jax.coords import damping_scales, edge_exponents, times_pow2
+
     out = []
-    for leaf, g, k in zip(space.leaves, space.leaves_of(updates, "updates"), jax.tree_util.tree_leaves(kappa)):
+    leaves = zip(space.leaves, space.leaves_of(updates, "updates"), jax.tree_util.tree_leaves(kappa))
+    scales = zip(edge_exponents(space, log2_gauge, -2.0), damping_scales(space, log2_gauge))
+    for (leaf, g, k), (e, d) in zip(leaves, scales):
         if leaf.kind == "other":
             out.append(g)
             continue
-        den = (k + eps).astype(g.dtype)
-        out.append(jnp.where(den > 0, g / jnp.where(den > 0, den, jnp.ones_like(den)), jnp.zeros_like(g)))
+        leaf_dtype = jnp.result_type(g)
+        ct = compute_dtype([g, k])
+        den = jnp.asarray(k, ct) + damping * d
+        if _traced(eps) or eps > 0:
+            den = den + jnp.where(eps > 0, times_pow2(jnp.asarray(eps, ct), e), 0)
+        g = jnp.asarray(g, ct)
+        num = jnp.where(g != 0, times_pow2(g, e), 0)  # a dead entry stays 0 even where 2^e overflows
+        out.append(jnp.where(den > 0, num / jnp.where(den > 0, den, 1), 0).astype(leaf_dtype))
     return space.unflatten_like(updates, out)
 
 
@@ -78,10 +99,15 @@ def _divide_by_kappa(space, updates, kappa, eps: float):
 
 
 class ScaleByDDPState(NamedTuple):
-    """State of `scale_by_ddp`: the step count and the κ last computed (recomputed every ``every`` steps)."""
+    """State of `scale_by_ddp`: the step count and the κ last computed (recomputed every ``every`` steps).
+
+    As in `ScaleByPathSGDState`, ``kappa`` is κ in the canonical frame and ``log2_gauge`` the frame's
+    per-node log2|B_v|: κ of the params is ``kappa · 2^(2(l_v − l_u))`` on each edge ``u -> v``.
+    """
 
     count: jax.Array
     kappa: Any
+    log2_gauge: jax.Array
 
 
 def scale_by_ddp(
@@ -91,49 +117,55 @@ def scale_by_ddp(
     moment: str = "second",
     estimator: str = "exact",
     num_probes: int = 1,
-    eps: float = 1e-8,
+    damping: float = 1e-8,
+    eps: float = 0.0,
     every: int = 1,
 ) -> optax.GradientTransformationExtraArgs:
-    """Divide each gradient entry by DDP-SGD's κ = ½ ∂²γ²_net/∂w² on the current batch (seed 002 eq. 15).
+    """Divide each gradient entry by DDP-SGD's κ = ½ ∂²γ²_net/∂w² on the current batch.
 
-    u_e = g_e / (κ_e + eps), with κ from `pathspace_jax.ddp_kappa` (γ_v² = α S(z_v) + (1 − α) Σ_{u→v}
-    γ_u² w²_{u→v}; α = 0 is Path-SGD, α = 1 with the second moment the diagonal natural gradient of a
-    unit-variance Gaussian output model). κ scales like w² under node-wise rescaling, so with
-    ``eps = 0`` the resulting step is exactly rescaling invariant (seed 002 §6.1); ``eps`` only
-    damps entries whose κ is tiny (a dead unit has κ = 0 and gradient 0: its update is 0, never NaN;
-    an entry with κ + eps = 0 gets update 0). Leaves that ``trace`` marked ``"other"`` (not edges of
-    the homogeneous part) pass through unscaled.
+    κ from `pathspace_jax.ddp_kappa` (γ_v² = α S(z_v) + (1 − α) Σ_{u→v} γ_u² w²_{u→v}; α = 0 is
+    Path-SGD, α = 1 with the second moment the diagonal natural gradient of a unit-variance Gaussian
+    output model) scales like (β_u/β_v)² on an edge ``u -> v`` under a node-wise rescaling β, so
+    ``g / κ`` is rescaling invariant for every α (Neyshabur et al. 2016, §6.1). As in
+    `scale_by_path_sgd`, the update is ``g / (κ + damping · (B_v / B_u)² + eps)``: κ is computed in the
+    canonical frame (gauge weights ±1), ``damping`` is added there (rescaling invariant), and the
+    gradient is divided there, so nothing overflows under any rescaling; ``eps`` is a plain additive
+    constant in the params' units, off by default (it breaks the invariance). A dead unit has κ = 0
+    and gradient 0: its update is 0, never NaN. Leaves that ``trace`` marked ``"other"`` pass through.
 
     Args:
       space: the `PathSpace` of the network (``pathspace_jax.trace``).
       alpha, moment, estimator, num_probes: as in `pathspace_jax.ddp_kappa`.
-      eps: added to κ before dividing (≥ 0).
+      damping: added to κ in the canonical frame (≥ 0; rescaling invariant).
+      eps: added to κ in the params' frame (≥ 0; breaks the invariance, default 0).
       every: recompute κ every ``every`` steps (steps 0, k, 2k, ...), reusing the stored κ between
-        (``jax.lax.cond`` on the step count: no Python branching, no recompilation).
+        (``jax.lax.cond`` on the step count: no Python branching, no recompilation, also outside ``jit``).
 
     Returns:
       An `optax.GradientTransformationExtraArgs`. ``update(updates, state, params, *, inputs, key=None)``
       needs ``params`` and the batch ``inputs`` (the positional arguments of the traced function after
       params); ``key`` seeds the probes (when omitted, probes are drawn from ``jax.random.key(0)``
       folded with the step count, the same for every member of a vmapped ensemble). Other extra
-      keyword arguments are ignored.
+      keyword arguments are ignored. The state is `ScaleByDDPState`.
 
     Example:
       >>> tx = optax.chain(pj.scale_by_ddp(space, alpha=1.0, estimator="probes"), optax.scale(-0.1))
       >>> updates, state = tx.update(grads, state, params, inputs=x)
 
     References:
-      Neyshabur et al., "Data-dependent path normalization in neural networks", ICLR 2016.
+      Neyshabur, Salakhutdinov, Tomioka, Srebro, "Data-dependent path normalization in neural networks",
+      ICLR 2016.
     """
-    from pathspace_jax.ddp import ddp_kappa
+    from pathspace_jax.ddp import _check_space, check_inputs, check_options
 
-    _check_every_eps(every, eps)
+    _check_space(space)
+    _check_every_eps(every, eps, damping)
     _check_static("scale_by_ddp", alpha=alpha, num_probes=num_probes)
-    if estimator not in ("exact", "probes"):
-        raise ValueError(f"estimator must be 'exact' or 'probes', got {estimator!r}")
+    config = (*check_options(alpha, moment, estimator, num_probes)[:1], moment, estimator, int(num_probes))
 
     def init_fn(params):
-        return ScaleByDDPState(count=jnp.zeros([], jnp.int32), kappa=_zeros_like_params(space, params))
+        kappa, log2_gauge = _kappa_state(space, params)
+        return ScaleByDDPState(count=jnp.zeros([], jnp.int32), kappa=kappa, log2_gauge=log2_gauge)
 
     def update_fn(updates, state, params=None, *, inputs=None, key=None, **extra_args):
         del extra_args
@@ -144,19 +176,31 @@ def scale_by_ddp(
                 "scale_by_ddp needs the batch as a keyword argument: tx.update(updates, state, params, inputs=x) "
                 "(inputs = the positional arguments of the traced function after params)"
             )
+        check_inputs(space, inputs)
         if key is None:
             key = jax.random.fold_in(jax.random.key(0), state.count)
-
-        def compute():
-            return ddp_kappa(
-                space, params, inputs, alpha=alpha, moment=moment, estimator=estimator, num_probes=num_probes, key=key
-            )
-
-        kappa = _current_kappa(compute, state.kappa, state.count, every)
-        new = _divide_by_kappa(space, updates, kappa, eps)
-        return new, ScaleByDDPState(count=optax.safe_int32_increment(state.count), kappa=kappa)
+        every_one = not _traced(every) and every == 1
+        return _ddp_update(space, config, every_one, updates, state, params, inputs, key, damping, eps, every)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _ddp_update(space, config, every_one, updates, state, params, inputs, key, damping, eps, every):
+    """One `scale_by_ddp` step (jitted, so that calls outside ``jit`` compile once)."""
+    from pathspace_jax.ddp import _kappa_jit, check_inputs
+
+    alpha, moment, estimator, num_probes = config
+
+    def compute():
+        leaves = [jnp.asarray(p) for p in space.leaves_of(params, "params")]
+        xs = check_inputs(space, inputs)
+        kappa, lg = _kappa_jit(space, leaves, xs, key, alpha, moment, estimator, num_probes)
+        return space.unflatten_like(params, kappa), lg
+
+    kappa, lg = _current_kappa(compute, (state.kappa, state.log2_gauge), state.count, 1 if every_one else every)
+    new = _divide_by_kappa(space, updates, kappa, lg, damping, eps)
+    return new, ScaleByDDPState(count=optax.safe_int32_increment(state.count), kappa=kappa, log2_gauge=lg)
 
 
 # ---------------------------------------------------------------------------- G-SGD: in_path_space
@@ -257,59 +301,91 @@ def in_path_space(
 
 
 class ScaleByPathSGDState(NamedTuple):
-    """State of `scale_by_path_sgd`: the step count and the κ last computed (recomputed every ``every`` steps)."""
+    """State of `scale_by_path_sgd`: the step count and the κ last computed (recomputed every ``every`` steps).
+
+    ``kappa`` is κ in the canonical frame (the params rescaled so that their gauge weights are ±1) and
+    ``log2_gauge`` the frame's per-node log2|B_v| (`pathspace_jax.coords.gauge_log2`) at that step: κ of
+    the params themselves is ``kappa · 2^(2(l_v − l_u))`` on each edge ``u -> v``. Both stay in range
+    whatever node-wise rescaling the params carry.
+    """
 
     count: jax.Array
     kappa: Any
+    log2_gauge: jax.Array
 
 
 def scale_by_path_sgd(
-    space, *, second_order: bool = True, eps: float = 1e-8, every: int = 1
+    space, *, second_order: bool = True, damping: float = 1e-8, eps: float = 0.0, every: int = 1
 ) -> optax.GradientTransformation:
-    """Divide each gradient entry by Path-SGD's κ = ½ ∂²γ²_net/∂p² (seed 000).
+    """Divide each gradient entry by Path-SGD's κ = ½ ∂²γ²_net/∂p², damped so that the step stays invariant.
 
-    u_i = g_i / (κ_i + eps), with κ = κ⁽¹⁾ + κ⁽²⁾ from `pathspace_jax.path_kappa` (γ²_net = Σ_paths Π p²;
-    κ⁽¹⁾ alone with ``second_order=False``). κ depends only on the params, never on the data. It scales
-    like p² under node-wise rescaling, so with ``eps = 0`` the step is exactly rescaling invariant for
-    both settings of ``second_order`` (seed 000 Thm 2); ``eps`` only damps entries whose κ is tiny, in
-    the params' units squared. An entry with κ + eps = 0 (a dead unit, with ``eps = 0``) gets update
-    0, never NaN. Leaves that ``trace`` marked ``"other"`` pass through unscaled.
+    κ = κ⁽¹⁾ + κ⁽²⁾ from `pathspace_jax.path_kappa` (γ²_net = Σ_paths Π p²; κ⁽¹⁾ alone with
+    ``second_order=False``) depends only on the params, never on the data. On an edge ``u -> v`` it
+    scales like (β_u/β_v)² under a node-wise rescaling β, so ``g / κ`` is rescaling invariant (Neyshabur
+    et al. 2016, Thm 2). The update is
+
+        u_{u->v} = g / (κ + damping · (B_v / B_u)² + eps),
+
+    B_v the product of the weights on v's outgoing skeleton chain (the gauge; 1 at non-hidden nodes).
+    The damping term scales exactly like κ, so the step is rescaling invariant for every ``damping``: it
+    is ``damping`` added to κ in the *canonical frame*, the member of the params' rescaling orbit whose
+    gauge weights are ±1, where κ is computed (`pathspace_jax.coords.to_canonical_frame`). The
+    gradient is taken to that frame, divided and brought back, so neither κ nor the update overflows or
+    underflows under any rescaling as long as the update itself is representable. ``eps`` is a plain
+    additive constant in the params' own units, off by default: it breaks the invariance. An entry whose
+    denominator is 0 (a dead unit with ``damping = eps = 0``) gets update 0, never NaN. Leaves that
+    ``trace`` marked ``"other"`` pass through unscaled.
 
     Args:
       space: the `PathSpace` of the network (``pathspace_jax.trace``).
       second_order: use the exact κ⁽¹⁾ + κ⁽²⁾ (default) or κ⁽¹⁾ alone (they differ on recurrent kernels only).
-      eps: added to κ before dividing (≥ 0).
+      damping: added to κ in the canonical frame (≥ 0; rescaling invariant).
+      eps: added to κ in the params' frame (≥ 0; breaks the invariance, default 0).
       every: recompute κ every ``every`` steps (steps 0, k, 2k, …) and keep it in the state in between
-        (``jax.lax.cond`` on the step count: no Python branching, no recompilation).
+        (``jax.lax.cond`` on the step count: no Python branching, no recompilation, also outside ``jit``).
 
     Returns:
       An `optax.GradientTransformation`; ``update(updates, state, params)`` needs ``params``. Extra
-      keyword arguments are ignored.
+      keyword arguments are ignored. The state is `ScaleByPathSGDState`.
 
     Example:
       >>> tx = optax.chain(pj.scale_by_path_sgd(space), optax.scale(-0.01))
       >>> updates, state = tx.update(grads, state, params)
 
     References:
-      Neyshabur et al., "Path-normalized optimization of recurrent neural networks with ReLU activations",
-      NeurIPS 2016; Neyshabur, Salakhutdinov, Srebro, "Path-SGD", NeurIPS 2015.
+      Neyshabur, Wu, Salakhutdinov, Srebro, "Path-normalized optimization of recurrent neural networks with
+      ReLU activations", NeurIPS 2016; Neyshabur, Salakhutdinov, Srebro, "Path-SGD: path-normalized
+      optimization in deep neural networks", NeurIPS 2015.
     """
-    from pathspace_jax.kappa import _check_space, path_kappa
+    from pathspace_jax.kappa import _check_space
 
     _check_space(space, "scale_by_path_sgd")
-    _check_every_eps(every, eps)
+    _check_every_eps(every, eps, damping)
+    second_order = bool(second_order)
 
     def init_fn(params):
-        return ScaleByPathSGDState(count=jnp.zeros([], jnp.int32), kappa=_zeros_like_params(space, params))
+        kappa, log2_gauge = _kappa_state(space, params)
+        return ScaleByPathSGDState(count=jnp.zeros([], jnp.int32), kappa=kappa, log2_gauge=log2_gauge)
 
     def update_fn(updates, state, params=None, **extra_args):
         del extra_args
         if params is None:
             raise ValueError("scale_by_path_sgd needs params: call tx.update(updates, state, params)")
-        kappa = _current_kappa(
-            lambda: path_kappa(space, params, second_order=second_order), state.kappa, state.count, every
-        )
-        new = _divide_by_kappa(space, updates, kappa, eps)
-        return new, ScaleByPathSGDState(count=optax.safe_int32_increment(state.count), kappa=kappa)
+        every_one = not _traced(every) and every == 1
+        return _path_sgd_update(space, second_order, every_one, updates, state, params, damping, eps, every)
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _path_sgd_update(space, second_order, every_one, updates, state, params, damping, eps, every):
+    """One `scale_by_path_sgd` step (jitted, so that calls outside ``jit`` compile once)."""
+    from pathspace_jax.kappa import _kappa_jit
+
+    def compute():
+        kappa, lg = _kappa_jit(space, space.leaves_of(params, "params"), second_order)
+        return space.unflatten_like(params, kappa), lg
+
+    kappa, lg = _current_kappa(compute, (state.kappa, state.log2_gauge), state.count, 1 if every_one else every)
+    new = _divide_by_kappa(space, updates, kappa, lg, damping, eps)
+    return new, ScaleByPathSGDState(count=optax.safe_int32_increment(state.count), kappa=kappa, log2_gauge=lg)

@@ -24,6 +24,7 @@ import optax
 import pytest
 
 import pathspace_jax as pj
+from pathspace_jax.coords import kappa_from_frame
 from pathspace_jax.testing import assert_update_invariant
 
 F64 = jnp.float64
@@ -379,7 +380,8 @@ def test_jit_without_recompilation_and_every():
     for _ in range(5):
         p_before = p
         p, state = step(p, state)
-        kappas.append((p_before, state[0].kappa))
+        st = state[0]
+        kappas.append((p_before, _state_kappa(space, st)))
     assert len(traces) == 1
     # κ recomputed at steps 0 and 3 only
     chex.assert_trees_all_close(kappas[0][1], pj.path_kappa(space, kappas[0][0]))
@@ -387,6 +389,12 @@ def test_jit_without_recompilation_and_every():
     chex.assert_trees_all_close(kappas[3][1], pj.path_kappa(space, kappas[3][0]))
     assert not np.allclose(np.asarray(kappas[3][1]["SimpleCell_0"]["h"]["kernel"]),
                            np.asarray(kappas[0][1]["SimpleCell_0"]["h"]["kernel"]))  # fmt: skip
+
+
+def _state_kappa(space, st):
+    """κ of the params from a Path-SGD/DDP state (which keeps κ in the canonical frame)."""
+    leaves = kappa_from_frame(space, jax.tree_util.tree_leaves(st.kappa), st.log2_gauge)
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(st.kappa), leaves)
 
 
 def test_vmap_over_an_ensemble():

@@ -1,0 +1,310 @@
+"""Path-SGD and DDP-SGD never return garbage: invariant damping, range, probes, dropout, bad input.
+
+Each test reproduces a failure seen on an earlier version (float32 where users train) and checks the
+fixed behaviour against an independent reference: float64 values, the unrescaled network, or the
+definition.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import pathspace_jax as pj
+from pathspace_jax.testing import assert_update_invariant
+
+F32, F64 = jnp.float32, jnp.float64
+
+
+class _MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Dense(32)(x))
+        x = nn.relu(nn.Dense(32)(x))
+        return nn.Dense(4)(x)
+
+
+class _ResMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Dense(16)(x))
+        x = x + nn.relu(nn.Dense(16)(x))
+        return nn.Dense(4)(x)
+
+
+class _CNN(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Conv(4, (3, 3))(x))
+        x = nn.avg_pool(x, (2, 2), (2, 2))
+        return nn.Dense(3)(x.reshape(x.shape[0], -1))
+
+
+class _RNN(nn.Module):
+    dtype: jnp.dtype = F32  # the carry's dtype (flax starts it in param_dtype)
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.RNN(nn.SimpleCell(10, activation_fn=nn.relu, param_dtype=self.dtype))(x)
+        return nn.Dense(3)(h[:, -1])
+
+
+_SHAPES = {"mlp": (_MLP, (8,)), "res": (_ResMLP, (8,)), "cnn": (_CNN, (6, 6, 1)), "rnn": (_RNN, (5, 4))}
+
+
+def _setup(name, dtype=F32, batch=32):
+    cls, shape = _SHAPES[name]
+    model = cls()
+    x = (jax.random.normal(jax.random.key(1), (batch, *shape)) + 0.5).astype(dtype)
+    params = jax.tree_util.tree_map(lambda a: a.astype(dtype), model.init(jax.random.key(0), x)["params"])
+    fn = lambda p, x: model.apply({"params": p}, x)  # noqa: E731
+    y = jax.random.normal(jax.random.key(2), fn(params, x).shape).astype(dtype)
+    return fn, params, x, y, pj.trace(fn, params, x)
+
+
+def _mse(fn):
+    return jax.jit(lambda p, b: jnp.mean((fn(p, b[0]) - b[1]) ** 2))
+
+
+# ----------------------------------------------------------------------------- invariance with defaults
+
+
+@pytest.mark.parametrize("max_exponent", [2, 4, 8, 20])
+@pytest.mark.parametrize("name", ["mlp", "res", "cnn", "rnn"])
+def test_path_sgd_defaults_are_invariant_in_float32(name, max_exponent):
+    """The default damping scales like κ: one step from any power-of-two rescaling gives the same function."""
+    fn, params, x, y, space = _setup(name)
+    tx = pj.path_sgd(space, 0.03)
+    assert_update_invariant(tx, _mse(fn), space, params, (x, y), max_exponent=max_exponent, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("max_exponent", [2, 8, 20])
+@pytest.mark.parametrize("name, alpha", [("mlp", 0.0), ("mlp", 1.0), ("cnn", 0.5)])
+def test_ddp_sgd_defaults_are_invariant_in_float32(name, alpha, max_exponent):
+    fn, params, x, y, space = _setup(name)
+    tx = pj.ddp_sgd(space, 0.03, alpha=alpha)
+    assert_update_invariant(
+        tx, _mse(fn), space, params, (x, y), update_kwargs={"inputs": x}, max_exponent=max_exponent, rtol=1e-5,
+        atol=1e-6,
+    )  # fmt: skip
+
+
+def test_plain_eps_breaks_invariance_and_is_opt_in():
+    """The old behaviour (a constant added to κ) is still there as ``eps``, and the test above would catch it."""
+    fn, params, x, y, space = _setup("mlp")
+    with pytest.raises(AssertionError):
+        assert_update_invariant(pj.path_sgd(space, 0.03, eps=1e-3), _mse(fn), space, params, (x, y), max_exponent=8,
+                                rtol=1e-5, atol=1e-6)  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- range
+
+
+def _scaled(space, params, k, x=None, fn=None):
+    """An exact rescaling by 2^k of every hidden node (first layer ×2^k, readout ×2^-k); with ``fn`` and ``x``,
+    checks that it is exact: the same function bit for bit."""
+    alphas = [jnp.full((space.groups[i].size,), 2.0**k, F32) for i in space.hidden_groups]
+    scaled = pj.rescale(space, params, alphas)
+    if fn is not None:
+        np.testing.assert_array_equal(fn(scaled, x), fn(params, x))
+    return scaled, alphas
+
+
+@pytest.mark.parametrize("k", [0, 30, 56, 60, 62, 70])
+def test_path_norm_of_exact_rescalings_is_unchanged(k):
+    fn, params, x, _, space = _setup("mlp")
+    scaled, _ = _scaled(space, params, k, x, fn)
+    assert all(np.all(np.isfinite(np.asarray(a))) for a in jax.tree_util.tree_leaves(scaled))
+    np.testing.assert_allclose(pj.path_norm(space, scaled), pj.path_norm(space, params), rtol=1e-5)
+    np.testing.assert_allclose(pj.path_norm(space, scaled, p=1.0), pj.path_norm(space, params, p=1.0), rtol=1e-5)
+
+
+def test_path_norm_of_one_huge_weight_matches_float64():
+    fn, params, x, _, space = _setup("mlp")
+    big = jax.tree_util.tree_map(lambda a: a, params)
+    big["Dense_1"]["kernel"] = big["Dense_1"]["kernel"].at[3, 5].set(1e30)
+    ref = pj.path_norm(space, jax.tree_util.tree_map(lambda a: a.astype(F64), big))
+    got = pj.path_norm(space, big)
+    assert got.dtype == F32
+    np.testing.assert_allclose(float(got), float(ref), rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["mlp", "rnn"])
+@pytest.mark.parametrize("k", [20, 40, 60])
+def test_kappa_of_exact_rescalings_is_equivariant(name, k):
+    """κ(T_β p) in float32 equals its float64 value wherever float32 can hold it, is inf above that range (never
+    0; below it, a subnormal, it may be 0), and the update g/κ of the rescaled params is the rescaled update."""
+    fn, params, x, y, space = _setup(name)
+    scaled, alphas = _scaled(space, params, k, x, fn)
+    k0 = pj.path_kappa(space, params)
+    k1 = pj.path_kappa(space, scaled)
+    model64 = _RNN(dtype=F64) if name == "rnn" else _SHAPES[name][0]()
+    fn64 = lambda p, x: model64.apply({"params": p}, x)  # noqa: E731
+    x64, scaled64 = x.astype(F64), jax.tree_util.tree_map(lambda a: a.astype(F64), scaled)
+    ref = pj.path_kappa(pj.trace(fn64, scaled64, x64), scaled64)  # float64: in range
+    for a, b, r in zip(jax.tree_util.tree_leaves(k0), jax.tree_util.tree_leaves(k1), jax.tree_util.tree_leaves(ref)):
+        a, b, r = np.asarray(a, np.float64), np.asarray(b, np.float64), np.asarray(r)
+        big, tiny = r >= np.finfo(np.float32).max, r < np.finfo(np.float32).tiny
+        fits = ~big & ~tiny
+        np.testing.assert_allclose(b[fits], r[fits], rtol=1e-4)
+        assert np.all(np.isinf(b[big]))  # beyond float32: inf, never 0
+        assert np.all((b[fits] > 0) == (a[fits] > 0))  # no representable entry lost to underflow
+    # the Path-SGD step from the rescaled params is the rescaled step
+    tx = pj.path_sgd(space, 0.01)
+    g0, g1 = jax.grad(_mse(fn))(params, (x, y)), jax.grad(_mse(fn))(scaled, (x, y))
+    u0, _ = tx.update(g0, tx.init(params), params)
+    u1, _ = tx.update(g1, tx.init(scaled), scaled)
+    back = pj.rescale(space, u1, [1.0 / a for a in alphas])  # updates transform like the params
+    for a, b in zip(jax.tree_util.tree_leaves(u0), jax.tree_util.tree_leaves(back)):
+        assert np.all(np.isfinite(np.asarray(b)))
+        np.testing.assert_allclose(b, a, rtol=2e-4, atol=1e-7 * float(np.max(np.abs(a))))
+
+
+def test_unbalanced_layers_train_like_the_balanced_network():
+    """A layer ×1e30 and the next ×1e-30 (the same function): Path-SGD trains both alike."""
+    fn, params, x, y, space = _setup("mlp")
+    unbalanced = jax.tree_util.tree_map(lambda a: a, params)
+    unbalanced["Dense_0"] = jax.tree_util.tree_map(lambda a: a * 1e30, params["Dense_0"])
+    unbalanced["Dense_1"] = {"kernel": params["Dense_1"]["kernel"] * 1e-30, "bias": params["Dense_1"]["bias"]}
+    np.testing.assert_allclose(fn(unbalanced, x), fn(params, x), rtol=1e-4, atol=1e-5)
+    loss = _mse(fn)
+    tx = pj.path_sgd(space, 0.02)
+
+    @jax.jit
+    def step(p, s):
+        u, s = tx.update(jax.grad(loss)(p, (x, y)), s, p)
+        return optax.apply_updates(p, u), s
+
+    finals = []
+    for p in (params, unbalanced):
+        s = tx.init(p)
+        for _ in range(200):
+            p, s = step(p, s)
+        finals.append(float(loss(p, (x, y))))
+    assert finals[0] < 0.9 * float(loss(params, (x, y)))
+    np.testing.assert_allclose(finals[1], finals[0], rtol=1e-2)
+
+
+def test_tiny_weights_give_no_nan_in_g_sgd():
+    """All weights ×1e-20: skeleton products underflow; the chart is singular there, the update is finite."""
+    fn, params, x, y, space = _setup("mlp")
+    tiny = jax.tree_util.tree_map(lambda a: a * 1e-20, params)
+    tx = pj.g_sgd(space, 0.01)
+    u, _ = tx.update(jax.grad(_mse(fn))(tiny, (x, y)), tx.init(tiny), tiny)
+    assert all(np.all(np.isfinite(np.asarray(a))) for a in jax.tree_util.tree_leaves(u))
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def test_integer_param_leaves_are_refused_with_their_path():
+    fn, params, x, y, space = _setup("mlp")
+    tx = pj.path_sgd(space, 0.01)
+    state = tx.init(params)
+    ints = jax.tree_util.tree_map(lambda a: a, params)
+    ints["Dense_1"]["kernel"] = ints["Dense_1"]["kernel"].astype(jnp.int32)
+    with pytest.raises(TypeError, match="Dense_1/kernel.*int32"):
+        tx.update(params, state, ints)
+
+
+def test_missing_or_extra_leaf_is_named():
+    fn, params, x, y, space = _setup("mlp")
+    tx = pj.path_sgd(space, 0.01)
+    state = tx.init(params)
+    missing = {k: v for k, v in params.items() if k != "Dense_2"}
+    with pytest.raises(ValueError, match=r"missing.*Dense_2/bias.*Dense_2/kernel") as info:
+        tx.update(params, state, missing)
+    assert "PyTreeDef" not in str(info.value)
+    extra = {**params, "Extra_0": {"kernel": jnp.ones((2, 2))}}
+    with pytest.raises(ValueError, match=r"not in the traced params.*Extra_0/kernel"):
+        tx.update(params, state, extra)
+
+
+_FACTORIES = [lambda s: pj.g_sgd(s, 0.01), lambda s: pj.path_sgd(s, 0.01), lambda s: pj.ddp_sgd(s, 0.01, alpha=1.0),
+              lambda s: pj.g_adam(s, 1e-3)]  # fmt: skip
+
+
+@pytest.mark.parametrize("factory", _FACTORIES)
+def test_a_space_that_is_not_a_path_space_is_refused(factory):
+    with pytest.raises(TypeError, match="PathSpace"):
+        factory(None)
+
+
+def test_ddp_inputs_of_the_wrong_width_are_named():
+    fn, params, x, y, space = _setup("mlp")
+    tx = pj.ddp_sgd(space, 0.01, alpha=1.0)
+    g = jax.grad(_mse(fn))(params, (x, y))
+    with pytest.raises(ValueError, match=r"input #0 has shape \(32, 5\).*\(8,\)"):
+        tx.update(g, tx.init(params), params, inputs=x[:, :5])
+
+
+def test_a_prng_key_input_is_called_a_key_not_a_token():
+    model = nn.Dropout(0.5)
+
+    def fn(p, x, key):
+        return nn.Dense(3).apply({"params": p}, model.apply({}, x, deterministic=False, rngs={"dropout": key}))
+
+    x = jnp.ones((4, 6), F32)
+    params = nn.Dense(3).init(jax.random.key(0), x)["params"]
+    with pytest.raises(Exception, match="(?i)key"):
+        space = pj.trace(fn, params, x, jax.random.key(1))
+        pj.path_kappa(space, params)
+
+
+# ----------------------------------------------------------------------------- dropout
+
+
+class _DropMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x, deterministic):
+        x = nn.relu(nn.Dense(16)(x))
+        x = nn.Dropout(0.3)(x, deterministic=deterministic)
+        return nn.Dense(3)(x)
+
+
+def test_dropout_is_pinned_and_named_and_path_sgd_refuses_it():
+    model = _DropMLP()
+    x = jnp.ones((8, 5), F32)
+    params = model.init(jax.random.key(0), x, deterministic=True)["params"]
+    fn = lambda p, x: model.apply({"params": p}, x, deterministic=False, rngs={"dropout": jax.random.key(3)})  # noqa: E731
+    with pytest.raises(pj.UnsupportedModelError, match="(?i)dropout"):
+        pj.trace(fn, params, x, strict=True)
+    space = pj.trace(fn, params, x)
+    assert "dropout" in pj.describe(space).lower()
+    with pytest.raises(pj.PathKappaUnsupportedError, match="(?i)dropout"):
+        pj.path_sgd(space, 0.01)
+    # the deterministic function is the one to trace: it is fully homogeneous
+    det = pj.trace(lambda p, x: model.apply({"params": p}, x, deterministic=True), params, x, strict=True)
+    assert det.num_hidden == 16
+
+
+# ----------------------------------------------------------------------------- compilation
+
+
+@pytest.mark.parametrize("make", [lambda s: pj.path_sgd(s, 0.01, every=3),
+                                  lambda s: pj.ddp_sgd(s, 0.01, alpha=1.0, every=3)])  # fmt: skip
+def test_every_does_not_recompile_outside_jit(make):
+    fn, params, x, y, space = _setup("mlp")
+    tx = make(space)
+    state = tx.init(params)
+    g = jax.grad(_mse(fn))(params, (x, y))
+    kw = {"inputs": x} if "ddp" in repr(make.__code__.co_consts) else {}
+    tx.update(g, state, params, **kw)  # compiles once
+    with jax.log_compiles():
+        import logging
+
+        records = []
+        handler = logging.Handler()
+        handler.emit = records.append
+        logging.getLogger("jax").addHandler(handler)
+        try:
+            for _ in range(4):
+                _, state = tx.update(g, state, params, **kw)
+        finally:
+            logging.getLogger("jax").removeHandler(handler)
+    compiled = [r for r in records if "Compiling" in r.getMessage() or "compiling" in r.getMessage()]
+    assert len(compiled) <= 1, [r.getMessage()[:120] for r in compiled]
