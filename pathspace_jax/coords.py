@@ -127,9 +127,16 @@ def _node_sum(n: int, parts, dtype):
     return out
 
 
+def _finite(x):
+    """x where finite, else 0: a product of inverse chain factors beyond the dtype's range is a singular chart."""
+    return jnp.where(jnp.isfinite(x), x, 0)
+
+
 def _safe_inv(x):
+    """1/x, and 0 where x is 0 or so small that 1/x overflows (the chart is singular there in this dtype)."""
     nz = x != 0
-    return jnp.where(nz, 1.0 / jnp.where(nz, x, 1), 0)
+    inv = 1.0 / jnp.where(nz, x, 1)
+    return jnp.where(nz & jnp.isfinite(inv), inv, 0)
 
 
 def _chain_A(sk: Skeleton, w_in):
@@ -479,7 +486,7 @@ def _coord_grads(space: PathSpace, w_leaves, g_leaves, ct):
         gate = jnp.asarray(sk.in_is_gauge)
         for _ in range(sk.depth_in):
             t = -p + jnp.zeros_like(p).at[sk.parent].add(jnp.where(gate, t, 0))
-    corr = t * ia * ib
+    corr = t * _finite(ia * ib)
     gcs, cs = [], []
     for w, g, li in zip(w_leaves, g_leaves, sk.leaves):
         if li.kind == "other":
@@ -489,7 +496,7 @@ def _coord_grads(space: PathSpace, w_leaves, g_leaves, ct):
         w = jnp.asarray(w, ct)
         g = jnp.asarray(g, ct)
         shape = jnp.shape(w)
-        gc = g * (_take(ia, li.src_r) * _take(ib, li.dst_r))
+        gc = g * _finite(_take(ia, li.src_r) * _take(ib, li.dst_r))
         c = w * (_take(a, li.src_r) * _take(b, li.dst_r))
         im, gm = li.inskel_mask(shape), li.gauge_mask(shape)
         if im is not None:
@@ -541,7 +548,7 @@ def _allocate(space: PathSpace, w_leaves, dc_leaves, factors, ct, min_ratio: flo
     if isinstance(min_share, jax.core.Tracer) or min_share > 0:
         share = _skeleton_share(space, w_leaves, factors, ct)
         lo = jnp.maximum(lo, jnp.minimum(min_share * _safe_inv(share), 1))
-    rho = jnp.maximum(1 + d_in * ia * ib, lo)
+    rho = jnp.maximum(1 + d_in * _finite(ia * ib), lo)
     r0 = jnp.where(free, rho, 1)
     r = r0
     if sk.in_is_gauge.any():
@@ -559,7 +566,7 @@ def _allocate(space: PathSpace, w_leaves, dc_leaves, factors, ct, min_ratio: flo
         w = jnp.asarray(w, ct)
         dc = jnp.asarray(dc, ct)
         shape = jnp.shape(w)
-        u = (w + dc * (_take(ia, li.src_r) * _take(ib, li.dst_r))) * _take(ir, li.src_r) - w
+        u = (w + dc * _finite(_take(ia, li.src_r) * _take(ib, li.dst_r))) * _take(ir, li.src_r) - w
         im, gm = li.inskel_mask(shape), li.gauge_mask(shape)
         if im is not None:
             u = jnp.where(im, w * (_take(ratio_in, li.dst_r) - 1), u)

@@ -190,15 +190,34 @@ class PathSpace:
         or a dict for a ``FrozenDict``. Results built from it take its structure (`unflatten_like`).
         """
         leaves, treedef = jax.tree_util.tree_flatten(tree)
-        if treedef != self.treedef and leaf_path_strings(tree) != [leaf.path for leaf in self.leaves]:
-            raise ValueError(
-                f"{what} does not have the structure of the params this PathSpace was traced with:\n"
-                f"  expected {self.treedef}\n  got      {treedef}"
-            )
+        if treedef != self.treedef:
+            got, expected = leaf_path_strings(tree), [leaf.path for leaf in self.leaves]
+            if got != expected:
+                missing = [p for p in expected if p not in got]
+                extra = [p for p in got if p not in expected]
+                detail = "; ".join(
+                    part
+                    for part in (
+                        f"missing {missing}" if missing else "",
+                        f"not in the traced params {extra}" if extra else "",
+                        "" if missing or extra else f"leaves in another order: {got}",
+                    )
+                    if part
+                )
+                raise ValueError(
+                    f"{what} does not have the leaves of the params this PathSpace was traced with: {detail}. "
+                    "Pass the same parameter pytree (trace again if the model changed)."
+                )
         for spec, leaf in zip(self.leaves, leaves):
             shape = tuple(getattr(leaf, "shape", ()))
             if shape != spec.shape:
                 raise ValueError(f"{what} leaf {spec.path!r} has shape {shape}, expected {spec.shape}")
+            dtype = getattr(leaf, "dtype", None)
+            if dtype is not None and not jnp.issubdtype(dtype, jnp.inexact):
+                raise TypeError(
+                    f"{what} leaf {spec.path!r} has dtype {dtype}; path-space transformations need floating point "
+                    f"params and gradients (it was traced as {spec.dtype})"
+                )
         return leaves
 
     @staticmethod

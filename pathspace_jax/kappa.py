@@ -124,6 +124,11 @@ def _check_space(space: PathSpace, who: str) -> None:
             "groups are pinned: " + "; ".join(f"{g.name} (size {g.size}): {', '.join(g.reasons)}" for g in pinned)
         )
     for spec in jax.tree_util.tree_leaves(space.arg_specs):
+        if jax.dtypes.issubdtype(spec.dtype, jax.dtypes.prng_key):
+            raise PathKappaUnsupportedError(
+                f"{who}: the traced function takes a PRNG key (for dropout?). Path sums are defined for one "
+                "deterministic network: trace the deterministic function (e.g. deterministic=True)."
+            )
         if not jnp.issubdtype(spec.dtype, jnp.floating):
             raise PathKappaUnsupportedError(
                 f"{who}: the traced function takes a {spec.dtype} input (token ids / an embedding lookup?). Path "

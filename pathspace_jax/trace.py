@@ -176,6 +176,7 @@ class _Val:
     leaf: int | None = None
     zero: bool = False
     scalars: list[int] = dataclasses.field(default_factory=list)  # atoms of squeezed size-1 axes
+    random: bool = False  # a constant computed from random numbers (a dropout mask, a PRNG key)
 
 
 _STRUCTURAL_UNARY = {
@@ -248,6 +249,8 @@ class _Interpreter:
             self.step += 1
             ins = [self.read(env, x) for x in eqn.invars]
             outs = self.apply(eqn, ins)
+            if any(v.random for v in ins):
+                self.randomness(ins, outs)
             for var, val in zip(eqn.outvars, outs):
                 shape = getattr(var.aval, "shape", ())
                 assert len(val.axes) == len(shape), (eqn.primitive.name, val.axes, shape)
@@ -281,12 +284,30 @@ class _Interpreter:
             return [self.nonlinear(eqn, ins)]
         if name in _DEGREE0_UNARY or name in _COMPARE:
             return [self.degree0(eqn, ins)]
-        if name.startswith(_RANDOM_PREFIX) or name in ("iota", "empty", "stop_gradient"):
+        if name.startswith(_RANDOM_PREFIX):
+            return [_Val(CONST, self.fresh(v.aval.shape), random=True) for v in eqn.outvars]
+        if name in ("iota", "empty", "stop_gradient"):
             return [_Val(CONST, self.fresh(v.aval.shape)) for v in eqn.outvars]
         sub = jx.call_body(eqn)  # jit, custom_jvp_call, custom_vjp_call, checkpoint, ...: entered
         if sub is not None:
             return self.run_closed(sub, ins)
         return self.unknown(eqn, ins)
+
+    def randomness(self, ins: Sequence[_Val], outs: Sequence[_Val]) -> None:
+        """Random numbers reach the network (dropout, noise): the groups they touch are pinned, since κ, path
+        norms and the skeleton are defined for one deterministic network."""
+        why = (
+            "uses random numbers (dropout or noise in the traced function): trace the deterministic function "
+            "instead, e.g. deterministic=True or train=False, and apply dropout only in the loss"
+        )
+        for o in outs:
+            if o.kind == CONST:
+                o.random = True
+            elif o.kind == ACT:
+                self.pin(o, why)
+                for v in ins:
+                    if v.kind == ACT:
+                        self.pin(v, why)
 
     def unknown(self, eqn, ins):
         why = "not known to be positively homogeneous"
@@ -970,7 +991,8 @@ def _run_trace(bound, leaves, treedef, paths, arg_specs, strict):
         if jnp.issubdtype(a.dtype, jnp.floating):
             in_vals.append(_Val(ACT, interp.fresh(a.shape, input=True)))
         else:
-            in_vals.append(_Val(CONST, interp.fresh(a.shape, input=True)))
+            is_key = jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key)
+            in_vals.append(_Val(CONST, interp.fresh(a.shape, input=True), random=is_key))
     consts = [interp.const_val(c) for c in closed.consts]
     outs = interp.run(closed.jaxpr, consts, in_vals)
     interp.eqn = None

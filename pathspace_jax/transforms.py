@@ -38,6 +38,13 @@ def _check_static(where: str, **hyperparams) -> None:
         )
 
 
+def _check_path_space(space, who: str) -> None:
+    from pathspace_jax.graph import PathSpace
+
+    if not isinstance(space, PathSpace):
+        raise TypeError(f"{who}: space must be a PathSpace from pathspace_jax.trace(fn, params, *args), got {space!r}")
+
+
 def _kappa_state(space, params):
     """Initial (κ, log2 gauge): zeros like params, and a zero node vector in the compute dtype."""
     leaves = space.leaves_of(params, "params")
@@ -271,6 +278,7 @@ def in_path_space(
     """
     from pathspace_jax import coords as _coords
 
+    _check_path_space(space, "in_path_space")
     if not _traced(min_ratio) and not 0 < min_ratio < 1:
         raise ValueError(f"min_ratio must be in (0, 1), got {min_ratio}")
     if not _traced(min_share) and not 0 <= min_share <= 1:

@@ -273,7 +273,7 @@ def test_rescale_rejects_bad_alphas_and_mismatched_params():
         pj.rescale(space, case.params, [-a for a in alphas])
     with pytest.raises(ValueError, match="shape"):
         pj.rescale(space, case.params, [alphas[0][:2], alphas[1]])
-    with pytest.raises(ValueError, match="structure"):
+    with pytest.raises(ValueError, match="leaves of the params"):
         pj.rescale(space, {"Dense_0": case.params["Dense_0"]}, alphas)
     bad = jax.tree_util.tree_map(lambda a: a, case.params)
     bad["Dense_1"]["kernel"] = jnp.ones((2, 2))

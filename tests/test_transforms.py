@@ -92,11 +92,11 @@ def test_pure_state_and_structure_errors():
     chex.assert_trees_all_equal(pj.path_kappa(space, pure), nnx.as_pure(pj.path_kappa(space, params)))
 
     renamed = {"a" + k: v for k, v in nnx.to_pure_dict(pure).items()}
-    with pytest.raises(ValueError, match="structure of the params"):
+    with pytest.raises(ValueError, match="leaves of the params"):
         pj.to_coords(space, renamed)
     shorter = nnx.to_pure_dict(pure)
     del shorter["l3"]
-    with pytest.raises(ValueError, match="structure of the params"):
+    with pytest.raises(ValueError, match="leaves of the params"):
         pj.g_sgd(space, 0.1).update(shorter, optax.EmptyState(), shorter)
 
 
