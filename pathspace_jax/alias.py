@@ -16,7 +16,8 @@ def ddp_sgd(
     alpha: float,
     moment: str = "second",
     estimator: str = "exact",
-    num_probes: int = 1,
+    num_probes: int = 4,
+    probe_damping: float = 0.1,
     momentum: float | None = None,
     every: int = 1,
     damping: float = 1e-8,
@@ -30,7 +31,8 @@ def ddp_sgd(
     Args:
       space: the `PathSpace` of the network (``pathspace_jax.trace``).
       learning_rate: η, a float or an optax schedule.
-      alpha, moment, estimator, num_probes, every, damping, eps: see `pathspace_jax.scale_by_ddp`.
+      alpha, moment, estimator, num_probes, probe_damping, every, damping, eps: see
+        `pathspace_jax.scale_by_ddp`.
       momentum: heavy-ball decay (``optax.trace``), or None.
 
     Returns:
@@ -50,6 +52,7 @@ def ddp_sgd(
             moment=moment,
             estimator=estimator,
             num_probes=num_probes,
+            probe_damping=probe_damping,
             damping=damping,
             eps=eps,
             every=every,

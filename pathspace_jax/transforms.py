@@ -123,7 +123,8 @@ def scale_by_ddp(
     alpha: float,
     moment: str = "second",
     estimator: str = "exact",
-    num_probes: int = 1,
+    num_probes: int = 4,
+    probe_damping: float = 0.1,
     damping: float = 1e-8,
     eps: float = 0.0,
     every: int = 1,
@@ -142,7 +143,7 @@ def scale_by_ddp(
 
     Args:
       space: the `PathSpace` of the network (``pathspace_jax.trace``).
-      alpha, moment, estimator, num_probes: as in `pathspace_jax.ddp_kappa`.
+      alpha, moment, estimator, num_probes, probe_damping: as in `pathspace_jax.ddp_kappa`.
       damping: added to κ in the canonical frame (≥ 0; rescaling invariant).
       eps: added to κ in the params' frame (≥ 0; breaks the invariance, default 0).
       every: recompute κ every ``every`` steps (steps 0, k, 2k, ...), reusing the stored κ between
@@ -187,13 +188,15 @@ def scale_by_ddp(
         if key is None:
             key = jax.random.fold_in(jax.random.key(0), state.count)
         every_one = not _traced(every) and every == 1
-        return _ddp_update(space, config, every_one, updates, state, params, inputs, key, damping, eps, every)
+        return _ddp_update(
+            space, config, every_one, updates, state, params, inputs, key, damping, eps, every, probe_damping
+        )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _ddp_update(space, config, every_one, updates, state, params, inputs, key, damping, eps, every):
+def _ddp_update(space, config, every_one, updates, state, params, inputs, key, damping, eps, every, probe_damping):
     """One `scale_by_ddp` step (jitted, so that calls outside ``jit`` compile once)."""
     from pathspace_jax.ddp import _kappa_jit, check_inputs
 
@@ -202,7 +205,7 @@ def _ddp_update(space, config, every_one, updates, state, params, inputs, key, d
     def compute():
         leaves = [jnp.asarray(p) for p in space.leaves_of(params, "params")]
         xs = check_inputs(space, inputs)
-        kappa, lg = _kappa_jit(space, leaves, xs, key, alpha, moment, estimator, num_probes)
+        kappa, lg = _kappa_jit(space, leaves, xs, key, alpha, moment, estimator, num_probes, probe_damping)
         return space.unflatten_like(params, kappa), lg
 
     kappa, lg = _current_kappa(compute, (state.kappa, state.log2_gauge), state.count, 1 if every_one else every)

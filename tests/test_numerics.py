@@ -307,3 +307,61 @@ def test_every_does_not_recompile_outside_jit(algo):
             logging.getLogger("jax").removeHandler(handler)
     compiled = [r for r in records if "Compiling" in r.getMessage() or "compiling" in r.getMessage()]
     assert len(compiled) <= 1, [r.getMessage()[:120] for r in compiled]
+
+
+# ----------------------------------------------------------------------------- DDP probes
+
+
+def test_one_probe_can_be_exactly_zero_and_probe_damping_bounds_it():
+    """At an output bias one probe's estimate is (Σ_i r_i)²/n: exactly 0 in a fair share of draws. The default
+    probe damping adds δ·κ_path (= δ there, the exact α = 1 value being 1), so the divisor never drops below it."""
+    fn, params, x, y, space = _setup("mlp", batch=16)
+    zeros = 0
+    for seed in range(40):
+        key = jax.random.key(seed)
+        raw = pj.ddp_kappa(space, params, x, alpha=1.0, estimator="probes", num_probes=1, probe_damping=0.0, key=key)
+        zeros += int(np.sum(np.asarray(raw["Dense_2"]["bias"]) == 0))
+        damped = pj.ddp_kappa(space, params, x, alpha=1.0, estimator="probes", num_probes=1, key=key)
+        np.testing.assert_allclose(damped["Dense_2"]["bias"], raw["Dense_2"]["bias"] + 0.1, rtol=1e-6)
+    assert zeros > 0  # the failure mode is real
+    exact = pj.ddp_kappa(space, params, x, alpha=1.0)
+    np.testing.assert_allclose(exact["Dense_2"]["bias"], 1.0, rtol=1e-6)
+
+
+def test_ddp_alpha_one_with_probes_trains_the_digits_mlp_like_the_exact_estimator():
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x = jnp.asarray(digits.data / 16.0 - (digits.data / 16.0).mean(0), F32)
+    y = jnp.asarray(digits.target)
+    x_tr, y_tr, x_te, y_te = x[:1300], y[:1300], x[1300:], y[1300:]
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(10)(nn.relu(nn.Dense(32)(nn.relu(nn.Dense(64)(x)))))
+
+    model = MLP()
+    params = model.init(jax.random.key(0), x_tr[:64])["params"]
+    fn = lambda p, x: model.apply({"params": p}, x)  # noqa: E731
+    space = pj.trace(fn, params, x_tr[:64])
+
+    def test_error(tx):
+        def loss(p, xb, yb):
+            return optax.softmax_cross_entropy_with_integer_labels(fn(p, xb), yb).mean()
+
+        @jax.jit
+        def step(p, s, xb, yb):
+            u, s = tx.update(jax.grad(loss)(p, xb, yb), s, p, inputs=xb)
+            return optax.apply_updates(p, u), s
+
+        p, s = params, tx.init(params)
+        order = np.random.default_rng(0).permutation(1280 * 8) % 1280
+        for i in range(0, len(order), 64):
+            p, s = step(p, s, x_tr[order[i : i + 64]], y_tr[order[i : i + 64]])
+        assert all(np.all(np.isfinite(np.asarray(a))) for a in jax.tree_util.tree_leaves(p))
+        return float(jnp.mean(fn(p, x_te).argmax(-1) != y_te))
+
+    exact = min(test_error(pj.ddp_sgd(space, lr, alpha=1.0)) for lr in (0.01, 0.03))
+    probes = test_error(pj.ddp_sgd(space, 0.1, alpha=1.0, estimator="probes"))
+    assert probes <= 1.5 * exact, (probes, exact)
