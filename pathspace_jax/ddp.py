@@ -238,7 +238,7 @@ def ddp_kappa(
     """
     _check_space(space)
     alpha, num_probes = check_options(alpha, moment, estimator, num_probes)
-    if not _traced(probe_damping) and not probe_damping >= 0:
+    if not isinstance(probe_damping, jax.core.Tracer) and not probe_damping >= 0:
         raise ValueError(f"probe_damping must be >= 0, got {probe_damping}")
     if estimator == "probes" and alpha > 0 and key is None:
         raise ValueError("ddp_kappa(estimator='probes') needs a PRNG key: pass key=jax.random.key(...)")
@@ -247,10 +247,6 @@ def ddp_kappa(
     leaves = [jnp.asarray(p) for p in leaves]
     kappa, lg = _kappa_jit(space, leaves, xs, key, alpha, moment, estimator, num_probes, probe_damping)
     return space.unflatten_like(params, kappa_from_frame(space, kappa, lg))
-
-
-def _traced(x) -> bool:
-    return isinstance(x, jax.core.Tracer)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7))

@@ -396,7 +396,9 @@ def test_probe_estimator_is_unbiased(name, alpha, moment):
     exact = ravel_pytree(pj.ddp_kappa(space, params, x, alpha=alpha, moment=moment))[0]
     draws = jax.vmap(
         lambda k: ravel_pytree(
-            pj.ddp_kappa(space, params, x, alpha=alpha, moment=moment, estimator="probes", num_probes=1, key=k)
+            pj.ddp_kappa(
+                space, params, x, alpha=alpha, moment=moment, estimator="probes", num_probes=1, probe_damping=0.0, key=k
+            )
         )[0]
     )(jax.random.split(jax.random.key(11), 2000))
     mean, std = draws.mean(0), draws.std(0)
@@ -409,7 +411,17 @@ def test_probe_estimator_is_unbiased(name, alpha, moment):
     # more probes average: num_probes=64 has about 1/8 of the spread
     many = jax.vmap(
         lambda k: ravel_pytree(
-            pj.ddp_kappa(space, params, x, alpha=alpha, moment=moment, estimator="probes", num_probes=64, key=k)
+            pj.ddp_kappa(
+                space,
+                params,
+                x,
+                alpha=alpha,
+                moment=moment,
+                estimator="probes",
+                num_probes=64,
+                probe_damping=0.0,
+                key=k,
+            )
         )[0]
     )(jax.random.split(jax.random.key(12), 200))
     ratio = float(jnp.median(many.std(0) / jnp.maximum(std, 1e-300)))
