@@ -210,36 +210,41 @@ def gauge_log2(space: PathSpace, leaves, dtype):
     return jnp.where(jnp.isfinite(lb), lb, 0)
 
 
-def edge_exponents(space: PathSpace, lg, power: float):
-    """Per leaf, ``power · (k_dst − k_src)`` with ``k = round(lg)``, broadcastable to the leaf (None for leaves of
-    kind "other"): the power-of-two exponent that `times_pow2` applies."""
-    k = jnp.round(lg)
+_MAX_FRAME_EXPONENT = 60  # node factors 2^±60: an edge factor 2^±120 is a normal float32
+
+
+def _frame_k(lg):
+    """Integer frame exponents per node: round(l), clipped so that every factor below is a normal float32."""
+    return jnp.clip(jnp.round(lg), -_MAX_FRAME_EXPONENT, _MAX_FRAME_EXPONENT)
+
+
+def edge_factors(space: PathSpace, lg, sign: float = 1.0):
+    """Per leaf, ``2^(sign · (k_dst − k_src))`` (k: `gauge_log2` rounded to integers, |k| ≤ 60), exact powers of
+    two broadcastable to the leaf (None for leaves of kind "other").
+
+    Built from two node vectors (one ``exp2`` per node, one product per entry), so applying it costs what an
+    elementwise product costs. ``sign=1`` takes the params to the canonical frame, ``sign=-1`` back.
+    """
+    k = sign * _frame_k(lg)
+    up, down = jnp.exp2(k), jnp.exp2(-k)
     return [
-        None if li.kind == "other" else power * (_take(k, li.dst_r) - _take(k, li.src_r))
-        for li in skeleton(space).leaves
+        None if li.kind == "other" else _take(up, li.dst_r) * _take(down, li.src_r) for li in skeleton(space).leaves
     ]
 
 
-def times_pow2(x, e):
-    """``x · 2^e`` for integer-valued ``e``, exact, in two halves so that no factor over- or underflows before the
-    product does (|e| up to twice the exponent range)."""
-    half = jnp.floor(0.5 * e)
-    return x * jnp.exp2(half) * jnp.exp2(e - half)
-
-
-def damping_scales(space: PathSpace, lg):
-    """Per leaf, ``2^(2((l − k)_dst − (l − k)_src))`` (k = round(l)): with `edge_exponents`, a constant added to κ in
-    the canonical frame times this is exactly ``constant · (B_v / B_u)²`` in the params' frame."""
-    f = lg - jnp.round(lg)
+def damping_factors(space: PathSpace, lg):
+    """Per leaf, ``2^(2((l − k)_dst − (l − k)_src))``: with `edge_factors`, a constant added to κ in the canonical
+    frame times this is exactly ``constant · (B_v / B_u)²`` in the params' frame (in [1/4, 4] unless |l| > 60)."""
+    f = lg - _frame_k(lg)
+    up, down = jnp.exp2(2.0 * f), jnp.exp2(-2.0 * f)
     return [
-        None if li.kind == "other" else jnp.exp2(2.0 * (_take(f, li.dst_r) - _take(f, li.src_r)))
-        for li in skeleton(space).leaves
+        None if li.kind == "other" else _take(up, li.dst_r) * _take(down, li.src_r) for li in skeleton(space).leaves
     ]
 
 
 def to_canonical_frame(space: PathSpace, leaves, dtype):
     """``(leaves in the canonical frame, l)``: every edge ``u -> v`` times ``2^(k_v − k_u)``, in ``dtype``, with
-    ``l`` = `gauge_log2` and ``k = round(l)``; leaves of kind "other" unchanged.
+    ``l`` = `gauge_log2` and k its rounding (`edge_factors`); leaves of kind "other" unchanged.
 
     The canonical frame is the member of the params' rescaling orbit whose gauge weights are ±1 within a
     factor √2 (`canonicalize` up to powers of two). It computes the same function and, since the factors
@@ -247,10 +252,7 @@ def to_canonical_frame(space: PathSpace, leaves, dtype):
     that scale under rescaling (κ, gradients) are computed there, in range, and mapped back.
     """
     lg = gauge_log2(space, leaves, dtype)
-    out = [
-        jnp.asarray(w) if e is None else times_pow2(jnp.asarray(w, dtype), e)
-        for w, e in zip(leaves, edge_exponents(space, lg, 1.0))
-    ]
+    out = [jnp.asarray(w) if f is None else jnp.asarray(w, dtype) * f for w, f in zip(leaves, edge_factors(space, lg))]
     return out, lg
 
 
@@ -260,8 +262,8 @@ def kappa_from_frame(space: PathSpace, kappa, lg):
     κ_c = 0 stays 0; a value beyond the dtype's range is ``inf`` (never 0, never NaN).
     """
     return [
-        k if e is None else jnp.where(k == 0, 0, times_pow2(k, e)).astype(jnp.result_type(k))
-        for k, e in zip(kappa, edge_exponents(space, lg, 2.0))
+        k if f is None else jnp.where(k == 0, 0, k * f * f).astype(jnp.result_type(k))
+        for k, f in zip(kappa, edge_factors(space, lg))
     ]
 
 

@@ -76,18 +76,18 @@ def _current_kappa(compute, kappa, count, every: int):
 def _divide_by_kappa(space, updates, kappa, log2_gauge, damping, eps):
     """``g / (κ + damping · (B_v / B_u)² + eps)`` per entry ``u -> v``, from κ in the canonical frame.
 
-    With s = 2^(k_u − k_v) (k: the rounded `pathspace_jax.coords.gauge_log2`), κ = κ_c / s², so the update is
-    ``g s² / (κ_c + damping · d + eps s²)`` (d: `pathspace_jax.coords.damping_scales`, within [1/4, 4]):
+    With s = 2^(k_u − k_v) (`pathspace_jax.coords.edge_factors`), κ = κ_c / s², so the update is
+    ``g s² / (κ_c + damping · d + eps s²)`` (d: `pathspace_jax.coords.damping_factors`, within [1/4, 4]):
     the gradient taken to the canonical frame, divided there, and brought back, so nothing overflows where
     the update itself is representable. 0 where the denominator is 0 (never NaN); leaves of kind "other"
     pass through.
     """
-    from pathspace_jax.coords import damping_scales, edge_exponents, times_pow2
+    from pathspace_jax.coords import damping_factors, edge_factors
 
     out = []
     leaves = zip(space.leaves, space.leaves_of(updates, "updates"), jax.tree_util.tree_leaves(kappa))
-    scales = zip(edge_exponents(space, log2_gauge, -2.0), damping_scales(space, log2_gauge))
-    for (leaf, g, k), (e, d) in zip(leaves, scales):
+    factors = zip(edge_factors(space, log2_gauge, -1.0), damping_factors(space, log2_gauge))
+    for (leaf, g, k), (s, d) in zip(leaves, factors):
         if leaf.kind == "other":
             out.append(g)
             continue
@@ -95,9 +95,8 @@ def _divide_by_kappa(space, updates, kappa, log2_gauge, damping, eps):
         ct = compute_dtype([g, k])
         den = jnp.asarray(k, ct) + damping * d
         if _traced(eps) or eps > 0:
-            den = den + jnp.where(eps > 0, times_pow2(jnp.asarray(eps, ct), e), 0)
-        g = jnp.asarray(g, ct)
-        num = jnp.where(g != 0, times_pow2(g, e), 0)  # a dead entry stays 0 even where 2^e overflows
+            den = den + eps * s * s
+        num = jnp.asarray(g, ct) * s * s  # (g s): the gradient in the canonical frame; (g s) s: back
         out.append(jnp.where(den > 0, num / jnp.where(den > 0, den, 1), 0).astype(leaf_dtype))
     return space.unflatten_like(updates, out)
 
