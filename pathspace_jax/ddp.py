@@ -43,11 +43,13 @@ like Path-SGD's κ⁽¹⁾; ν comes out of the same VJP. The second term ("seco
   squared Rademacher sum: at most 2·(exact)² per probe and entry, divided by ``num_probes``.
 
 Scope: feed-forward ReLU networks that ``trace`` finds fully homogeneous (MLP, CNN, residual nets,
-linen / nnx / plain JAX). The inputs' leading axis is the batch axis, and the function is applied
-to each example as a batch of one (``jax.vmap``), so functions that mix examples are not supported.
-Recurrent kernels, weight tying, pinned node groups and non-float inputs raise an error that says
-why (a path through a recurrent kernel uses it several times, so γ²_net is no longer quadratic in
-that weight and the closed form above does not hold).
+linen / nnx / plain JAX). A residual block ``h + relu(Dense(h))`` is feed-forward although its
+kernel is an edge from a node group to itself: every path uses it at most once. The inputs' leading
+axis is the batch axis, and the function is applied to each example as a batch of one
+(``jax.vmap``), so functions that mix examples are not supported. Recurrences (``scan``, ``while``),
+weight tying, pinned node groups and non-float inputs raise an error that says why (a path through a
+recurrent kernel uses it at every time step, so γ²_net is no longer quadratic in that weight and the
+closed form above does not hold).
 
 References:
   Neyshabur, Salakhutdinov, Tomioka, Srebro, "Data-dependent path normalization in neural networks",
@@ -77,7 +79,7 @@ class DDPUnsupportedError(ValueError):
 # ----------------------------------------------------------------------------- evaluation
 
 
-def _forward(prog: squared._Program, params: Sequence, inputs: Sequence, want: Sequence[int]) -> list:
+def _forward(prog: squared.Program, params: Sequence, inputs: Sequence, want: Sequence[int]) -> list:
     """The real forward pass (one example, batch of one); returns the values of the vars in ``want``."""
     env = dict(prog.consts)
     env.update(zip(prog.in_ids, list(params) + list(inputs), strict=False))
@@ -95,7 +97,7 @@ def _forward(prog: squared._Program, params: Sequence, inputs: Sequence, want: S
     return [env[i] for i in want]
 
 
-def _gamma_net(prog: squared._Program, sq_params: Sequence, ones: Sequence, stats: Sequence, alpha: float):
+def _gamma_net(prog: squared.Program, sq_params: Sequence, ones: Sequence, stats: Sequence, alpha: float):
     """γ²_net: the squared network with the node statistics ``stats`` mixed in at every node (seed 002 eq. 4)."""
     node_pos = {v: k for k, v in enumerate(prog.nodes)}
 
@@ -122,13 +124,6 @@ def _check_space(space: PathSpace) -> None:
             "ddp_kappa needs a network that is positively homogeneous everywhere; these node groups are pinned: "
             + "; ".join(f"{g.name} (size {g.size}): {', '.join(g.reasons)}" for g in pinned)
         )
-    for leaf in space.leaves:
-        if leaf.recurrent:
-            raise DDPUnsupportedError(
-                f"ddp_kappa: parameter {leaf.path!r} is a recurrent kernel. A path through it uses it at every time "
-                "step, so γ²_net is not quadratic in it and seed 002's closed-form κ (App. A.2) does not apply; "
-                "DDP-SGD is supported for feed-forward networks only."
-            )
 
 
 def _as_tuple(inputs) -> tuple:

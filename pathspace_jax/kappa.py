@@ -166,7 +166,7 @@ def _live(eqns, out_ids) -> list:
     return kept[::-1]
 
 
-def _check_second_order(prog: squared._Program) -> None:
+def _check_second_order(prog: squared.Program) -> None:
     """Weight tying (one parameter used by two operations) puts it twice on some paths: refuse for κ⁽²⁾."""
     todo = [(set(prog.in_ids[: prog.n_params]), prog, "")]
     for e in prog.eqns:

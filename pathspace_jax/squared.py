@@ -51,11 +51,11 @@ class _Eqn:
     outs: list[int]
     where: str
     scan: jx.Scan | None = None  # for a scan: its operand split, length, direction
-    body: _Program | None = None  # for a scan: its flattened body (in_ids: consts, carry, xs)
+    body: Program | None = None  # for a scan: its flattened body (in_ids: consts, carry, xs)
 
 
 @dataclasses.dataclass
-class _Program:
+class Program:
     eqns: list[_Eqn]
     n_params: int
     in_ids: list[int]  # param ids then input ids
@@ -82,8 +82,8 @@ def _flatten(
     allow_scan: bool = False,
     inline_custom: bool = False,
     in_kinds: Sequence[str] | None = None,
-) -> _Program:
-    """Flatten ``closed`` (calls inlined) into a `_Program`.
+) -> Program:
+    """Flatten ``closed`` (calls inlined) into a `Program`.
 
     ``allow_scan`` keeps each ``scan`` as one equation whose ``body`` is the flattened body (its in_ids:
     consts, carry, xs; carry kinds joined with the body's carry outputs); otherwise scan, while and cond
@@ -163,7 +163,7 @@ def _flatten(
     for j, i in enumerate(in_ids):
         kinds[i] = in_kinds[j] if in_kinds is not None else "param" if j < n_params else "act"
     out_ids = walk(top, closed.consts, in_ids)
-    prog = _Program(eqns, n_params, in_ids, out_ids, consts, kinds, [], [], who, err)
+    prog = Program(eqns, n_params, in_ids, out_ids, consts, kinds, [], [], who, err)
     _find_nodes(prog)
     return prog
 
@@ -190,7 +190,7 @@ def _flatten_scan(e, ins, ks, kinds, counter, who, err, inline_custom) -> tuple[
     return outs, _Eqn(e.primitive, dict(e.params), ins, outs, jx.where(e), scan=sc, body=bp)
 
 
-def _find_nodes(prog: _Program) -> None:
+def _find_nodes(prog: Program) -> None:
     """Mark the node pre-activations (see the module docstring)."""
     kinds = prog.kinds
     uses: dict[int, list[_Eqn]] = {}
@@ -235,7 +235,7 @@ def _find_nodes(prog: _Program) -> None:
 
 
 @functools.lru_cache(maxsize=64)
-def program(space: PathSpace, param_key: tuple, input_key: tuple, **flatten_options) -> _Program:
+def program(space: PathSpace, param_key: tuple, input_key: tuple, **flatten_options) -> Program:
     """The flat program of ``space.fn`` at these (shape, dtype) keys (cached: a `PathSpace` is hashable).
 
     ``flatten_options``: ``who`` and ``err`` (the public function and the error it raises), ``allow_scan``,
@@ -368,7 +368,7 @@ class ScanRecord(NamedTuple):
 
 
 def evaluate(
-    prog: _Program,
+    prog: Program,
     invals: list,
     power: float,
     *,
@@ -512,7 +512,7 @@ def _eval_scan(e: _Eqn, vals, power, pert, record, idx):
     return outs
 
 
-def _eval_body(bp: _Program, invals: list, power: float, perturb: dict | None):
+def _eval_body(bp: Program, invals: list, power: float, perturb: dict | None):
     """`evaluate` for a scan body, adding ``perturb[v]`` to the value of var v where it is produced."""
     if not perturb:
         return evaluate(bp, invals, power)
@@ -529,7 +529,7 @@ def _eval_body(bp: _Program, invals: list, power: float, perturb: dict | None):
     return evaluate(bp, invals, power, post=add)
 
 
-def _check_linear_body(bp: _Program) -> None:
+def _check_linear_body(bp: Program) -> None:
     for e in bp.eqns:
         if bp.kinds[e.outs[0]] == "const":
             continue

@@ -258,9 +258,37 @@ def _cnn_params(key):
     }
 
 
+def block_fn(p, x):
+    """``h + relu(Dense(h))``: the block's kernel is an edge from a node group to itself, used once per path."""
+    h = jax.nn.relu(x @ p["w0"] + p["b0"])
+    s = h + jax.nn.relu(h @ p["w1"] + p["b1"])
+    return s @ p["w2"] + p["b2"]
+
+
+def block_gamma_net(p, x, alpha, moment):
+    z0 = x @ p["w0"] + p["b0"]
+    g0 = alpha * _stat(z0, moment) + (1 - alpha) * (jnp.ones(x.shape[1]) @ p["w0"] ** 2 + p["b0"] ** 2)
+    z1 = jax.nn.relu(z0) @ p["w1"] + p["b1"]
+    g1 = alpha * _stat(z1, moment) + (1 - alpha) * (g0 @ p["w1"] ** 2 + p["b1"] ** 2)
+    z2 = (jax.nn.relu(z0) + jax.nn.relu(z1)) @ p["w2"] + p["b2"]  # the sum h + relu(z1) is not a node
+    g2 = alpha * _stat(z2, moment) + (1 - alpha) * ((g0 + g1) @ p["w2"] ** 2 + p["b2"] ** 2)
+    return jnp.sum(g2)
+
+
+def _block_params(key):
+    ks = jax.random.split(key, 6)
+    shapes = [(3, 4), (4, 4), (4, 2)]
+    p = {}
+    for i, s in enumerate(shapes):
+        p[f"w{i}"] = 0.6 * jax.random.normal(ks[2 * i], s, jnp.float64) - 0.1
+        p[f"b{i}"] = 0.2 * jax.random.normal(ks[2 * i + 1], s[1:], jnp.float64)
+    return p
+
+
 CASES = {
     "mlp": (mlp_fn, mlp_gamma_net, lambda: _mlp_params(jax.random.key(0)), (6, 3)),
     "residual": (res_fn, res_gamma_net, lambda: _res_params(jax.random.key(1)), (6, 3)),
+    "residual_block": (block_fn, block_gamma_net, lambda: _block_params(jax.random.key(3)), (6, 3)),
     "cnn": (cnn_fn, cnn_gamma_net, lambda: _cnn_params(jax.random.key(2)), (4, 4, 4, 2)),
 }
 
