@@ -5,7 +5,7 @@ sequence of T pairs (value in [0, 1], marker in {0, 1}); exactly two markers are
 is the sum of the two marked values. Predicting 1 always gives a mean squared error of about 0.167.
 
 A Flax ``nn.RNN`` over a ReLU ``SimpleCell`` is traced once, then trained from the same start with
-plain SGD, Path-SGD (κ⁽¹⁾ + κ⁽²⁾, seed 000), G-SGD (seed 001), Adam and G-Adam (Adam on the basis-path
+plain SGD, Path-SGD (κ⁽¹⁾ + κ⁽²⁾), G-SGD, Adam and G-Adam (Adam on the basis-path
 values). Each run is repeated from a node-wise rescaled (unbalanced) copy of the start: the same
 function, other weights. The path-space optimisers train both copies alike; SGD and Adam do not.
 

@@ -23,7 +23,7 @@ def ddp_sgd(
     damping: float = 1e-8,
     eps: float = 0.0,
 ) -> optax.GradientTransformationExtraArgs:
-    """DDP-SGD (seed 002): w ← w − η g / κ, κ = ½ ∂²γ²_net/∂w² on the current batch.
+    """DDP-SGD (Neyshabur et al., ICLR 2016): w ← w − η g / κ, κ = ½ ∂²γ²_net/∂w² on the current batch.
 
     ``optax.chain(scale_by_ddp(...), [optax.trace(momentum)], optax.scale_by_learning_rate(lr))``: the
     κ-scaled gradient, optionally with heavy-ball momentum on the scaled gradient, times −η.
@@ -76,7 +76,7 @@ def g_sgd(
     min_ratio: float = 0.5,
     min_share: float = 0.5,
 ) -> optax.GradientTransformationExtraArgs:
-    """G-SGD (seed 001): SGD on the basis-path values, v ← v − η ∂L/∂v, then weight allocation.
+    """G-SGD (Meng et al., ICLR 2019): SGD on the basis-path values, v ← v − η ∂L/∂v, then weight allocation.
 
     ``in_path_space(optax.sgd(learning_rate, momentum, nesterov), space)``; momentum (if any) is kept
     in path coordinates. G-SGD's effective step on a weight u -> v is η/(A_u B_v)² (A, B: products
@@ -99,7 +99,8 @@ def g_sgd(
       >>> updates, state = tx.update(grads, tx.init(params), params)
 
     References:
-      Meng et al., "G-SGD", ICLR 2019; seed 001, Alg. 2.
+      Meng et al., "G-SGD", ICLR 2019; "Path Space for Recurrent Neural Networks with ReLU
+      Activations", Alg. 2.
     """
     inner = optax.sgd(learning_rate, momentum, nesterov)
     return transforms.in_path_space(inner, space, min_ratio=min_ratio, min_share=min_share)
@@ -117,7 +118,7 @@ def g_adam(
     min_ratio: float = 0.5,
     min_share: float = 0.5,
 ) -> optax.GradientTransformationExtraArgs:
-    """G-Adam (seed 001 App. E): Adam on the basis-path values, then weight allocation.
+    """G-Adam (the G-SGD-for-RNNs paper, App. E): Adam on the basis-path values, then weight allocation.
 
     ``in_path_space(optax.adam(learning_rate, b1, b2, eps, eps_root, nesterov=nesterov), space)``: the
     moments are those of ∂L/∂v, so the step is rescaling invariant.
@@ -134,7 +135,8 @@ def g_adam(
       >>> tx = pj.g_adam(space, 1e-3)
 
     References:
-      Kingma & Ba, "Adam", ICLR 2015; seed 001, App. E.
+      Kingma & Ba, "Adam", ICLR 2015; "Path Space for Recurrent Neural Networks with ReLU
+      Activations", App. E.
     """
     inner = optax.adam(learning_rate, b1, b2, eps, eps_root=eps_root, nesterov=nesterov)
     return transforms.in_path_space(inner, space, min_ratio=min_ratio, min_share=min_share)
@@ -154,7 +156,7 @@ def path_sgd(
     damping: float = 1e-8,
     eps: float = 0.0,
 ) -> optax.GradientTransformation:
-    """Path-SGD (seed 000): p ← p − η g / κ, κ = ½ ∂²γ²_net/∂p² (κ⁽¹⁾ + κ⁽²⁾ for recurrent kernels).
+    """Path-SGD: p ← p − η g / κ, κ = ½ ∂²γ²_net/∂p² (κ⁽¹⁾ + κ⁽²⁾ for recurrent kernels).
 
     ``optax.chain(scale_by_path_sgd(...), [optax.trace(momentum, nesterov)], optax.scale_by_learning_rate(lr))``:
     the κ-scaled gradient, optionally with (Nesterov) momentum on the scaled gradient, times −η.

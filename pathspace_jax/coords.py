@@ -32,7 +32,8 @@ into a few elementwise kernels per leaf (`_take`, `_node_sum`).
 
 References:
   Meng et al., "G-SGD: Optimizing ReLU neural networks in its positively scale-invariant space",
-  ICLR 2019; seed 001 (path space for RNNs, skeleton method, weight allocation).
+  ICLR 2019; "Path Space for Recurrent Neural Networks with ReLU Activations" (skeleton method,
+  weight allocation).
 """
 
 from __future__ import annotations

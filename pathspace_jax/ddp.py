@@ -12,7 +12,7 @@ the pre-activation z_v over the batch. DDP-SGD divides each gradient entry by κ
 computes: a node is one entry of an activation tensor (a channel at one position), the batch axis
 excepted, and a shared kernel entry is one parameter w whose second derivative is taken as a whole
 (so at α = 1 the per-example gradient is summed over positions before it is squared, which is the
-Fisher identity of seed 002 Thm 2). S(z_v) is the mean over the batch at each position. At α = 0
+Fisher identity of Thm 2). S(z_v) is the mean over the batch at each position. At α = 0
 the recursion is the "squared network" on an all-ones input: every linear coefficient squared,
 ReLU, leaky ReLU and max pooling applied to the (non-negative) γ² values as they are, average
 pooling with its squared 1/k, and γ²_net the sum of its outputs.
@@ -22,10 +22,10 @@ pooling with its squared 1/k, and γ²_net the sum of its outputs.
 constant factors; it becomes a node where it is used by anything else (a ReLU, the next layer, two
 consumers, or the function's output). Every output of the function is an output node.
 
-**Computing κ.** Writing λ_v = ∂γ²_net/∂γ_v² for the backward pass of the γ² recursion (seed 002
-eq. 29) and ν_v = α λ_v, the diagonal of the Hessian splits into (seed 002 eq. 32, derived again here
-because a path uses every feed-forward parameter at most once, so γ²_net is quadratic in each single
-w_e and the ReLU network is piecewise linear in it):
+**Computing κ.** Writing λ_v = ∂γ²_net/∂γ_v² for the backward pass of the γ² recursion (eq. 29) and
+ν_v = α λ_v, the diagonal of the Hessian splits into (eq. 32, derived again here because a path uses
+every feed-forward parameter at most once, so γ²_net is quadratic in each single w_e and the ReLU
+network is piecewise linear in it):
 
     κ_{u→v} = (1 − α) λ_v γ_u²  +  Σ_nodes t ν_t · mean_i (∂z_t(x_i)/∂w_{u→v})²            (second)
     κ_{u→v} = (1 − α) λ_v γ_u²  +  Σ_nodes t ν_t · mean_i (∂z_t(x_i)/∂w − mean_j ∂z_t(x_j)/∂w)²   (variance)
@@ -53,7 +53,7 @@ closed form above does not hold).
 
 References:
   Neyshabur, Salakhutdinov, Tomioka, Srebro, "Data-dependent path normalization in neural networks",
-  ICLR 2016 (seed 002): eqs. (4), (5), (15), App. A.2, Thm 2, §6.1.
+  ICLR 2016: eqs. (4), (5), (15), App. A.2, Thm 2, §6.1.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def _forward(prog: squared.Program, params: Sequence, inputs: Sequence, want: Se
 
 
 def _gamma_net(prog: squared.Program, sq_params: Sequence, ones: Sequence, stats: Sequence, alpha: float):
-    """γ²_net: the squared network with the node statistics ``stats`` mixed in at every node (seed 002 eq. 4)."""
+    """γ²_net: the squared network with the node statistics ``stats`` mixed in at every node (eq. 4)."""
     node_pos = {v: k for k, v in enumerate(prog.nodes)}
 
     def mix(v, val):
@@ -192,13 +192,13 @@ def ddp_kappa(
     probe_damping: float = 0.1,
     key=None,
 ):
-    """DDP-SGD's scaling κ = ½ diag ∇²γ²_net on a batch (seed 002 eq. 15), as a pytree like params.
+    """DDP-SGD's scaling κ = ½ diag ∇²γ²_net on a batch (Neyshabur et al., ICLR 2016, eq. 15), as a pytree like params.
 
     γ_v² = α S(z_v) + (1 − α) Σ_{u→v} γ_u² w²_{u→v} (γ² = 1 on inputs and the bias node), γ²_net =
     Σ_out γ_v², S the second moment or the variance of z_v over the batch; see the module docstring
     for the conv/residual conventions and the formula used. α = 0 is Path-SGD's κ; α = 1 with the
     second moment is the diagonal of the Fisher matrix of a unit-variance Gaussian output model,
-    mean_i Σ_out (∂f_out(x_i)/∂w)² (seed 002 Thm 2); with the variance, its centred version.
+    mean_i Σ_out (∂f_out(x_i)/∂w)² (ibid., Thm 2); with the variance, its centred version.
 
     Args:
       space: the `PathSpace` of the network (``pathspace_jax.trace``).

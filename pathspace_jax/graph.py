@@ -1,7 +1,8 @@
 """The static IR of a traced network: node groups, edge tensors and the `PathSpace`.
 
 A `PathSpace` is what `pathspace_jax.trace` finds in a forward function: the
-*reduction graph* of its ReLU part (seed 001). Nodes are numbered globally:
+*reduction graph* of its ReLU part ("Path Space for Recurrent Neural Networks with ReLU
+Activations"; Meng et al., ICLR 2019). Nodes are numbered globally:
 
 * node 0 is the **bias node** (its output is the constant 1);
 * every other node belongs to exactly one **node group** — the input features, a

@@ -1,7 +1,7 @@
 """Path-SGD's κ and path norms: the |w|^p network on an all-ones input, feed-forward and recurrent.
 
 For a ReLU network with parameters p (biases included: a bias is an edge from the bias node, whose
-output is 1), the ℓp path norm and Path-SGD's scaling are (seed 000; Neyshabur et al. 2015)
+output is 1), the ℓp path norm and Path-SGD's scaling are (Neyshabur et al. 2015, 2016)
 
     ‖p‖_path,p = (Σ_paths Π_{e ∈ path} |p_e|^p)^(1/p),      γ²_net = ‖p‖²_path,2,
     κ_i = ½ ∂²γ²_net / ∂p_i².
@@ -44,7 +44,7 @@ multiplies every path sum through a node by the same factor, which does not chan
   entries and T steps (on top of the squared network's own O(T·n²) forward and backward pass). The
   entries j, i of every recurrent parameter entry are found once per traced shape by probing the
   squared body with concrete carries (never from names). This was checked against ``jax.hessian`` of
-  γ²_net in float64 (tests/test_kappa.py); seed 000's printed closed form was not used.
+  γ²_net in float64 (tests/test_kappa.py); the paper's printed closed form was not used.
 
 **Scope.** Networks that `trace` finds positively homogeneous everywhere. Pinned node groups are
 refused (a pinned group is not a boundary of the path sum: the |·|^p network cannot pass through a
@@ -65,7 +65,7 @@ nets); use float64 params there.
 References:
   Neyshabur, Salakhutdinov, Srebro, "Path-SGD: path-normalized optimization in deep neural networks",
   NeurIPS 2015. Neyshabur, Wu, Salakhutdinov, Srebro, "Path-normalized optimization of recurrent
-  neural networks with ReLU activations", NeurIPS 2016 (seed 000): Thm 2 (invariance), Lemma 1, Thm 3.
+  neural networks with ReLU activations", NeurIPS 2016: Thm 2 (invariance), Lemma 1, Thm 3.
 """
 
 from __future__ import annotations
@@ -188,7 +188,7 @@ def _check_second_order(prog: squared.Program) -> None:
 
 
 def path_kappa(space: PathSpace, params, *, second_order: bool = True):
-    """Path-SGD's scaling κ = ½ diag ∇²γ²_net, as a pytree like params (seed 000).
+    """Path-SGD's scaling κ = ½ diag ∇²γ²_net, as a pytree like params.
 
     γ²_net = Σ_paths Π_{e ∈ path} p_e² over the paths (bias paths included) of the traced function, an
     RNN unrolled at the traced sequence length. With G(p̃) = γ²_net as a function of p̃ = p²,
@@ -207,7 +207,7 @@ def path_kappa(space: PathSpace, params, *, second_order: bool = True):
 
     Returns:
       κ, a pytree like ``params`` with the params' dtypes; entries ≥ 0 (0 where no path passes, e.g. into a
-      dead unit). The update g / κ is rescaling invariant either way (seed 000 Thm 2).
+      dead unit). The update g / κ is rescaling invariant either way (Neyshabur et al. 2016, Thm 2).
 
     Raises:
       PathKappaUnsupportedError: pinned groups, integer inputs, or (κ⁽²⁾ only) recurrences it does not cover.

@@ -56,7 +56,8 @@ def rescale(space: PathSpace, params, alphas: Sequence[Any]):
       The rescaled params, same structure and dtypes.
 
     References:
-      Neyshabur et al., "Path-SGD", NeurIPS 2015; seed 000, Thm 1.
+      Neyshabur et al., "Path-SGD", NeurIPS 2015; Neyshabur et al., "Path-normalized optimization of
+      recurrent neural networks with ReLU activations", NeurIPS 2016, Thm 1.
     """
     leaves = space.leaves_of(params)
     for a in alphas:

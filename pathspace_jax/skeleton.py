@@ -1,4 +1,4 @@
-"""The skeleton method (seed 001): skeleton edges, the gauge, and basis paths.
+"""The skeleton method of G-SGD (Meng et al., ICLR 2019): skeleton edges, the gauge, and basis paths.
 
 For every **hidden** node v the skeleton holds
 
@@ -32,7 +32,7 @@ Which admissible edge? Two rules, both commuting with rescaling:
   chain through one small initial weight makes ``A_u B_v`` tiny (10⁻⁵–10⁻⁸ at a standard init) and
   G-SGD's step ``η g / (A_u B_v)²`` diverges at any learning rate SGD uses.
 * **by index** (from the graph alone; abstract params or ``trace(..., skeleton="index")``), in the
-  spirit of seed 001's Alg. 1 (``M[j][j % n_in] = 1``): the k-th hidden node of a group takes the
+  spirit of Alg. 1 of the G-SGD-for-RNNs paper (``M[j][j % n_in] = 1``): the k-th hidden node of a group takes the
   ``k mod n``-th admissible neighbour (in node order), and among parallel edges between the same two
   nodes (conv kernel taps) the middle one in flat order — the centre tap of an odd kernel. It also
   decides for nodes whose value candidates are all zero.

@@ -938,7 +938,7 @@ def trace(fn: Callable[..., Any], params, *args, strict: bool = False, skeleton:
         the largest path value in ``params`` (`pathspace_jax.skeleton.choose_by_value`;
         the same for every rescaling of ``params``), which keeps G-SGD's divisors
         away from zero; it falls back to ``"index"`` when ``params`` are abstract
-        (``ShapeDtypeStruct``, tracers). ``"index"``: from the graph alone (seed 001's
+        (``ShapeDtypeStruct``, tracers). ``"index"``: from the graph alone (the
         ``j mod n`` pattern).
       **kwargs: static keyword arguments bound into ``fn`` (e.g. ``train=False``).
 
@@ -951,7 +951,8 @@ def trace(fn: Callable[..., Any], params, *args, strict: bool = False, skeleton:
 
     References:
       Meng et al., "G-SGD: Optimizing ReLU neural networks in its positively
-      scale-invariant space", ICLR 2019 (the reduction graph; seed 001).
+      scale-invariant space", ICLR 2019; "Path Space for Recurrent Neural Networks with ReLU
+      Activations" (the reduction graph).
     """
     if skeleton not in ("values", "index"):
         raise ValueError(f"skeleton must be 'values' or 'index', got {skeleton!r}")

@@ -232,12 +232,12 @@ def in_path_space(
       1. ∂L/∂c from ∂L/∂w by the inverse chain rule ∂L/∂w = (∂c/∂w)ᵀ ∂L/∂c, i.e. the VJP of
          `pathspace_jax.from_coords` with the gauge fixed — closed form, O(m): ``g_e / (A_u B_v)`` at a
          non-gauge entry ``e = u -> v``, plus a per-node correction at the incoming skeleton entries
-         (seed 001 eqs. 15–16); 0 at the gauge entries;
+         (eqs. 15–16 of the G-SGD-for-RNNs paper); 0 at the gauge entries;
       2. ``dc, s = inner.update(∂L/∂c, s, c, **extra_args)`` (``inner`` sees coordinates as params);
       3. weight allocation: the weights whose coordinates are ``c + dc`` with the same gauge
-         (seed 001 eqs. 10–11); the update is their difference from ``params``.
+         (ibid., eqs. 10–11); the update is their difference from ``params``.
 
-    So with ``inner = optax.sgd(η)`` the coordinates move by exactly −η ∂L/∂c (seed 001 eq. 6), except
+    So with ``inner = optax.sgd(η)`` the coordinates move by exactly −η ∂L/∂c (ibid., eq. 6), except
     where the in-skeleton rule below holds back one of the H in-skeleton coordinates. Since
     the coordinates and ∂L/∂c are rescaling invariant and the gauge does not move, a step from
     T_α(w) gives the same function as a step from w, for every ``inner``.
@@ -276,7 +276,8 @@ def in_path_space(
 
     References:
       Meng et al., "G-SGD: Optimizing ReLU neural networks in its positively scale-invariant space",
-      ICLR 2019; seed 001 (path space for RNNs, Alg. 2, App. E G-Adam).
+      ICLR 2019; "Path Space for Recurrent Neural Networks with ReLU Activations" (Alg. 2, App. E
+      G-Adam).
     """
     from pathspace_jax import coords as _coords
 
