@@ -34,6 +34,8 @@ def main() -> None:
             "alpha1_probes1": dict(alpha=1.0, estimator="probes", num_probes=1),
             "alpha0.5_probes1": dict(alpha=0.5, estimator="probes", num_probes=1),
             "alpha1_probes1_every10": dict(alpha=1.0, estimator="probes", num_probes=1, every=10),
+            "alpha1_probes4": dict(alpha=1.0, estimator="probes", num_probes=4),
+            "alpha1_probes4_every10": dict(alpha=1.0, estimator="probes", num_probes=4, every=10),
         }
         if name == "small_cnn_b64":  # on the MLP (m = 670k, 10 outputs, b128) it is ~900x: not worth the time
             variants["alpha1_exact"] = dict(alpha=1.0, estimator="exact")

@@ -16,7 +16,7 @@ def ddp_sgd(
     alpha: float,
     moment: str = "second",
     estimator: str = "exact",
-    num_probes: int = 4,
+    num_probes: int = 1,
     probe_damping: float = 0.1,
     momentum: float | None = None,
     every: int = 1,

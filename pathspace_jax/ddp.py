@@ -188,7 +188,7 @@ def ddp_kappa(
     alpha: float,
     moment: str = "second",
     estimator: str = "exact",
-    num_probes: int = 4,
+    num_probes: int = 1,
     probe_damping: float = 0.1,
     key=None,
 ):
@@ -209,9 +209,11 @@ def ddp_kappa(
       moment: ``"second"`` (uncentred) or ``"variance"``.
       estimator: ``"exact"`` (per-example Jacobians: one backward pass per output at α = 1, per
         unrolled node for 0 < α < 1) or ``"probes"`` (``num_probes`` random-sign VJPs; unbiased).
-      num_probes: number of probes for ``estimator="probes"``. One probe's estimate is heavy-tailed: for
-        an output bias it is exactly 0 whenever the batch's random signs sum to 0 (≈ 7% of draws at batch
-        64), and dividing a gradient by it blows the step up; the default 4 trains where 1 does not.
+      num_probes: number of probes for ``estimator="probes"`` (each costs one more backward pass of the
+        batch). One probe's estimate is heavy-tailed: for an output bias it is exactly 0 whenever the
+        batch's random signs sum to 0 (≈ 7% of draws at batch 64), and dividing a gradient by it blows the
+        step up; ``probe_damping`` bounds that. On the digits MLP at α = 1 one damped probe trains as well
+        as four (best test error 2.2%, the exact estimator 4.4%, one undamped probe 79%).
       probe_damping: δ ≥ 0, with ``estimator="probes"`` only: δ · κ_path is added to the estimate, κ_path
         Path-SGD's exact κ (α = 0: one VJP of the squared network). It scales like κ under rescaling, so
         the step stays invariant, and bounds the step where a draw is near 0 (at an output bias

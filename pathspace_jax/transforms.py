@@ -122,7 +122,7 @@ def scale_by_ddp(
     alpha: float,
     moment: str = "second",
     estimator: str = "exact",
-    num_probes: int = 4,
+    num_probes: int = 1,
     probe_damping: float = 0.1,
     damping: float = 1e-8,
     eps: float = 0.0,
