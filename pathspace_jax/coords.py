@@ -226,8 +226,12 @@ def edge_factors(space: PathSpace, lg, sign: float = 1.0):
     Built from two node vectors (one ``exp2`` per node, one product per entry), so applying it costs what an
     elementwise product costs. ``sign=1`` takes the params to the canonical frame, ``sign=-1`` back.
     """
-    k = sign * _frame_k(lg)
-    up, down = jnp.exp2(k), jnp.exp2(-k)
+    return _edge_pow2(space, sign * _frame_k(lg))
+
+
+def _edge_pow2(space: PathSpace, e):
+    """Per leaf, ``2^(e_dst − e_src)`` from a node vector e: one exp2 per node, one product per entry."""
+    up, down = jnp.exp2(e), jnp.exp2(-e)
     return [
         None if li.kind == "other" else _take(up, li.dst_r) * _take(down, li.src_r) for li in skeleton(space).leaves
     ]
@@ -236,11 +240,7 @@ def edge_factors(space: PathSpace, lg, sign: float = 1.0):
 def damping_factors(space: PathSpace, lg):
     """Per leaf, ``2^(2((l − k)_dst − (l − k)_src))``: with `edge_factors`, a constant added to κ in the canonical
     frame times this is exactly ``constant · (B_v / B_u)²`` in the params' frame (in [1/4, 4] unless |l| > 60)."""
-    f = lg - _frame_k(lg)
-    up, down = jnp.exp2(2.0 * f), jnp.exp2(-2.0 * f)
-    return [
-        None if li.kind == "other" else _take(up, li.dst_r) * _take(down, li.src_r) for li in skeleton(space).leaves
-    ]
+    return _edge_pow2(space, 2.0 * (lg - _frame_k(lg)))
 
 
 def to_canonical_frame(space: PathSpace, leaves, dtype):

@@ -67,7 +67,7 @@ import numpy as np
 
 from pathspace_jax import squared
 from pathspace_jax.coords import kappa_from_frame, to_canonical_frame
-from pathspace_jax.graph import PathSpace, compute_dtype
+from pathspace_jax.graph import PathSpace, check_path_space, compute_dtype
 
 __all__ = ["ddp_kappa", "DDPUnsupportedError"]
 
@@ -116,8 +116,7 @@ def _gamma_net(prog: squared.Program, sq_params: Sequence, ones: Sequence, stats
 
 
 def _check_space(space: PathSpace) -> None:
-    if not isinstance(space, PathSpace):
-        raise TypeError(f"space must be a PathSpace from pathspace_jax.trace, got {type(space).__name__}")
+    check_path_space(space, "ddp_kappa")
     pinned = [g for g in space.groups if g.kind == "pinned"]
     if pinned:
         raise DDPUnsupportedError(

@@ -67,6 +67,12 @@ def leaf_path_strings(tree) -> list[str]:
     return out
 
 
+def check_path_space(space, who: str) -> None:
+    """TypeError unless ``space`` is a `PathSpace` (every public function that takes one calls this)."""
+    if not isinstance(space, PathSpace):
+        raise TypeError(f"{who}: space must be a PathSpace from pathspace_jax.trace(fn, params, *args), got {space!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class NodeGroup:
     """A set of nodes that one rescaling vector acts on.

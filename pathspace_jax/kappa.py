@@ -57,10 +57,12 @@ needs none of the κ⁽²⁾ conditions.
 **Numerics.** `path_norm` carries every tensor of the |·|^p network as a mantissa and a power-of-two
 exponent (an int32 scalar per tensor), renormalised after every operation, so intermediate products
 neither overflow nor underflow; only the final (Σ)^(1/p) is converted, and it is ``inf`` (or 0) only
-when the path norm itself is outside the dtype's range. `path_kappa` works in the params' dtype
-(bfloat16/float16 are computed in float32 and cast back) without that guard: κ_i is a sum of path
-products that avoid p_i, so it overflows float32 when γ²_net/p_i² does (e.g. very deep unbalanced
-nets); use float64 params there.
+when the path norm itself is outside the dtype's range. Both are computed in the *canonical frame*
+(`pathspace_jax.coords.to_canonical_frame`: the params rescaled by powers of two so that their gauge
+weights are ±1), so no node-wise rescaling of the params can push them out of range; `path_kappa`
+maps κ back exactly and returns ``inf`` (never 0) where the value is beyond the params' dtype
+(bfloat16/float16 are computed in float32 and cast back). Without such a rescaling, κ_i overflows
+float32 only when γ²_net/p_i² itself does (e.g. very deep nets); use float64 params there.
 
 References:
   Neyshabur, Salakhutdinov, Srebro, "Path-SGD: path-normalized optimization in deep neural networks",
@@ -79,7 +81,7 @@ import numpy as np
 from pathspace_jax import jaxpr as jx
 from pathspace_jax import squared
 from pathspace_jax.coords import kappa_from_frame, to_canonical_frame
-from pathspace_jax.graph import PathSpace, compute_dtype
+from pathspace_jax.graph import PathSpace, check_path_space, compute_dtype
 from pathspace_jax.squared import V, align, evaluate, raise_power, renorm
 
 __all__ = ["path_norm", "path_kappa", "PathKappaUnsupportedError"]
@@ -114,8 +116,7 @@ def _lag_sum(cin, nu, a):
 
 
 def _check_space(space: PathSpace, who: str) -> None:
-    if not isinstance(space, PathSpace):
-        raise TypeError(f"space must be a PathSpace from pathspace_jax.trace, got {type(space).__name__}")
+    check_path_space(space, who)
     pinned = [g for g in space.groups if g.kind == "pinned"]
     if pinned:
         raise PathKappaUnsupportedError(

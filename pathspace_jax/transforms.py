@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from pathspace_jax.graph import compute_dtype
+from pathspace_jax.graph import check_path_space, compute_dtype
 
 # ---------------------------------------------------------------------------- κ scaling (Path-SGD, DDP-SGD)
 
@@ -36,13 +36,6 @@ def _check_static(where: str, **hyperparams) -> None:
             f"{where}: {', '.join(traced)} select the computation and must be Python values, got traced arrays; "
             f"with optax.inject_hyperparams pass static_args={tuple(hyperparams)}"
         )
-
-
-def _check_path_space(space, who: str) -> None:
-    from pathspace_jax.graph import PathSpace
-
-    if not isinstance(space, PathSpace):
-        raise TypeError(f"{who}: space must be a PathSpace from pathspace_jax.trace(fn, params, *args), got {space!r}")
 
 
 def _kappa_state(space, params):
@@ -108,7 +101,7 @@ class ScaleByDDPState(NamedTuple):
     """State of `scale_by_ddp`: the step count and the κ last computed (recomputed every ``every`` steps).
 
     As in `ScaleByPathSGDState`, ``kappa`` is κ in the canonical frame and ``log2_gauge`` the frame's
-    per-node log2|B_v|: κ of the params is ``kappa · 2^(2(l_v − l_u))`` on each edge ``u -> v``.
+    per-node log2|B_v|; `pathspace_jax.coords.kappa_from_frame` gives κ of the params.
     """
 
     count: jax.Array
@@ -168,7 +161,8 @@ def scale_by_ddp(
     _check_space(space)
     _check_every_eps(every, eps, damping)
     _check_static("scale_by_ddp", alpha=alpha, num_probes=num_probes)
-    config = (*check_options(alpha, moment, estimator, num_probes)[:1], moment, estimator, int(num_probes))
+    alpha, num_probes = check_options(alpha, moment, estimator, num_probes)
+    config = (alpha, moment, estimator, num_probes)
 
     def init_fn(params):
         kappa, log2_gauge = _kappa_state(space, params)
@@ -183,27 +177,26 @@ def scale_by_ddp(
                 "scale_by_ddp needs the batch as a keyword argument: tx.update(updates, state, params, inputs=x) "
                 "(inputs = the positional arguments of the traced function after params)"
             )
-        check_inputs(space, inputs)
+        xs = check_inputs(space, inputs)
         if key is None:
             key = jax.random.fold_in(jax.random.key(0), state.count)
         every_one = not _traced(every) and every == 1
         return _ddp_update(
-            space, config, every_one, updates, state, params, inputs, key, damping, eps, every, probe_damping
+            space, config, every_one, updates, state, params, xs, key, damping, eps, every, probe_damping
         )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _ddp_update(space, config, every_one, updates, state, params, inputs, key, damping, eps, every, probe_damping):
-    """One `scale_by_ddp` step (jitted, so that calls outside ``jit`` compile once)."""
-    from pathspace_jax.ddp import _kappa_jit, check_inputs
+def _ddp_update(space, config, every_one, updates, state, params, xs, key, damping, eps, every, probe_damping):
+    """One `scale_by_ddp` step (jitted, so that calls outside ``jit`` compile once); ``xs``: the batch's leaves."""
+    from pathspace_jax.ddp import _kappa_jit
 
     alpha, moment, estimator, num_probes = config
 
     def compute():
         leaves = [jnp.asarray(p) for p in space.leaves_of(params, "params")]
-        xs = check_inputs(space, inputs)
         kappa, lg = _kappa_jit(space, leaves, xs, key, alpha, moment, estimator, num_probes, probe_damping)
         return space.unflatten_like(params, kappa), lg
 
@@ -281,7 +274,7 @@ def in_path_space(
     """
     from pathspace_jax import coords as _coords
 
-    _check_path_space(space, "in_path_space")
+    check_path_space(space, "in_path_space")
     if not _traced(min_ratio) and not 0 < min_ratio < 1:
         raise ValueError(f"min_ratio must be in (0, 1), got {min_ratio}")
     if not _traced(min_share) and not 0 <= min_share <= 1:
@@ -315,9 +308,10 @@ class ScaleByPathSGDState(NamedTuple):
     """State of `scale_by_path_sgd`: the step count and the κ last computed (recomputed every ``every`` steps).
 
     ``kappa`` is κ in the canonical frame (the params rescaled so that their gauge weights are ±1) and
-    ``log2_gauge`` the frame's per-node log2|B_v| (`pathspace_jax.coords.gauge_log2`) at that step: κ of
-    the params themselves is ``kappa · 2^(2(l_v − l_u))`` on each edge ``u -> v``. Both stay in range
-    whatever node-wise rescaling the params carry.
+    ``log2_gauge`` the frame's per-node log2|B_v| (`pathspace_jax.coords.gauge_log2`) at that step:
+    `pathspace_jax.coords.kappa_from_frame` gives κ of the params (``kappa · 2^(2(k_v − k_u))`` on each
+    edge ``u -> v``, k the rounded log-gauge). Both stay in range whatever node-wise rescaling the params
+    carry.
     """
 
     count: jax.Array
