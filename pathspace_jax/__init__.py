@@ -12,7 +12,15 @@
 
 from pathspace_jax import testing
 from pathspace_jax.alias import ddp_sgd, g_adam, g_sgd, path_sgd
-from pathspace_jax.coords import basis_paths, canonicalize, coord_mask, from_coords, skeleton_init, to_coords
+from pathspace_jax.coords import (
+    basis_paths,
+    canonicalize,
+    coord_mask,
+    coord_scales,
+    from_coords,
+    skeleton_init,
+    to_coords,
+)
 from pathspace_jax.ddp import DDPUnsupportedError, ddp_kappa
 from pathspace_jax.graph import EdgeLeaf, NodeGroup, PathSpace
 from pathspace_jax.kappa import PathKappaUnsupportedError, path_kappa, path_norm
@@ -50,6 +58,7 @@ __all__ = [
     "g_sgd",
     "in_path_space",
     "skeleton_init",
+    "coord_scales",
     "to_coords",
     # Path-SGD
     "PathKappaUnsupportedError",

@@ -73,23 +73,24 @@ def g_sgd(
     momentum: float | None = None,
     nesterov: bool = False,
     *,
+    normalize: bool = True,
     min_ratio: float = 0.5,
-    min_share: float = 0.5,
+    min_share: float = 0.0,
 ) -> optax.GradientTransformationExtraArgs:
-    """G-SGD (Meng et al., ICLR 2019): SGD on the basis-path values, v ← v − η ∂L/∂v, then weight allocation.
+    """G-SGD (Meng et al., ICLR 2019): SGD on the basis-path coordinates, then weight allocation.
 
-    ``in_path_space(optax.sgd(learning_rate, momentum, nesterov), space)``; momentum (if any) is kept
-    in path coordinates. G-SGD's effective step on a weight u -> v is η/(A_u B_v)² (A, B: products
-    along the skeleton chains), so its learning rate depends on the skeleton: with the skeleton that
-    `pathspace_jax.trace` chooses from the params' values (the default) it trains at SGD's learning
-    rates from a standard initialisation; with ``trace(..., skeleton="index")`` or abstract params,
-    start from `pathspace_jax.skeleton_init` params (A = B = ±1) instead.
+    ``in_path_space(optax.sgd(learning_rate, momentum, nesterov), space)``; momentum (if any) is kept in
+    path coordinates. With ``normalize=True`` (default) the coordinates are the basis-path values divided
+    by rescaling-invariant scales (`pathspace_jax.coord_scales`), so G-SGD trains at the learning rates of
+    ``optax.sgd`` from a standard initialisation; ``normalize=False`` is SGD on the raw basis-path values
+    (ibid., eq. 6), whose step on a weight is ``η g / (A_u B_v)²``: start it from
+    `pathspace_jax.skeleton_init` params (A = B = ±1) or scale the learning rate down.
 
     Args:
       space: the `PathSpace` of the network (``pathspace_jax.trace``).
       learning_rate: η, a float or an optax schedule.
       momentum, nesterov: as in ``optax.sgd``.
-      min_ratio, min_share: see `pathspace_jax.in_path_space` (the in-skeleton rule).
+      normalize, min_ratio, min_share: see `pathspace_jax.in_path_space`.
 
     Returns:
       An `optax.GradientTransformationExtraArgs`; ``update(grads, state, params)`` needs params.
@@ -99,11 +100,11 @@ def g_sgd(
       >>> updates, state = tx.update(grads, tx.init(params), params)
 
     References:
-      Meng et al., "G-SGD", ICLR 2019; "Path Space for Recurrent Neural Networks with ReLU
-      Activations", Alg. 2.
+      Meng et al., "G-SGD: Optimizing ReLU neural networks in its positively scale-invariant space", ICLR
+      2019; "Path Space for Recurrent Neural Networks with ReLU Activations", Alg. 2.
     """
     inner = optax.sgd(learning_rate, momentum, nesterov)
-    return transforms.in_path_space(inner, space, min_ratio=min_ratio, min_share=min_share)
+    return transforms.in_path_space(inner, space, normalize=normalize, min_ratio=min_ratio, min_share=min_share)
 
 
 def g_adam(
@@ -115,18 +116,20 @@ def g_adam(
     eps_root: float = 0.0,
     *,
     nesterov: bool = False,
+    normalize: bool = True,
     min_ratio: float = 0.5,
-    min_share: float = 0.5,
+    min_share: float = 0.0,
 ) -> optax.GradientTransformationExtraArgs:
-    """G-Adam (the G-SGD-for-RNNs paper, App. E): Adam on the basis-path values, then weight allocation.
+    """G-Adam (the G-SGD-for-RNNs paper, App. E): Adam on the basis-path coordinates, then weight allocation.
 
     ``in_path_space(optax.adam(learning_rate, b1, b2, eps, eps_root, nesterov=nesterov), space)``: the
-    moments are those of ∂L/∂v, so the step is rescaling invariant.
+    moments are those of the coordinate gradient, so the step is rescaling invariant. With the default
+    normalised coordinates the learning rates of ``optax.adam`` carry over.
 
     Args:
       space: the `PathSpace` of the network (``pathspace_jax.trace``).
       learning_rate, b1, b2, eps, eps_root, nesterov: as in ``optax.adam``.
-      min_ratio, min_share: see `pathspace_jax.in_path_space` (the in-skeleton rule).
+      normalize, min_ratio, min_share: see `pathspace_jax.in_path_space`.
 
     Returns:
       An `optax.GradientTransformationExtraArgs`; ``update(grads, state, params)`` needs params.
@@ -139,7 +142,7 @@ def g_adam(
       Activations", App. E.
     """
     inner = optax.adam(learning_rate, b1, b2, eps, eps_root=eps_root, nesterov=nesterov)
-    return transforms.in_path_space(inner, space, min_ratio=min_ratio, min_share=min_share)
+    return transforms.in_path_space(inner, space, normalize=normalize, min_ratio=min_ratio, min_share=min_share)
 
 
 # ---------------------------------------------------------------------------- Path-SGD

@@ -47,7 +47,16 @@ import numpy as np
 from pathspace_jax.graph import PathSpace, compute_dtype
 from pathspace_jax.skeleton import Skeleton, skeleton
 
-__all__ = ["to_coords", "from_coords", "coord_mask", "basis_paths", "canonicalize", "skeleton_init"]
+__all__ = [
+    "to_coords",
+    "from_coords",
+    "coord_mask",
+    "coord_scales",
+    "fan_in_norms",
+    "basis_paths",
+    "canonicalize",
+    "skeleton_init",
+]
 
 
 # ---------------------------------------------------------------------------- static helpers
@@ -524,6 +533,135 @@ def _skeleton_share(space: PathSpace, w_leaves, factors, ct):
     s2 = _node_sum(space.num_nodes, parts, ct)
     # |c_x| / s_x = |A_x B_x| / (|B_x| sqrt(s2_x)) = |A_x| / sqrt(s2_x)
     return jnp.where(jnp.asarray(sk.hidden & ~sk.in_is_gauge), jnp.abs(a) * _safe_inv(jnp.sqrt(s2)), 0)
+
+
+@functools.lru_cache(maxsize=64)
+def _fan_in_plan(space: PathSpace):
+    """Static plan of `fan_in_norms`: per BFS depth d, ``(nodes at d, ((leaf index, mask or None), …))``.
+
+    The edges counted into a hidden node v at depth d are its bias edge and its weight edges from nodes of
+    strictly smaller depth (the admissible incoming skeleton edges: never an edge within one node group,
+    so recurrent kernels and residual self-loops are left out). ``mask`` selects them where a leaf holds
+    other edges too.
+    """
+    from pathspace_jax.graph import BIAS_NODE
+    from pathspace_jax.skeleton import _candidates
+
+    c = _candidates(space)
+    depth, hidden = c.depth, c.hidden
+    levels = []
+    for d in range(1, int(depth[hidden].max(initial=0)) + 1):
+        at = hidden & (depth == d)
+        parts = []
+        for li, leaf in enumerate(space.leaves):
+            if leaf.kind == "other":
+                continue
+            src, dst = np.asarray(leaf.src, np.int64), np.asarray(leaf.dst, np.int64)
+            ok = at[dst] & ((src == BIAS_NODE) | ((depth[src] >= 0) & (depth[src] < d)))
+            if ok.any():
+                parts.append((li, None if ok.all() else ok))
+        if parts:
+            levels.append((at, tuple(parts)))
+    return tuple(levels)
+
+
+def fan_in_norms(space: PathSpace, leaves, dtype):
+    """Per node, ``q_v``: the squared path norm of the paths from the inputs (and the bias) into v.
+
+    ``q_v = Σ_u w²_{u->v} q_u`` over v's bias edge and its weight edges from shallower nodes (see
+    `_fan_in_plan`), ``q = 1`` at non-hidden nodes (inputs, bias, pinned, outputs). Under a node-wise
+    rescaling β, ``q_v ↦ β_v² q_v`` exactly (for powers of two, bit for bit). Rescaling each hidden node
+    by ``1/√q_v`` gives the **fan-in frame**, where every hidden node's incoming path norm is 1, as at a
+    LeCun-normal initialisation on average; ``q_v = 0`` marks a node whose counted incoming weights are
+    all 0. One pass over each edge leaf (one per depth it feeds).
+    """
+    sk = skeleton(space)
+    q = jnp.ones((space.num_nodes,), dtype)
+    for at, parts in _fan_in_plan(space):
+        vals = []
+        for li, mask in parts:
+            idx = sk.leaves[li]
+            t = jnp.square(jnp.asarray(leaves[li], dtype)) * _take(q, idx.src_r)
+            if mask is None:
+                vals.append((idx.dst_r, jnp.sum(t, axis=idx.dst_sum_axes, keepdims=True)))
+            else:
+                vals.append((np.asarray(space.leaves[li].dst), jnp.where(mask, t, 0)))
+        q = jnp.where(jnp.asarray(at), _node_sum(space.num_nodes, vals, dtype), q)
+    return q
+
+
+def _scales(space: PathSpace, w_leaves, c_leaves, factors, ct):
+    """Per leaf, σ of `coord_scales` (None for leaves of kind "other")."""
+    a, b = factors[:2]
+    q = fan_in_norms(space, w_leaves, ct)
+    s_src = _finite(jnp.abs(a) * jax.lax.rsqrt(q))  # |A_u| / √q_u: A_u in the fan-in frame
+    s_dst = _finite(jnp.abs(b) * jnp.sqrt(q))  # |B_v| √q_v: B_v in the fan-in frame
+    out = []
+    for w, c, li in zip(w_leaves, c_leaves, skeleton(space).leaves):
+        if li.kind == "other":
+            out.append(None)
+            continue
+        shape = jnp.shape(w)
+        s = jnp.broadcast_to(_take(s_src, li.src_r) * _take(s_dst, li.dst_r), shape)
+        im, gm = li.inskel_mask(shape), li.gauge_mask(shape)
+        if im is not None:
+            s = jnp.where(im, jnp.abs(c), s)
+        if gm is not None:
+            s = jnp.where(gm, 1, s)
+        out.append(s)
+    return out
+
+
+def coord_scales(space: PathSpace, params):
+    """The scales σ of G-SGD's normalised coordinates ``φ = c / σ`` (``in_path_space(normalize=True)``).
+
+    A path coordinate ``c_e = A_u w_e B_v`` is a product of weights along a whole path, so its size is
+    that of many weights multiplied: SGD on raw coordinates moves ``w_e`` by ``η g_e / (A_u B_v)²``,
+    10²–10⁴ times SGD's step at a standard initialisation. The normalised coordinates divide each one by
+    a rescaling-invariant scale taken at the current params:
+
+    * a coordinate entry ``e = u -> v``: ``σ_e = |A_u B_v|`` in the **fan-in frame** (each hidden node
+      rescaled so that its incoming path norm is 1, `fan_in_norms`), i.e. ``|A_u B_v| √(q_v / q_u)``.
+      Then ``φ_e`` is ±(the weight in the fan-in frame) and SGD on φ moves it as SGD would in that frame;
+    * the incoming skeleton entry of a node x: ``σ_x = |c_x|``, so SGD on φ moves ``log |c_x|`` by
+      ``−η ∂L/∂log|c_x|`` (a multiplicative step on the coordinate that sets the node's scale);
+    * gauge entries and leaves of kind "other": 1.
+
+    Every σ is a function of path values only, so it is the same for every node-wise rescaling of
+    ``params`` (bit for bit for powers of two). σ is 0 where the chart is singular (a zero skeleton weight).
+
+    Args:
+      space: the `PathSpace` of the network.
+      params: params of the traced structure.
+
+    Returns:
+      A pytree like ``params``, in the params' dtypes.
+
+    Example:
+      >>> phi = jax.tree.map(lambda c, s: c / s, pj.to_coords(space, params), pj.coord_scales(space, params))
+    """
+    leaves = space.leaves_of(params)
+    ct = compute_dtype(leaves)
+    factors = _node_factors(space, leaves, ct)
+    cs = [jnp.asarray(c, ct) for c in space.leaves_of(to_coords(space, params))]
+    s = _scales(space, leaves, cs, factors, ct)
+    out = [jnp.ones_like(w) if x is None else x.astype(jnp.result_type(w)) for w, x in zip(leaves, s)]
+    return space.unflatten_like(params, out)
+
+
+def _chart(space: PathSpace, w_leaves, g_leaves, ct, normalize: bool):
+    """G-SGD's view of one point: ``(∂L/∂φ, φ, σ, factors)`` with ``φ = c / σ`` (σ = 1 without ``normalize``).
+
+    ``σ`` is a list with None for leaves of kind "other" (and everywhere without ``normalize``); an entry
+    with ``σ = 0`` (a singular chart) has ``φ = 0`` and ``∂L/∂φ = 0``.
+    """
+    gc, c, factors = _coord_grads(space, w_leaves, g_leaves, ct)
+    if not normalize:
+        return gc, c, [None] * len(c), factors
+    s = _scales(space, w_leaves, c, factors, ct)
+    phi = [x if si is None else x * _safe_inv(si) for x, si in zip(c, s)]
+    gphi = [x if si is None else x * si for x, si in zip(gc, s)]
+    return gphi, phi, s, factors
 
 
 def _allocate(space: PathSpace, w_leaves, dc_leaves, factors, ct, min_ratio: float, min_share: float = 0.0):

@@ -913,7 +913,7 @@ def _check_params(params) -> tuple[list[Any], Any, list[str]]:
     return leaves, treedef, paths
 
 
-def trace(fn: Callable[..., Any], params, *args, strict: bool = False, skeleton: str = "values", **kwargs) -> PathSpace:
+def trace(fn: Callable[..., Any], params, *args, strict: bool = False, skeleton: str = "index", **kwargs) -> PathSpace:
     """Find the reduction graph of the ReLU part of ``fn``.
 
     ``fn(params, *args, **kwargs)`` must return the network's outputs (an array or
@@ -934,12 +934,14 @@ def trace(fn: Callable[..., Any], params, *args, strict: bool = False, skeleton:
       strict: raise `UnsupportedModelError` instead of pinning, naming the
         primitive, the source line and the parameter paths involved.
       skeleton: how the skeleton (the basis paths of `to_coords` and G-SGD) is
-        chosen. ``"values"`` (default): per node, the incoming and outgoing edge of
-        the largest path value in ``params`` (`pathspace_jax.skeleton.choose_by_value`;
-        the same for every rescaling of ``params``), which keeps G-SGD's divisors
-        away from zero; it falls back to ``"index"`` when ``params`` are abstract
-        (``ShapeDtypeStruct``, tracers). ``"index"``: from the graph alone (the
-        ``j mod n`` pattern).
+        chosen. ``"index"`` (default): from the graph alone (the ``j mod n``
+        pattern), so the space describes structure only and serves any params of
+        that structure (an ensemble, a checkpoint, another seed). ``"values"``
+        (opt-in): per node, the incoming and outgoing edge of the largest path value
+        in *these* ``params`` (`pathspace_jax.skeleton.choose_by_value`; the same for
+        every rescaling of them), which ties the chart to them: use it only with
+        these params and their descendants. It falls back to ``"index"`` when
+        ``params`` are abstract (``ShapeDtypeStruct``, tracers).
       **kwargs: static keyword arguments bound into ``fn`` (e.g. ``train=False``).
 
     Returns:

@@ -215,47 +215,64 @@ class InPathSpaceState(NamedTuple):
 
 
 def in_path_space(
-    inner: optax.GradientTransformation, space, *, min_ratio: float = 0.5, min_share: float = 0.5
+    inner: optax.GradientTransformation,
+    space,
+    *,
+    normalize: bool = True,
+    min_ratio: float = 0.5,
+    min_share: float = 0.0,
 ) -> optax.GradientTransformationExtraArgs:
-    """Run any optax transformation on the path coordinates instead of the weights (G-SGD, G-Adam).
+    """Run any optax transformation on path coordinates instead of the weights (G-SGD, G-Adam).
 
-    With the coordinates c = `pathspace_jax.to_coords` (basis-path values; the H gauge entries, the
-    outgoing skeleton weights, are held fixed), one step is
+    The coordinates are the values of the basis paths, ``c_e = A_u w_e B_v`` for a non-gauge entry
+    ``e = u -> v`` (`pathspace_jax.to_coords`; A_u, B_v: products of the weights along u's incoming and
+    v's outgoing skeleton chains), divided by rescaling-invariant scales: ``φ = c / σ`` with σ from
+    `pathspace_jax.coord_scales` at the current params (``normalize=True``, the default), or ``σ = 1``
+    (``normalize=False``: the raw basis-path values of Meng et al.). The H gauge entries (outgoing
+    skeleton weights) are held fixed. One step:
 
-      1. ∂L/∂c from ∂L/∂w by the inverse chain rule ∂L/∂w = (∂c/∂w)ᵀ ∂L/∂c, i.e. the VJP of
-         `pathspace_jax.from_coords` with the gauge fixed — closed form, O(m): ``g_e / (A_u B_v)`` at a
-         non-gauge entry ``e = u -> v``, plus a per-node correction at the incoming skeleton entries
-         (eqs. 15–16 of the G-SGD-for-RNNs paper); 0 at the gauge entries;
-      2. ``dc, s = inner.update(∂L/∂c, s, c, **extra_args)`` (``inner`` sees coordinates as params);
-      3. weight allocation: the weights whose coordinates are ``c + dc`` with the same gauge
-         (ibid., eqs. 10–11); the update is their difference from ``params``.
+      1. ∂L/∂c from ∂L/∂w by the inverse chain rule, i.e. the VJP of `pathspace_jax.from_coords` with the
+         gauge fixed — closed form, O(m): ``g_e / (A_u B_v)`` at a non-gauge entry, plus a per-node
+         correction at the incoming skeleton entries (eqs. 15–16 of the G-SGD-for-RNNs paper); 0 at the
+         gauge; then ``∂L/∂φ = σ ∂L/∂c``;
+      2. ``dφ, s = inner.update(∂L/∂φ, s, φ, **extra_args)`` (``inner`` sees φ as its params);
+      3. weight allocation: the weights whose coordinates are ``c + σ dφ`` with the same gauge (ibid.,
+         eqs. 10–11); the update is their difference from ``params``.
 
-    So with ``inner = optax.sgd(η)`` the coordinates move by exactly −η ∂L/∂c (ibid., eq. 6), except
-    where the in-skeleton rule below holds back one of the H in-skeleton coordinates. Since
-    the coordinates and ∂L/∂c are rescaling invariant and the gauge does not move, a step from
-    T_α(w) gives the same function as a step from w, for every ``inner``.
+    So every step is exact in the chart it uses: with ``inner = optax.sgd(η)``, φ moves by exactly
+    ``−η ∂L/∂φ`` (c by ``−η σ² ∂L/∂c``; with ``normalize=False`` c by ``−η ∂L/∂c``, the G-SGD step of
+    ibid., eq. 6), and with any ``inner`` by ``inner``'s update of ∂L/∂φ. The skeleton is the space's
+    (from the graph alone by default), and σ is computed from the params inside the update, so one space
+    serves any params of its structure — every member of an ensemble, a restored checkpoint — and the
+    state is ``inner``'s alone. φ, ∂L/∂φ and σ are rescaling invariant and the gauge does not move, so a
+    step from T_α(w) gives the same function as a step from w, for every ``inner``.
 
-    **In-skeleton rule.** The allocation divides by ``A_x = c_x / B_x``, c_x the coordinate of x's
-    incoming skeleton edge, so c_x must never reach zero or change sign; and a c_x that is small
-    next to the other coordinates entering x makes the chart ill-conditioned (paths through x have
-    values ∝ 1/c_x; under cross-entropy the G-SGD flow is drawn to that singularity and diverges).
-    Each in-skeleton coordinate therefore moves by the ratio ``ρ_x = max(1 + dc_x / c_x, lo_x)``,
-    ``lo_x = max(min_ratio, min(1, min_share / share_x))``, where ``share_x = |c_x| / s_x`` and s_x is
-    the norm of the coordinates of all edges into x: it never changes sign, shrinks by at most a
-    factor ``min_ratio`` per step, and never shrinks below a share ``min_share`` of x's incoming
-    coordinate norm (if its share is already smaller, it may only grow). Growth is not limited.
-    Coordinates are rescaling invariant, so the rule is; it only acts on the H in-skeleton
-    coordinates, every other coordinate moves exactly by ``dc``. ``min_share = 0`` gives plain
-    G-SGD up to sign protection. Gauge weights never move, so B never changes. Biases are never
-    divisors (Flax initialises them to zero); a zero divisor (a zero skeleton weight at the start)
-    gives a zero update, not NaN.
+    **Why normalise.** On raw coordinates SGD moves a weight by ``η g_e / (A_u B_v)²``: the chain
+    products are products of several weights (10⁻¹–10⁻² at a standard initialisation), so the step is
+    10²–10⁴ times SGD's and G-SGD diverges at SGD's learning rates unless the skeleton weights are ±1
+    (`pathspace_jax.skeleton_init`, the initialisation of Meng et al.). With σ, a coordinate entry moves
+    as SGD (or ``inner``) would move its weight in the *fan-in frame* (every hidden node rescaled to unit
+    incoming path norm, as a LeCun-normal initialisation is on average), and a node's incoming skeleton
+    coordinate, which sets the node's scale, moves multiplicatively (``log |c_x|`` by ``−η ∂L/∂log |c_x|``).
+    The learning rates of ``optax.sgd`` / ``optax.adam`` carry over. The cost is one more pass over the
+    weights per step (`pathspace_jax.coords.fan_in_norms`).
+
+    **Safeguard.** The allocation divides by ``A_x = c_x / B_x`` (c_x: the coordinate of x's incoming
+    skeleton edge), so c_x must never reach zero or change sign. Where a step would take ``c_x`` below
+    ``min_ratio · c_x`` (across zero included), it is set to ``min_ratio · c_x`` instead: the only
+    departure from the exact step, on at most the H in-skeleton coordinates, never on the others. The
+    opt-in ``min_share > 0`` also keeps ``|c_x|`` from falling below that share of the norm of the
+    coordinates entering x (if it is already smaller, c_x may only grow). A zero skeleton weight (a
+    singular chart: the paths through it have coordinate 0) gives a zero update at the entries it
+    divides, never NaN; `pathspace_jax.coord_scales` is 0 there.
 
     Args:
       inner: any optax transformation (``optax.sgd``, ``optax.adam``, a chain with clipping or a
         schedule, ``...ExtraArgs`` variants).
       space: the `PathSpace` of the network (``pathspace_jax.trace``).
-      min_ratio: the in-skeleton rule's largest shrink factor per step, in (0, 1).
-      min_share: the in-skeleton rule's floor on ``|c_x| / s_x``, in [0, 1].
+      normalize: run ``inner`` on ``φ = c / σ`` (default) or on the raw basis-path values c.
+      min_ratio: the largest shrink factor of an in-skeleton coordinate per step, in (0, 1).
+      min_share: opt-in floor on ``|c_x| / ‖c_{→x}‖``, in [0, 1] (default 0: off).
 
     Returns:
       An `optax.GradientTransformationExtraArgs`; ``update(grads, state, params, **extra_args)`` needs
@@ -275,26 +292,33 @@ def in_path_space(
     from pathspace_jax import coords as _coords
 
     check_path_space(space, "in_path_space")
+    _check_static("in_path_space", normalize=normalize)
     if not _traced(min_ratio) and not 0 < min_ratio < 1:
         raise ValueError(f"min_ratio must be in (0, 1), got {min_ratio}")
     if not _traced(min_share) and not 0 <= min_share <= 1:
         raise ValueError(f"min_share must be in [0, 1], got {min_share}")
     inner = optax.with_extra_args_support(inner)
+    normalize = bool(normalize)
+
+    def chart(params, grads):
+        w = space.leaves_of(params, "params")
+        g = w if grads is None else space.leaves_of(grads, "updates")
+        ct = compute_dtype(list(w) + list(g))
+        gphi, phi, s, factors = _coords._chart(space, w, g, ct, normalize)
+        phi_tree = space.unflatten_like(params, [x.astype(jnp.result_type(y)) for x, y in zip(phi, w)])
+        return w, g, ct, gphi, phi_tree, s, factors
 
     def init_fn(params):
-        return InPathSpaceState(inner_state=inner.init(_coords.to_coords(space, params)))
+        return InPathSpaceState(inner_state=inner.init(chart(params, None)[4]))
 
     def update_fn(updates, state, params=None, **extra_args):
         if params is None:
             raise ValueError("in_path_space needs params: call tx.update(grads, state, params)")
-        w = space.leaves_of(params, "params")
-        g = space.leaves_of(updates, "updates")
-        ct = compute_dtype(list(w) + list(g))
-        gc, c, factors = _coords._coord_grads(space, w, g, ct)
-        gc_tree = space.unflatten_like(updates, [x.astype(jnp.result_type(y)) for x, y in zip(gc, g)])
-        c_tree = space.unflatten_like(params, [x.astype(jnp.result_type(y)) for x, y in zip(c, w)])
-        dc, inner_state = inner.update(gc_tree, state.inner_state, c_tree, **extra_args)
-        u = _coords._allocate(space, w, space.leaves_of(dc, "inner updates"), factors, ct, min_ratio, min_share)
+        w, g, ct, gphi, phi, s, factors = chart(params, updates)
+        gphi = space.unflatten_like(updates, [x.astype(jnp.result_type(y)) for x, y in zip(gphi, g)])
+        dphi, inner_state = inner.update(gphi, state.inner_state, phi, **extra_args)
+        dc = [x if si is None else jnp.asarray(x, ct) * si for x, si in zip(space.leaves_of(dphi, "inner updates"), s)]
+        u = _coords._allocate(space, w, dc, factors, ct, min_ratio, min_share)
         out = [x.astype(jnp.result_type(y)) for x, y in zip(u, g)]
         return space.unflatten_like(updates, out), InPathSpaceState(inner_state=inner_state)
 
