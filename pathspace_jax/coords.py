@@ -52,7 +52,8 @@ __all__ = [
     "from_coords",
     "coord_mask",
     "coord_scales",
-    "fan_in_norms",
+    "check_chart",
+    "path_norms",
     "basis_paths",
     "canonicalize",
     "skeleton_init",
@@ -287,6 +288,8 @@ def to_coords(space: PathSpace, params):
     the incoming skeleton chain of u and the outgoing skeleton chain of v); ``c_e = w_e`` at the H
     gauge entries (outgoing skeleton edges) and on leaves of kind ``"other"``. Invariant under
     node-wise rescaling at every entry where `coord_mask` is True.
+    A zero skeleton weight makes the coordinates of the paths through it 0: the chart cannot represent
+    the weights after it, and `from_coords` gives 0 there (`check_chart` says where).
 
     Args:
       space: the `PathSpace` of the network (``pathspace_jax.trace``).
@@ -536,28 +539,32 @@ def _skeleton_share(space: PathSpace, w_leaves, factors, ct):
 
 
 @functools.lru_cache(maxsize=64)
-def _fan_in_plan(space: PathSpace):
-    """Static plan of `fan_in_norms`: per BFS depth d, ``(nodes at d, ((leaf index, mask or None), …))``.
+def _sweep_plan(space: PathSpace, forward: bool):
+    """Static plan of `path_norms`: per level d, ``(nodes at d, ((leaf index, mask or None), …))``.
 
-    The edges counted into a hidden node v at depth d are its bias edge and its weight edges from nodes of
-    strictly smaller depth (the admissible incoming skeleton edges: never an edge within one node group,
-    so recurrent kernels and residual self-loops are left out). ``mask`` selects them where a leaf holds
-    other edges too.
+    Forward (levels: BFS depth from the inputs): the edges into a hidden node v at depth d that count are
+    its bias edge and its weight edges from nodes of smaller depth. Backward (levels: BFS distance to the
+    outputs): the weight edges out of v to nodes closer to the outputs. These are the admissible skeleton
+    edges (`pathspace_jax.skeleton`): never an edge within one node group, so recurrent kernels and
+    residual self-loops are left out. ``mask`` selects them where a leaf holds other edges too.
     """
     from pathspace_jax.graph import BIAS_NODE
     from pathspace_jax.skeleton import _candidates
 
     c = _candidates(space)
-    depth, hidden = c.depth, c.hidden
+    level, hidden = (c.depth if forward else c.dist), c.hidden
     levels = []
-    for d in range(1, int(depth[hidden].max(initial=0)) + 1):
-        at = hidden & (depth == d)
+    for d in range(1, int(level[hidden].max(initial=0)) + 1):
+        at = hidden & (level == d)
         parts = []
         for li, leaf in enumerate(space.leaves):
             if leaf.kind == "other":
                 continue
             src, dst = np.asarray(leaf.src, np.int64), np.asarray(leaf.dst, np.int64)
-            ok = at[dst] & ((src == BIAS_NODE) | ((depth[src] >= 0) & (depth[src] < d)))
+            if forward:
+                ok = at[dst] & ((src == BIAS_NODE) | ((level[src] >= 0) & (level[src] < d)))
+            else:
+                ok = at[src] & (level[dst] >= 0) & (level[dst] < d)
             if ok.any():
                 parts.append((li, None if ok.all() else ok))
         if parts:
@@ -565,37 +572,44 @@ def _fan_in_plan(space: PathSpace):
     return tuple(levels)
 
 
-def fan_in_norms(space: PathSpace, leaves, dtype):
-    """Per node, ``q_v``: the squared path norm of the paths from the inputs (and the bias) into v.
+def path_norms(space: PathSpace, leaves, dtype):
+    """Per node, ``(q_in, q_out)``: the squared path norms of the paths into and out of each hidden node.
 
-    ``q_v = Σ_u w²_{u->v} q_u`` over v's bias edge and its weight edges from shallower nodes (see
-    `_fan_in_plan`), ``q = 1`` at non-hidden nodes (inputs, bias, pinned, outputs). Under a node-wise
-    rescaling β, ``q_v ↦ β_v² q_v`` exactly (for powers of two, bit for bit). Rescaling each hidden node
-    by ``1/√q_v`` gives the **fan-in frame**, where every hidden node's incoming path norm is 1, as at a
-    LeCun-normal initialisation on average; ``q_v = 0`` marks a node whose counted incoming weights are
-    all 0. One pass over each edge leaf (one per depth it feeds).
+    ``q_in,v = Σ_u w²_{u->v} q_in,u`` over v's bias edge and its weight edges from shallower nodes, and
+    ``q_out,v = Σ_y w²_{v->y} q_out,y`` over its weight edges to nodes closer to the outputs (see
+    `_sweep_plan`); both are 1 at non-hidden nodes. Under a node-wise rescaling β, ``q_in ↦ β² q_in`` and
+    ``q_out ↦ q_out / β²`` exactly (for powers of two, bit for bit). One pass over each edge leaf per
+    direction (per level it feeds).
     """
     sk = skeleton(space)
-    q = jnp.ones((space.num_nodes,), dtype)
-    for at, parts in _fan_in_plan(space):
-        vals = []
-        for li, mask in parts:
-            idx = sk.leaves[li]
-            t = jnp.square(jnp.asarray(leaves[li], dtype)) * _take(q, idx.src_r)
-            if mask is None:
-                vals.append((idx.dst_r, jnp.sum(t, axis=idx.dst_sum_axes, keepdims=True)))
-            else:
-                vals.append((np.asarray(space.leaves[li].dst), jnp.where(mask, t, 0)))
-        q = jnp.where(jnp.asarray(at), _node_sum(space.num_nodes, vals, dtype), q)
-    return q
+    out = []
+    for forward in (True, False):
+        q = jnp.ones((space.num_nodes,), dtype)
+        for at, parts in _sweep_plan(space, forward):
+            vals = []
+            for li, mask in parts:
+                idx = sk.leaves[li]
+                read, write, axes = (
+                    (idx.src_r, idx.dst_r, idx.dst_sum_axes) if forward else (idx.dst_r, idx.src_r, idx.sum_axes)
+                )
+                t = jnp.square(jnp.asarray(leaves[li], dtype)) * _take(q, read)
+                if mask is None:
+                    vals.append((write, jnp.sum(t, axis=axes, keepdims=True)))
+                else:
+                    leaf = space.leaves[li]
+                    vals.append((np.asarray(leaf.dst if forward else leaf.src), jnp.where(mask, t, 0)))
+            q = jnp.where(jnp.asarray(at), _node_sum(space.num_nodes, vals, dtype), q)
+        out.append(q)
+    return tuple(out)
 
 
 def _scales(space: PathSpace, w_leaves, c_leaves, factors, ct):
     """Per leaf, σ of `coord_scales` (None for leaves of kind "other")."""
     a, b = factors[:2]
-    q = fan_in_norms(space, w_leaves, ct)
-    s_src = _finite(jnp.abs(a) * jax.lax.rsqrt(q))  # |A_u| / √q_u: A_u in the fan-in frame
-    s_dst = _finite(jnp.abs(b) * jnp.sqrt(q))  # |B_v| √q_v: B_v in the fan-in frame
+    q_in, q_out = path_norms(space, w_leaves, ct)
+    alpha = jnp.sqrt(jnp.sqrt(q_out / q_in))  # the balanced frame's node factors (two square roots: exact)
+    s_src = _finite(jnp.abs(a) * alpha)  # |A_u| in the balanced frame
+    s_dst = _finite(jnp.abs(b) / alpha)  # |B_v| in the balanced frame
     out = []
     for w, c, li in zip(w_leaves, c_leaves, skeleton(space).leaves):
         if li.kind == "other":
@@ -618,11 +632,13 @@ def coord_scales(space: PathSpace, params):
     A path coordinate ``c_e = A_u w_e B_v`` is a product of weights along a whole path, so its size is
     that of many weights multiplied: SGD on raw coordinates moves ``w_e`` by ``η g_e / (A_u B_v)²``,
     10²–10⁴ times SGD's step at a standard initialisation. The normalised coordinates divide each one by
-    a rescaling-invariant scale taken at the current params:
+    a rescaling-invariant scale taken at the current params, in the **balanced frame**: every hidden
+    node v rescaled by ``α_v = (q_out,v / q_in,v)^¼`` (`path_norms`), so that its incoming and its
+    outgoing path norms are equal. That frame is a function of the params' rescaling orbit, treats
+    inputs and outputs alike, and grows with the network as SGD's iterates do.
 
-    * a coordinate entry ``e = u -> v``: ``σ_e = |A_u B_v|`` in the **fan-in frame** (each hidden node
-      rescaled so that its incoming path norm is 1, `fan_in_norms`), i.e. ``|A_u B_v| √(q_v / q_u)``.
-      Then ``φ_e`` is ±(the weight in the fan-in frame) and SGD on φ moves it as SGD would in that frame;
+    * a coordinate entry ``e = u -> v``: ``σ_e = |A_u B_v|`` in the balanced frame, ``|A_u B_v| α_u / α_v``.
+      Then ``φ_e`` is ±(the weight in the balanced frame), and SGD on φ moves it as SGD would there;
     * the incoming skeleton entry of a node x: ``σ_x = |c_x|``, so SGD on φ moves ``log |c_x|`` by
       ``−η ∂L/∂log|c_x|`` (a multiplicative step on the coordinate that sets the node's scale);
     * gauge entries and leaves of kind "other": 1.
@@ -647,6 +663,33 @@ def coord_scales(space: PathSpace, params):
     s = _scales(space, leaves, cs, factors, ct)
     out = [jnp.ones_like(w) if x is None else x.astype(jnp.result_type(w)) for w, x in zip(leaves, s)]
     return space.unflatten_like(params, out)
+
+
+def check_chart(space: PathSpace, params, who: str = "check_chart") -> None:
+    """Raise ``ValueError`` if a skeleton weight of ``params`` is exactly 0 (the chart is singular there).
+
+    The basis paths through a zero skeleton weight have value 0, so the weights after it (the outgoing
+    weights of a node whose incoming skeleton weight is 0, the incoming ones of a node whose gauge chain
+    holds a 0) cannot be represented in path coordinates: ``from_coords(to_coords(p))`` sets them to 0 and
+    G-SGD leaves them unchanged (update 0). Called by ``in_path_space``'s ``init`` on concrete params;
+    skipped for abstract ones (inside ``jit`` / ``vmap``).
+    """
+    bad = []
+    for w, leaf, li in zip(space.leaves_of(params), space.leaves, skeleton(space).leaves):
+        if isinstance(w, jax.core.Tracer) or li.kind == "other":
+            continue
+        flat = np.asarray(w).reshape(-1)
+        for what, idx in (("incoming skeleton", li.inskel_flat), ("gauge (outgoing skeleton)", li.gauge_flat)):
+            for k in idx[flat[idx] == 0]:
+                bad.append(f"'{leaf.path}' entry {tuple(int(i) for i in np.unravel_index(k, leaf.shape))} ({what})")
+    if bad:
+        shown = "; ".join(bad[:8]) + (f"; and {len(bad) - 8} more" if len(bad) > 8 else "")
+        raise ValueError(
+            f"{who}: {len(bad)} skeleton weight(s) are exactly 0: {shown}. The basis paths through a zero skeleton "
+            "weight have value 0, so the weights after it cannot be represented in path coordinates and G-SGD "
+            "would never move them. Give those entries a small nonzero value, or trace with skeleton='values' "
+            "to choose skeleton edges among the nonzero weights of these params."
+        )
 
 
 def _chart(space: PathSpace, w_leaves, g_leaves, ct, normalize: bool):

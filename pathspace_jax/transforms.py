@@ -251,11 +251,11 @@ def in_path_space(
     products are products of several weights (10⁻¹–10⁻² at a standard initialisation), so the step is
     10²–10⁴ times SGD's and G-SGD diverges at SGD's learning rates unless the skeleton weights are ±1
     (`pathspace_jax.skeleton_init`, the initialisation of Meng et al.). With σ, a coordinate entry moves
-    as SGD (or ``inner``) would move its weight in the *fan-in frame* (every hidden node rescaled to unit
-    incoming path norm, as a LeCun-normal initialisation is on average), and a node's incoming skeleton
-    coordinate, which sets the node's scale, moves multiplicatively (``log |c_x|`` by ``−η ∂L/∂log |c_x|``).
-    The learning rates of ``optax.sgd`` / ``optax.adam`` carry over. The cost is one more pass over the
-    weights per step (`pathspace_jax.coords.fan_in_norms`).
+    as SGD (or ``inner``) would move its weight in the *balanced frame* of the current params (every
+    hidden node rescaled so that its incoming and outgoing path norms are equal), and a node's incoming
+    skeleton coordinate, which sets the node's scale, moves multiplicatively (``log |c_x|`` by
+    ``−η ∂L/∂log |c_x|``). The learning rates of ``optax.sgd`` / ``optax.adam`` carry over. The cost is
+    two more passes over the weights per step (`pathspace_jax.coords.path_norms`).
 
     **Safeguard.** The allocation divides by ``A_x = c_x / B_x`` (c_x: the coordinate of x's incoming
     skeleton edge), so c_x must never reach zero or change sign. Where a step would take ``c_x`` below
@@ -264,7 +264,8 @@ def in_path_space(
     opt-in ``min_share > 0`` also keeps ``|c_x|`` from falling below that share of the norm of the
     coordinates entering x (if it is already smaller, c_x may only grow). A zero skeleton weight (a
     singular chart: the paths through it have coordinate 0) gives a zero update at the entries it
-    divides, never NaN; `pathspace_jax.coord_scales` is 0 there.
+    divides, never NaN; `pathspace_jax.coord_scales` is 0 there. ``init`` refuses concrete params with a
+    zero skeleton weight (`pathspace_jax.coords.check_chart`).
 
     Args:
       inner: any optax transformation (``optax.sgd``, ``optax.adam``, a chain with clipping or a
@@ -309,6 +310,7 @@ def in_path_space(
         return w, g, ct, gphi, phi_tree, s, factors
 
     def init_fn(params):
+        _coords.check_chart(space, params, "in_path_space")
         return InPathSpaceState(inner_state=inner.init(chart(params, None)[4]))
 
     def update_fn(updates, state, params=None, **extra_args):

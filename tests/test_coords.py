@@ -609,3 +609,27 @@ def test_g_sgd_from_skeleton_init_trains_like_sgd():
     l_start = _final_loss(model, x, y, optax.identity(), start, 0)
     assert np.isfinite(l_g) and l_g < 0.8 * l_start, (l_g, l_start)
     assert l_g < 2.0 * l_sgd + 0.05, (l_g, l_sgd)
+
+
+def test_zero_skeleton_weight_is_a_clear_error_at_init_and_a_zero_update_inside_jit():
+    """A dead unit (all incoming weights 0) cannot be represented: the chart says where, G-SGD's init refuses it,
+    and under jit (no check possible) the update is finite and leaves the unrepresentable weights alone."""
+    model = nn.Sequential([nn.Dense(6), nn.relu, nn.Dense(5), nn.relu, nn.Dense(3)])
+    x = jax.random.normal(jax.random.key(0), (8, 4))
+    params = model.init(jax.random.key(1), x)["params"]
+    space = pj.trace(lambda p, x: model.apply({"params": p}, x), params, x)
+    dead = jax.tree_util.tree_map(lambda a: a, params)
+    dead["layers_2"]["kernel"] = dead["layers_2"]["kernel"].at[:, 3].set(0.0)  # unit 3 of the second layer
+    pj.coords.check_chart(space, params)  # the standard init is fine
+    with pytest.raises(ValueError, match=r"'layers_2/kernel' entry \(\d, 3\) \((incoming skeleton|gauge)"):
+        pj.g_sgd(space, 0.1).init(dead)
+    back = from_coords(space, to_coords(space, dead))
+    out = np.asarray(pj.coord_mask(space)["layers_4"]["kernel"][3])  # unit 3's outgoing coordinate entries
+    np.testing.assert_array_equal(back["layers_4"]["kernel"][3][out], 0.0)  # documented: not representable
+    assert out.any() and np.all(dead["layers_4"]["kernel"][3][out] != 0)
+    tx = pj.g_sgd(space, 0.1)
+    loss = lambda p: jnp.mean(model.apply({"params": p}, x) ** 2)  # noqa: E731
+    u, _ = jax.jit(tx.update)(jax.grad(loss)(dead), tx.init(params), dead)
+    assert all(np.isfinite(np.asarray(a)).all() for a in _leaves(u))
+    np.testing.assert_array_equal(u["layers_4"]["kernel"][3], 0.0)
+    np.testing.assert_array_equal(pj.coord_scales(space, dead)["layers_4"]["kernel"][3][out], 0.0)
