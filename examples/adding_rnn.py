@@ -110,10 +110,6 @@ def main():
     params = model.init(jax.random.key(0), x)["params"]
     fn = lambda p, x: model.apply({"params": p}, x)  # noqa: E731
     space = pj.trace(fn, params, x)
-    # G-SGD's step on a weight u -> v is η g / (A_u B_v)², A, B products along the skeleton chains. With one
-    # output, B_v is the readout weight of v whatever the skeleton, and a small one blows the step up; so
-    # every optimiser starts from Meng et al.'s initialisation, skeleton weights ±1 (A = B = ±1)
-    params = pj.skeleton_init(space, params)
     print(pj.describe(space), "\n")
     unbalanced = pj.random_rescale(space, params, jax.random.key(3), max_exponent=args.unbalance)
 

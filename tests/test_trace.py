@@ -176,14 +176,14 @@ def test_describe_names_roles_and_reasons():
     text = pj.describe(rnn)
     assert "SimpleCell_0/h/kernel" in text and "(recurrent)" in text
     assert "SimpleCell_0/i/bias" in text and "bias -> g" in text
-    assert "skeleton chosen from the params' values" in text
-    by_index = pj.trace(
+    assert "skeleton chosen by index" in text  # the default: from the graph alone
+    by_value = pj.trace(
         ZOO["stacked_rnn_every_step"].fn,
         ZOO["stacked_rnn_every_step"].params,
         ZOO["stacked_rnn_every_step"].inputs(2),
-        skeleton="index",
+        skeleton="values",
     )
-    assert "skeleton chosen by index" in pj.describe(by_index)
+    assert "skeleton chosen from the params' values" in pj.describe(by_value)
     tanh = ZOO["tanh_mlp_partly_pinned"]
     text = pj.describe(pj.trace(tanh.fn, tanh.params, tanh.inputs(2)))
     assert "pinned: tanh" in text and "zoo.py" in text
