@@ -74,6 +74,7 @@ def g_sgd(
     nesterov: bool = False,
     *,
     normalize: bool = True,
+    rebalance: bool = True,
     min_ratio: float = 0.5,
     min_share: float = 0.0,
 ) -> optax.GradientTransformationExtraArgs:
@@ -90,7 +91,7 @@ def g_sgd(
       space: the `PathSpace` of the network (``pathspace_jax.trace``).
       learning_rate: η, a float or an optax schedule.
       momentum, nesterov: as in ``optax.sgd``.
-      normalize, min_ratio, min_share: see `pathspace_jax.in_path_space`.
+      normalize, rebalance, min_ratio, min_share: see `pathspace_jax.in_path_space`.
 
     Returns:
       An `optax.GradientTransformationExtraArgs`; ``update(grads, state, params)`` needs params.
@@ -104,7 +105,9 @@ def g_sgd(
       2019; "Path Space for Recurrent Neural Networks with ReLU Activations", Alg. 2.
     """
     inner = optax.sgd(learning_rate, momentum, nesterov)
-    return transforms.in_path_space(inner, space, normalize=normalize, min_ratio=min_ratio, min_share=min_share)
+    return transforms.in_path_space(
+        inner, space, normalize=normalize, rebalance=rebalance, min_ratio=min_ratio, min_share=min_share
+    )
 
 
 def g_adam(
@@ -117,6 +120,7 @@ def g_adam(
     *,
     nesterov: bool = False,
     normalize: bool = True,
+    rebalance: bool = True,
     min_ratio: float = 0.5,
     min_share: float = 0.0,
 ) -> optax.GradientTransformationExtraArgs:
@@ -129,7 +133,7 @@ def g_adam(
     Args:
       space: the `PathSpace` of the network (``pathspace_jax.trace``).
       learning_rate, b1, b2, eps, eps_root, nesterov: as in ``optax.adam``.
-      normalize, min_ratio, min_share: see `pathspace_jax.in_path_space`.
+      normalize, rebalance, min_ratio, min_share: see `pathspace_jax.in_path_space`.
 
     Returns:
       An `optax.GradientTransformationExtraArgs`; ``update(grads, state, params)`` needs params.
@@ -142,7 +146,9 @@ def g_adam(
       Activations", App. E.
     """
     inner = optax.adam(learning_rate, b1, b2, eps, eps_root=eps_root, nesterov=nesterov)
-    return transforms.in_path_space(inner, space, normalize=normalize, min_ratio=min_ratio, min_share=min_share)
+    return transforms.in_path_space(
+        inner, space, normalize=normalize, rebalance=rebalance, min_ratio=min_ratio, min_share=min_share
+    )
 
 
 # ---------------------------------------------------------------------------- Path-SGD

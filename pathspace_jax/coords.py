@@ -54,6 +54,7 @@ __all__ = [
     "coord_scales",
     "check_chart",
     "path_norms",
+    "balancing_factors",
     "basis_paths",
     "canonicalize",
     "skeleton_init",
@@ -603,15 +604,29 @@ def path_norms(space: PathSpace, leaves, dtype):
     return tuple(out)
 
 
-def _scales(space: PathSpace, w_leaves, c_leaves, factors, ct):
-    """Per leaf, σ of `coord_scales` (None for leaves of kind "other")."""
+def _scales(space: PathSpace, w_leaves, c_leaves, factors, ct, norms=None):
+    """Per leaf, σ of `coord_scales` (None for leaves of kind "other"); ``norms``: `path_norms` if known."""
     a, b = factors[:2]
-    q_in, q_out = path_norms(space, w_leaves, ct)
+    q_in, q_out = path_norms(space, w_leaves, ct) if norms is None else norms
     alpha = jnp.sqrt(jnp.sqrt(q_out / q_in))  # the balanced frame's node factors (two square roots: exact)
     s_src = _finite(jnp.abs(a) * alpha)  # |A_u| in the balanced frame
     s_dst = _finite(jnp.abs(b) / alpha)  # |B_v| in the balanced frame
+    sk = skeleton(space)
+    # ‖v_x‖² in the balanced frame: v_x, the direction in which x's incoming skeleton coordinate moves the
+    # weights (its own weight up, x's outgoing non-gauge weights down), per node x
+    parts = []
+    for w, li in zip(w_leaves, sk.leaves):
+        if li.kind != "weight":
+            continue
+        shape = jnp.shape(w)
+        wf2 = jnp.square(jnp.asarray(w, ct) * (_take(alpha, li.dst_r) / _take(alpha, li.src_r)))
+        gm, im = li.gauge_mask(shape), li.inskel_mask(shape)
+        parts.append((li.src_r, jnp.sum(wf2 if gm is None else jnp.where(gm, 0, wf2), li.sum_axes, keepdims=True)))
+        if im is not None:
+            parts.append((li.dst_r, jnp.sum(jnp.where(im, wf2, 0), li.dst_sum_axes, keepdims=True)))
+    inv_v = _finite(jax.lax.rsqrt(_node_sum(space.num_nodes, parts, ct)))
     out = []
-    for w, c, li in zip(w_leaves, c_leaves, skeleton(space).leaves):
+    for w, c, li in zip(w_leaves, c_leaves, sk.leaves):
         if li.kind == "other":
             out.append(None)
             continue
@@ -619,7 +634,7 @@ def _scales(space: PathSpace, w_leaves, c_leaves, factors, ct):
         s = jnp.broadcast_to(_take(s_src, li.src_r) * _take(s_dst, li.dst_r), shape)
         im, gm = li.inskel_mask(shape), li.gauge_mask(shape)
         if im is not None:
-            s = jnp.where(im, jnp.abs(c), s)
+            s = jnp.where(im, jnp.abs(c) * _take(inv_v, li.dst_r), s)
         if gm is not None:
             s = jnp.where(gm, 1, s)
         out.append(s)
@@ -639,8 +654,11 @@ def coord_scales(space: PathSpace, params):
 
     * a coordinate entry ``e = u -> v``: ``σ_e = |A_u B_v|`` in the balanced frame, ``|A_u B_v| α_u / α_v``.
       Then ``φ_e`` is ±(the weight in the balanced frame), and SGD on φ moves it as SGD would there;
-    * the incoming skeleton entry of a node x: ``σ_x = |c_x|``, so SGD on φ moves ``log |c_x|`` by
-      ``−η ∂L/∂log|c_x|`` (a multiplicative step on the coordinate that sets the node's scale);
+    * the incoming skeleton entry of a node x: ``σ_x = |c_x| / ‖v_x‖``, so SGD on φ moves ``log |c_x|``
+      by ``−η ∂L/∂log|c_x| / ‖v_x‖²``: a multiplicative step on the coordinate that sets the node's scale,
+      as SGD in the balanced frame would move along v_x, the direction in which that coordinate moves the
+      weights (x's incoming skeleton weight up, its outgoing non-gauge weights down; ``‖v_x‖²`` the sum of
+      their squares in the balanced frame);
     * gauge entries and leaves of kind "other": 1.
 
     Every σ is a function of path values only, so it is the same for every node-wise rescaling of
@@ -692,19 +710,32 @@ def check_chart(space: PathSpace, params, who: str = "check_chart") -> None:
         )
 
 
-def _chart(space: PathSpace, w_leaves, g_leaves, ct, normalize: bool):
+def _chart(space: PathSpace, w_leaves, g_leaves, ct, normalize: bool, norms=None):
     """G-SGD's view of one point: ``(∂L/∂φ, φ, σ, factors)`` with ``φ = c / σ`` (σ = 1 without ``normalize``).
 
     ``σ`` is a list with None for leaves of kind "other" (and everywhere without ``normalize``); an entry
-    with ``σ = 0`` (a singular chart) has ``φ = 0`` and ``∂L/∂φ = 0``.
+    with ``σ = 0`` (a singular chart) has ``φ = 0`` and ``∂L/∂φ = 0``. ``norms``: `path_norms` if known.
     """
     gc, c, factors = _coord_grads(space, w_leaves, g_leaves, ct)
     if not normalize:
         return gc, c, [None] * len(c), factors
-    s = _scales(space, w_leaves, c, factors, ct)
+    s = _scales(space, w_leaves, c, factors, ct, norms)
     phi = [x if si is None else x * _safe_inv(si) for x, si in zip(c, s)]
     gphi = [x if si is None else x * si for x, si in zip(gc, s)]
     return gphi, phi, s, factors
+
+
+def balancing_factors(space: PathSpace, norms):
+    """Per leaf, the powers of two ``2^(k_v − k_u)`` that take params towards their balanced frame.
+
+    ``k_v = round(log2 α_v)``, ``α_v = (q_out,v / q_in,v)^¼`` from ``norms = path_norms(...)`` (0 where a
+    norm is 0 or not finite, |k| ≤ 60). Multiplying every edge ``u -> v`` by it is a node-wise rescaling by
+    powers of two: the function and every path value are bit for bit unchanged, and afterwards each hidden
+    node's incoming and outgoing path norms agree within a factor 2 (√2 on α). None for leaves of kind "other".
+    """
+    q_in, q_out = norms
+    lg = 0.25 * (jnp.log2(q_out) - jnp.log2(q_in))
+    return _edge_pow2(space, _frame_k(jnp.where(jnp.isfinite(lg), lg, 0)))
 
 
 def _allocate(space: PathSpace, w_leaves, dc_leaves, factors, ct, min_ratio: float, min_share: float = 0.0):

@@ -283,7 +283,7 @@ def test_g_sgd_step_moves_coordinates_by_minus_eta_grad(name, spaces):
     c0 = np.asarray(ravel_pytree(to_coords(space, case.params))[0])
     sigma = np.asarray(ravel_pytree(pj.coord_scales(space, case.params))[0])
     inskel = _inskel(_rows(space))
-    np.testing.assert_allclose(sigma[inskel], np.abs(c0[inskel]), rtol=1e-12)  # in-skeleton: σ = |c|
+    assert np.all(sigma[mask] > 0) and np.all(sigma[~mask] == 1)  # 1 at the gauge
     g = jax.grad(loss)(case.params, batch)
 
     def step(tx):
@@ -295,10 +295,17 @@ def test_g_sgd_step_moves_coordinates_by_minus_eta_grad(name, spaces):
         # small enough that no in-skeleton coordinate shrinks by half (the safeguard stays inactive)
         want = -s2 * gv
         eta = min(1e-3, 0.4 * float(np.min(np.abs(c0[inskel] / want[inskel]), initial=np.inf)))
-        u, dc = step(_jitted(pj.g_sgd(space, eta, normalize=normalize)))
-        np.testing.assert_allclose(dc[mask], eta * want[mask], rtol=1e-7, atol=1e-12 * max(1, np.abs(c0).max()))
-        np.testing.assert_array_equal(np.asarray(ravel_pytree(u)[0])[~mask], 0.0)  # gauge weights do not move
-        assert not np.allclose(ravel_pytree(u)[0], -eta * ravel_pytree(g)[0])  # G-SGD is not plain SGD
+        for rebalance in (True, False):
+            u, dc = step(_jitted(pj.g_sgd(space, eta, normalize=normalize, rebalance=rebalance)))
+            atol = 1e-12 * max(1, np.abs(c0).max())
+            np.testing.assert_allclose(dc[mask], eta * want[mask], rtol=1e-7, atol=atol)
+            assert not np.allclose(ravel_pytree(u)[0], -eta * ravel_pytree(g)[0])  # G-SGD is not plain SGD
+            w0 = np.asarray(ravel_pytree(case.params)[0])
+            ratio = (w0 + np.asarray(ravel_pytree(u)[0]))[~mask] / w0[~mask]
+            if rebalance:  # the gauge weights move by powers of two only (towards the balanced frame)
+                np.testing.assert_allclose(np.exp2(np.round(np.log2(np.abs(ratio)))), ratio, rtol=1e-12)
+            else:  # gauge weights do not move
+                np.testing.assert_array_equal(ratio, 1.0)
 
 
 @pytest.mark.parametrize("name", ["mlp", "stacked_rnn_every_step"])
