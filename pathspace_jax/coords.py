@@ -734,8 +734,11 @@ def balancing_factors(space: PathSpace, norms):
     node's incoming and outgoing path norms agree within a factor 2 (√2 on α). None for leaves of kind "other".
     """
     q_in, q_out = norms
-    lg = 0.25 * (jnp.log2(q_out) - jnp.log2(q_in))
-    return _edge_pow2(space, _frame_k(jnp.where(jnp.isfinite(lg), lg, 0)))
+    alpha = jnp.sqrt(jnp.sqrt(q_out / q_in))
+    m, e = jnp.frexp(alpha)  # α = m 2^e, m in [½, 1): exact, so k shifts exactly under power-of-two rescalings
+    k = jnp.where(m < 2**-0.5, e - 1, e).astype(alpha.dtype)
+    ok = jnp.isfinite(alpha) & (alpha > 0)
+    return _edge_pow2(space, _frame_k(jnp.where(ok, k, 0)))
 
 
 def _allocate(space: PathSpace, w_leaves, dc_leaves, factors, ct, min_ratio: float, min_share: float = 0.0):
