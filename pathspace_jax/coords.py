@@ -54,6 +54,7 @@ __all__ = [
     "coord_scales",
     "check_chart",
     "path_norms",
+    "balanced_frame",
     "balancing_factors",
     "basis_paths",
     "canonicalize",
@@ -604,11 +605,17 @@ def path_norms(space: PathSpace, leaves, dtype):
     return tuple(out)
 
 
-def _scales(space: PathSpace, w_leaves, c_leaves, factors, ct, norms=None):
-    """Per leaf, σ of `coord_scales` (None for leaves of kind "other"); ``norms``: `path_norms` if known."""
+def balanced_frame(space: PathSpace, leaves, dtype):
+    """Per node, ``α_v = (q_out,v / q_in,v)^¼`` (`path_norms`; 1 at non-hidden nodes): rescaling node v by α_v
+    makes its incoming and outgoing path norms equal. Two square roots, so it scales exactly (``α ↦ α / β``)
+    under power-of-two rescalings β; 0 or ``inf`` where a path norm is 0."""
+    q_in, q_out = path_norms(space, leaves, dtype)
+    return jnp.sqrt(jnp.sqrt(q_out / q_in))
+
+
+def _scales(space: PathSpace, w_leaves, c_leaves, factors, ct, alpha):
+    """Per leaf, σ of `coord_scales` (None for leaves of kind "other"); ``alpha``: `balanced_frame`."""
     a, b = factors[:2]
-    q_in, q_out = path_norms(space, w_leaves, ct) if norms is None else norms
-    alpha = jnp.sqrt(jnp.sqrt(q_out / q_in))  # the balanced frame's node factors (two square roots: exact)
     s_src = _finite(jnp.abs(a) * alpha)  # |A_u| in the balanced frame
     s_dst = _finite(jnp.abs(b) / alpha)  # |B_v| in the balanced frame
     sk = skeleton(space)
@@ -678,7 +685,7 @@ def coord_scales(space: PathSpace, params):
     ct = compute_dtype(leaves)
     factors = _node_factors(space, leaves, ct)
     cs = [jnp.asarray(c, ct) for c in space.leaves_of(to_coords(space, params))]
-    s = _scales(space, leaves, cs, factors, ct)
+    s = _scales(space, leaves, cs, factors, ct, balanced_frame(space, leaves, ct))
     out = [jnp.ones_like(w) if x is None else x.astype(jnp.result_type(w)) for w, x in zip(leaves, s)]
     return space.unflatten_like(params, out)
 
@@ -710,31 +717,30 @@ def check_chart(space: PathSpace, params, who: str = "check_chart") -> None:
         )
 
 
-def _chart(space: PathSpace, w_leaves, g_leaves, ct, normalize: bool, norms=None):
-    """G-SGD's view of one point: ``(∂L/∂φ, φ, σ, factors)`` with ``φ = c / σ`` (σ = 1 without ``normalize``).
+def _chart(space: PathSpace, w_leaves, g_leaves, ct, alpha):
+    """G-SGD's view of one point: ``(∂L/∂φ, φ, σ, factors)`` with ``φ = c / σ``.
 
-    ``σ`` is a list with None for leaves of kind "other" (and everywhere without ``normalize``); an entry
-    with ``σ = 0`` (a singular chart) has ``φ = 0`` and ``∂L/∂φ = 0``. ``norms``: `path_norms` if known.
+    ``alpha``: `balanced_frame` of the point, or None for the raw coordinates (σ = 1). ``σ`` is a list with
+    None for leaves of kind "other" (and everywhere when ``alpha`` is None); an entry with ``σ = 0`` (a
+    singular chart) has ``φ = 0`` and ``∂L/∂φ = 0``.
     """
     gc, c, factors = _coord_grads(space, w_leaves, g_leaves, ct)
-    if not normalize:
+    if alpha is None:
         return gc, c, [None] * len(c), factors
-    s = _scales(space, w_leaves, c, factors, ct, norms)
+    s = _scales(space, w_leaves, c, factors, ct, alpha)
     phi = [x if si is None else x * _safe_inv(si) for x, si in zip(c, s)]
     gphi = [x if si is None else x * si for x, si in zip(gc, s)]
     return gphi, phi, s, factors
 
 
-def balancing_factors(space: PathSpace, norms):
+def balancing_factors(space: PathSpace, alpha):
     """Per leaf, the powers of two ``2^(k_v − k_u)`` that take params towards their balanced frame.
 
-    ``k_v = round(log2 α_v)``, ``α_v = (q_out,v / q_in,v)^¼`` from ``norms = path_norms(...)`` (0 where a
-    norm is 0 or not finite, |k| ≤ 60). Multiplying every edge ``u -> v`` by it is a node-wise rescaling by
-    powers of two: the function and every path value are bit for bit unchanged, and afterwards each hidden
-    node's incoming and outgoing path norms agree within a factor 2 (√2 on α). None for leaves of kind "other".
+    ``k_v = round(log2 α_v)`` with ``alpha`` = `balanced_frame` (0 where α is 0 or not finite, |k| ≤ 60).
+    Multiplying every edge ``u -> v`` by it is a node-wise rescaling by powers of two: the function and every
+    path value are bit for bit unchanged, and afterwards each hidden node's incoming and outgoing path norms
+    agree within a factor 2 (√2 on α). None for leaves of kind "other".
     """
-    q_in, q_out = norms
-    alpha = jnp.sqrt(jnp.sqrt(q_out / q_in))
     m, e = jnp.frexp(alpha)  # α = m 2^e, m in [½, 1): exact, so k shifts exactly under power-of-two rescalings
     k = jnp.where(m < 2**-0.5, e - 1, e).astype(alpha.dtype)
     ok = jnp.isfinite(alpha) & (alpha > 0)

@@ -314,28 +314,30 @@ def in_path_space(
     normalize, rebalance = bool(normalize), bool(rebalance)
 
     def chart(params, grads):
+        """(w, g, compute dtype, ∂L/∂φ, φ as a tree like params, σ, chain factors, balanced frame α)."""
         w = space.leaves_of(params, "params")
-        g = w if grads is None else space.leaves_of(grads, "updates")
+        g = space.leaves_of(grads, "updates")
         ct = compute_dtype(list(w) + list(g))
-        norms = _coords.path_norms(space, w, ct) if normalize or rebalance else None
-        gphi, phi, s, factors = _coords._chart(space, w, g, ct, normalize, norms)
+        alpha = _coords.balanced_frame(space, w, ct) if normalize or rebalance else None
+        gphi, phi, s, factors = _coords._chart(space, w, g, ct, alpha if normalize else None)
         phi_tree = space.unflatten_like(params, [x.astype(jnp.result_type(y)) for x, y in zip(phi, w)])
-        return w, g, ct, gphi, phi_tree, s, factors, norms
+        return w, g, ct, gphi, phi_tree, s, factors, alpha
 
     def init_fn(params):
         _coords.check_chart(space, params, "in_path_space")
-        return InPathSpaceState(inner_state=inner.init(chart(params, None)[4]))
+        phi = chart(params, params)[4]  # the gradient slot is unused here
+        return InPathSpaceState(inner_state=inner.init(phi))
 
     def update_fn(updates, state, params=None, **extra_args):
         if params is None:
             raise ValueError("in_path_space needs params: call tx.update(grads, state, params)")
-        w, g, ct, gphi, phi, s, factors, norms = chart(params, updates)
+        w, g, ct, gphi, phi, s, factors, alpha = chart(params, updates)
         gphi = space.unflatten_like(updates, [x.astype(jnp.result_type(y)) for x, y in zip(gphi, g)])
         dphi, inner_state = inner.update(gphi, state.inner_state, phi, **extra_args)
         dc = [x if si is None else jnp.asarray(x, ct) * si for x, si in zip(space.leaves_of(dphi, "inner updates"), s)]
         u = _coords._allocate(space, w, dc, factors, ct, min_ratio, min_share)
         if rebalance:
-            fs = _coords.balancing_factors(space, norms)
+            fs = _coords.balancing_factors(space, alpha)
             u = [x if f is None else (jnp.asarray(p, ct) + x) * f - jnp.asarray(p, ct) for x, p, f in zip(u, w, fs)]
         out = [x.astype(jnp.result_type(y)) for x, y in zip(u, g)]
         return space.unflatten_like(updates, out), InPathSpaceState(inner_state=inner_state)

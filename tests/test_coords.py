@@ -640,3 +640,45 @@ def test_zero_skeleton_weight_is_a_clear_error_at_init_and_a_zero_update_inside_
     assert all(np.isfinite(np.asarray(a)).all() for a in _leaves(u))
     np.testing.assert_array_equal(u["layers_4"]["kernel"][3], 0.0)
     np.testing.assert_array_equal(pj.coord_scales(space, dead)["layers_4"]["kernel"][3][out], 0.0)
+
+
+def test_coord_scales_match_the_balanced_frame_computed_by_hand(spaces):
+    """σ of the zoo MLP (4-7-6-3) against numpy: path norms layer by layer, α = (q_out / q_in)^¼, σ_e =
+    |product of the basis path without e| α_u / α_v at coordinate entries, |c_x| / ‖v_x‖ at in-skeleton ones;
+    1 at the gauge; and the same σ for a rescaled copy of the params."""
+    case, space = ZOO["mlp"], spaces["mlp"]
+    p = {k: {n: np.asarray(a) for n, a in v.items()} for k, v in case.params.items()}
+    ws = [p[f"Dense_{i}"]["kernel"] for i in range(3)]
+    bs = [p[f"Dense_{i}"]["bias"] for i in range(3)]
+    q_in = [np.ones(4)]
+    for w, b in zip(ws[:2], bs[:2]):
+        q_in.append((w**2).T @ q_in[-1] + b**2)
+    q_out = [np.ones(3)]
+    for w in ws[:0:-1]:
+        q_out.insert(0, (w**2) @ q_out[0])
+    alpha = [np.ones(4), *((qo / qi) ** 0.25 for qo, qi in zip(q_out[:2], q_in[1:])), np.ones(3)]
+    # per entry, in ravel order (per layer: bias, then kernel), the α of its source and target nodes
+    a_src, a_dst = [], []
+    for i in range(3):
+        a_src += [np.ones_like(bs[i]), np.broadcast_to(alpha[i][:, None], ws[i].shape).ravel()]
+        a_dst += [alpha[i + 1], np.broadcast_to(alpha[i + 1][None, :], ws[i].shape).ravel()]
+    a_src, a_dst = np.concatenate(a_src), np.concatenate(a_dst)
+
+    flat = np.asarray(ravel_pytree(case.params)[0])
+    rows = _rows(space)
+    mask, inskel = rows[:, 0] >= 0, _inskel(rows)
+    c = np.asarray(_path_values(rows, jnp.asarray(flat)))
+    want = np.ones_like(flat)
+    want[mask] = np.abs(c[mask] / flat[mask]) * a_src[mask] / a_dst[mask]
+    wf2 = (flat * a_dst / a_src) ** 2  # squared weights in the balanced frame
+    offsets = np.cumsum([0] + [b.size + w.size for b, w in zip(bs, ws)])
+    for i in np.flatnonzero(inskel):
+        layer = np.searchsorted(offsets, i, side="right") - 1
+        unit = (i - offsets[layer] - bs[layer].size) % ws[layer].shape[1]
+        start = offsets[layer + 1] + bs[layer + 1].size + unit * ws[layer + 1].shape[1]
+        out = np.arange(start, start + ws[layer + 1].shape[1])  # row `unit` of the next kernel
+        want[i] = np.abs(c[i]) / np.sqrt(wf2[i] + wf2[out][mask[out]].sum())
+    got = np.asarray(ravel_pytree(pj.coord_scales(space, case.params))[0])
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+    rescaled = pj.coord_scales(space, pj.random_rescale(space, case.params, jax.random.key(2)))
+    np.testing.assert_allclose(np.asarray(ravel_pytree(rescaled)[0]), want, rtol=1e-12)

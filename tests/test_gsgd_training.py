@@ -27,6 +27,7 @@ import numpy as np
 import optax
 import pytest
 from sklearn.datasets import load_digits
+from zoo import MLP
 
 import pathspace_jax as pj
 
@@ -55,14 +56,6 @@ def _text(length=32):
     x = ids[: n * length].reshape(n, length)
     y = ids[1 : n * length + 1].reshape(n, length)
     return jnp.asarray(x), jnp.asarray(y), len(chars)
-
-
-class MLP(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        x = nn.relu(nn.Dense(128)(x))
-        x = nn.relu(nn.Dense(64)(x))
-        return nn.Dense(10)(x)
 
 
 class ResMLP(nn.Module):
@@ -113,7 +106,7 @@ def _problem(name):
     if name == "cnn":
         x = x.reshape(-1, 8, 8, 1)  # images in, channels as nodes
     model = {
-        "mlp": MLP(),
+        "mlp": MLP(widths=(128, 64), out=10),
         "residual_mlp": ResMLP(),
         "cnn": CNN(),
         "rnn": RowRNN(1),
