@@ -627,10 +627,12 @@ def _scales(space: PathSpace, w_leaves, c_leaves, factors, ct, alpha):
             continue
         shape = jnp.shape(w)
         wf2 = jnp.square(jnp.asarray(w, ct) * (_take(alpha, li.dst_r) / _take(alpha, li.src_r)))
-        gm, im = li.gauge_mask(shape), li.inskel_mask(shape)
+        gm = li.gauge_mask(shape)
         parts.append((li.src_r, jnp.sum(wf2 if gm is None else jnp.where(gm, 0, wf2), li.sum_axes, keepdims=True)))
-        if im is not None:
-            parts.append((li.dst_r, jnp.sum(jnp.where(im, wf2, 0), li.dst_sum_axes, keepdims=True)))
+        if li.inskel_flat.size:  # x's own incoming skeleton weight: a gather, not a pass over the leaf
+            node = li.inskel_node
+            w_in = _get_flat(jnp.asarray(w, ct), li.inskel_flat) * (alpha[node] / alpha[sk.parent[node]])
+            parts.append((node, jnp.square(w_in)))
     inv_v = _finite(jax.lax.rsqrt(_node_sum(space.num_nodes, parts, ct)))
     out = []
     for w, c, li in zip(w_leaves, c_leaves, sk.leaves):
