@@ -6,7 +6,7 @@
   ``canonicalize``, ``skeleton_init``.
 * Path norms and κ: ``path_norm``, ``path_kappa`` (Path-SGD), ``ddp_kappa`` (DDP-SGD).
 * optax transformations: ``in_path_space`` / ``g_sgd`` / ``g_adam`` (G-SGD), ``scale_by_path_sgd`` /
-  ``path_sgd``, ``scale_by_ddp`` / ``ddp_sgd``.
+  ``path_sgd``, ``scale_by_ddp`` / ``ddp_sgd``; ``path_labels`` for ``optax.partition``.
 * ``pathspace_jax.testing``: chex assertions of rescaling invariance.
 """
 
@@ -31,6 +31,7 @@ from pathspace_jax.transforms import (
     ScaleByDDPState,
     ScaleByPathSGDState,
     in_path_space,
+    path_labels,
     scale_by_ddp,
     scale_by_path_sgd,
 )
@@ -57,6 +58,7 @@ __all__ = [
     "g_adam",
     "g_sgd",
     "in_path_space",
+    "path_labels",
     "skeleton_init",
     "coord_scales",
     "to_coords",

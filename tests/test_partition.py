@@ -1,0 +1,116 @@
+"""Path-space transformations inside ``optax.partition`` / ``optax.masked``, with the space of the whole model.
+
+``optax.partition`` hands each transformation trees in which the leaves of the other labels are
+``optax.MaskedNode``. `pj.path_labels` labels the edge leaves (the positively homogeneous part) and the
+rest; the path-space transformations take the masked trees, give exactly the updates they give on the
+whole tree at their leaves, and refuse a partition that masks one of the network's edges.
+"""
+
+from __future__ import annotations
+
+from pydoc_data.topics import topics
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import pathspace_jax as pj
+
+
+class _LM(nn.Module):
+    """Character model: embedding -> 2-layer ReLU RNN -> LayerNorm -> logits."""
+
+    vocab: int
+
+    @nn.compact
+    def __call__(self, ids):
+        h = nn.Embed(self.vocab, 8)(ids)
+        for _ in range(2):
+            h = nn.RNN(nn.SimpleCell(16, activation_fn=nn.relu))(h)
+        return nn.Dense(self.vocab)(nn.LayerNorm()(h))
+
+
+def _text_batches(steps, batch=8, length=17):
+    text = "".join(topics[k] for k in sorted(topics))[:20_000]
+    chars = sorted(set(text))
+    ids = np.asarray([chars.index(c) for c in text], np.int32)
+    rng = np.random.default_rng(0)
+    starts = rng.integers(0, len(ids) - length, (steps, batch))
+    return len(chars), jnp.asarray(ids[starts[..., None] + np.arange(length)])
+
+
+def _lm():
+    vocab, data = _text_batches(30)
+    model = _LM(vocab)
+    params = model.init(jax.random.key(0), data[0, :, :-1])["params"]
+    space = pj.trace(lambda p, ids: model.apply({"params": p}, ids), params, data[0, :, :-1])
+
+    def loss(p, seq):
+        logits = model.apply({"params": p}, seq[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, seq[:, 1:]).mean()
+
+    return space, params, data, loss
+
+
+def test_path_labels_are_the_edges_describe_lists():
+    space, params, _, _ = _lm()
+    labels = pj.path_labels(space, params)
+    rows = {line.split()[0]: line for line in pj.describe(space).splitlines() if "/" in line.split(" ")[0]}
+    flat = {"/".join(str(k.key) for k in path): v for path, v in jax.tree_util.tree_leaves_with_path(labels)}
+    assert set(flat) == set(rows)
+    for name, label in flat.items():
+        assert label == ("other" if "not an edge" in rows[name] else "path"), (name, rows[name])
+    assert flat["LayerNorm_0/scale"] == "other" and flat["Embed_0/embedding"] == "path"
+    assert jax.tree_util.tree_structure(pj.path_labels(space)) == jax.tree_util.tree_structure(labels)
+
+
+@pytest.mark.parametrize("name", ["g_sgd", "g_adam"])
+def test_language_model_trains_in_a_partition(name):
+    space, params, data, loss = _lm()
+    path_tx = {"g_sgd": pj.g_sgd(space, 0.1), "g_adam": pj.g_adam(space, 3e-3)}[name]
+    tx = optax.partition({"path": path_tx, "other": optax.adam(3e-3)}, pj.path_labels(space, params))
+
+    @jax.jit
+    def step(p, s, seq):
+        value, grads = jax.value_and_grad(loss)(p, seq)
+        updates, s = tx.update(grads, s, p)
+        return optax.apply_updates(p, updates), s, value
+
+    p, s, losses = params, tx.init(params), []
+    for seq in data:
+        p, s, value = step(p, s, seq)
+        losses.append(float(value))
+    assert np.all(np.isfinite(losses)), losses
+    assert np.mean(losses[-5:]) < 0.8 * np.mean(losses[:5]), losses
+
+    # at the path leaves, the update is the one the transformation gives on the whole tree
+    grads = jax.grad(loss)(params, data[0])
+    part, _ = tx.update(grads, tx.init(params), params)
+    whole, _ = path_tx.update(grads, path_tx.init(params), params)
+    for leaf, a, b in zip(space.leaves, jax.tree_util.tree_leaves(part), jax.tree_util.tree_leaves(whole)):
+        if leaf.kind != "other":
+            chex.assert_trees_all_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", ["path_sgd", "ddp_sgd"])
+def test_kappa_scaling_in_a_partition_and_masked(name):
+    model = nn.Sequential([nn.Dense(8), nn.relu, nn.Dense(3)])
+    x = jax.random.normal(jax.random.key(0), (16, 4))
+    params = model.init(jax.random.key(1), x)["params"]
+    space = pj.trace(lambda p, x: model.apply({"params": p}, x), params, x)
+    grads = jax.grad(lambda p: jnp.sum(model.apply({"params": p}, x) ** 2))(params)
+    make = {"path_sgd": lambda: pj.path_sgd(space, 0.1), "ddp_sgd": lambda: pj.ddp_sgd(space, 0.1, alpha=0.5)}[name]
+    kw = {"inputs": (x,)} if name == "ddp_sgd" else {}
+    whole, _ = make().update(grads, make().init(params), params, **kw)
+    # extra arguments (DDP's batch) reach the transformation through optax.partition
+    tx = optax.partition({"path": make(), "other": optax.sgd(0.1)}, pj.path_labels(space, params))
+    part, _ = jax.jit(lambda g, s, p: tx.update(g, s, p, **kw))(grads, tx.init(params), params)
+    chex.assert_trees_all_close(part, whole, rtol=1e-6)
+    # optax.masked that masks an edge leaf: a clear error naming it
+    mask = jax.tree_util.tree_map_with_path(lambda path, _: "layers_0" in jax.tree_util.keystr(path), params)
+    with pytest.raises(ValueError, match=r"masked edge leaves of the network: \['layers_2/bias', 'layers_2/kernel'\]"):
+        optax.masked(make(), mask).init(params)
