@@ -6,7 +6,8 @@
   ``canonicalize``, ``skeleton_init``.
 * Path norms and κ: ``path_norm``, ``path_kappa`` (Path-SGD), ``ddp_kappa`` (DDP-SGD).
 * optax transformations: ``in_path_space`` / ``g_sgd`` / ``g_adam`` (G-SGD), ``scale_by_path_sgd`` /
-  ``path_sgd``, ``scale_by_ddp`` / ``ddp_sgd``; ``path_labels`` for ``optax.partition``.
+  ``path_sgd``, ``scale_by_ddp`` / ``ddp_sgd``; ``path_labels`` for ``optax.partition``;
+  ``apply_gradients`` for a Flax ``TrainState`` whose optimizer needs the batch (DDP-SGD).
 * ``pathspace_jax.testing``: chex assertions of rescaling invariance.
 """
 
@@ -26,6 +27,7 @@ from pathspace_jax.graph import EdgeLeaf, NodeGroup, PathSpace
 from pathspace_jax.kappa import PathKappaUnsupportedError, path_kappa, path_norm
 from pathspace_jax.rescale import describe, random_alphas, random_rescale, rescale
 from pathspace_jax.trace import UnsupportedModelError, trace
+from pathspace_jax.train_state import apply_gradients
 from pathspace_jax.transforms import (
     InPathSpaceState,
     ScaleByDDPState,
@@ -75,6 +77,8 @@ __all__ = [
     "ddp_kappa",
     "ddp_sgd",
     "scale_by_ddp",
+    # Flax TrainState
+    "apply_gradients",
     # invariance assertions
     "testing",
 ]

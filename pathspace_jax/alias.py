@@ -15,7 +15,7 @@ def ddp_sgd(
     *,
     alpha: float,
     moment: str = "second",
-    estimator: str = "exact",
+    estimator: str = "probes",
     num_probes: int = 1,
     probe_damping: float = 0.1,
     momentum: float | None = None,
@@ -39,7 +39,7 @@ def ddp_sgd(
       An `optax.GradientTransformationExtraArgs`; call ``update(grads, state, params, inputs=x)``.
 
     Example:
-      >>> tx = pj.ddp_sgd(space, 0.1, alpha=1.0, estimator="probes")
+      >>> tx = pj.ddp_sgd(space, 0.1, alpha=1.0)  # one damped probe per step; estimator="exact" for exact κ
       >>> updates, state = tx.update(grads, state, params, inputs=x, key=key)
 
     References:

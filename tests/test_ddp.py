@@ -460,7 +460,7 @@ def test_probe_estimator_is_unbiased(name, alpha, moment):
 
 
 def _ddp_step(space, alpha, moment, x, lr=0.05):
-    tx = pj.ddp_sgd(space, lr, alpha=alpha, moment=moment, eps=0.0)
+    tx = pj.ddp_sgd(space, lr, alpha=alpha, moment=moment, eps=0.0, estimator="exact")
 
     def step(params):
         g = jax.grad(lambda p: jnp.sum(space.fn(p, x) ** 2))(params)
@@ -574,7 +574,7 @@ def _state_kappa(space, st):
 
 def test_every_k_reuses_kappa():
     fn, params, x, space, grads = _setup()
-    tx = pj.scale_by_ddp(space, alpha=0.5, every=3, damping=0.0)
+    tx = pj.scale_by_ddp(space, alpha=0.5, every=3, damping=0.0, estimator="exact")
     state = tx.init(params)
     upd = jax.jit(lambda g, s, p, x: tx.update(g, s, p, inputs=x))
     k0 = pj.ddp_kappa(space, params, x, alpha=0.5)

@@ -126,3 +126,34 @@ def test_optax_inject_hyperparams():
         want, _ = tx.update(grads, tx.init(params), params, **kw)  # 0.05 built in
         got, _ = update(grads, state, params)
         chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_flax_train_state_apply_gradients_passes_the_batch():
+    """``pj.apply_gradients`` on a ``TrainState`` subclass: the same params as the functional DDP-SGD loop."""
+    import flax.linen as nn
+    from flax import struct
+    from flax.training import train_state
+
+    class State(train_state.TrainState):
+        seen: int = struct.field(pytree_node=False, default=0)  # an extra field, kept
+
+    model = nn.Sequential([nn.Dense(8), nn.relu, nn.Dense(3)])
+    params = model.init(jax.random.key(0), _X)["params"]
+    space = pj.trace(lambda p, x: model.apply({"params": p}, x), params, _X)
+    tx = pj.ddp_sgd(space, 0.05, alpha=0.5)
+
+    def loss(p, x):
+        return optax.softmax_cross_entropy_with_integer_labels(model.apply({"params": p}, x), _Y).mean()
+
+    state = State.create(apply_fn=model.apply, params=params, tx=tx, seen=7)
+    step = jax.jit(lambda st, x: pj.apply_gradients(st, grads=jax.grad(loss)(st.params, x), inputs=x))
+    p, s = params, tx.init(params)
+    for i in range(3):
+        x = _X + 0.1 * i
+        state = step(state, x)
+        u, s = tx.update(jax.grad(loss)(p, x), s, p, inputs=x)
+        p = optax.apply_updates(p, u)
+    assert int(state.step) == 3 and state.seen == 7
+    chex.assert_trees_all_close(state.params, p, rtol=1e-5, atol=1e-6)
+    with pytest.raises(TypeError, match="inputs=x"):  # what TrainState.apply_gradients cannot do
+        state.apply_gradients(grads=jax.grad(loss)(state.params, _X))
