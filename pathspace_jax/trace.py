@@ -472,6 +472,9 @@ class _Interpreter:
             return self.unknown(eqn, ins)
         flat = [x for ax in v.axes for a in ax for x in self._ids(a)]
         scalars = list(v.scalars)
+        # a new unit axis of a function input (x.reshape(b, 8, 8, 1) of a (b, 64) input, the channel axis
+        # of a conv) holds input nodes
+        from_input = bool(flat) and all(self.atoms.input[self.atoms.find(a)] for a in flat)
         out: list[list[int]] = []
         k = len(flat) - 1
         for d in reversed(new_sizes):
@@ -480,7 +483,7 @@ class _Interpreter:
                     out.append([flat[k]])
                     k -= 1
                 else:
-                    out.append([scalars.pop()] if scalars else [self.atoms.new(1)])
+                    out.append([scalars.pop()] if scalars else [self.atoms.new(1, input=from_input)])
                 continue
             cur: list[int] = []
             p = 1
@@ -1071,21 +1074,24 @@ def _build(interp: _Interpreter, treedef, leaves, paths, fn, arg_specs, strict) 
 
     # 2. node groups: keys are tuples of atom roots (aliases resolved)
     group_order: dict[tuple[int, ...], float] = {}
+    fed: set[tuple[int, ...]] = set()  # groups that some edge enters
 
-    def add_key(key: tuple[int, ...], step: float):
+    def add_key(key: tuple[int, ...], step: float, entered: bool):
         if len(key) == 1 and atoms.alias[key[0]] is not None:
             for t in _resolve_alias_roots(atoms, [key[0]]):
-                add_key((t,), step)
+                add_key((t,), step, entered)
             return
         canon = tuple(sorted(key))
         group_order[canon] = min(group_order.get(canon, np.inf), step)
+        if entered:
+            fed.add(canon)
 
     for kind, factors, node_in, node_out, _, step in leaf_info:
         if kind == "other":
             continue
         if node_in:
-            add_key(tuple(factors[k] for k in node_in), step - 0.5)
-        add_key(tuple(factors[k] for k in node_out), step)
+            add_key(tuple(factors[k] for k in node_in), step - 0.5, False)
+        add_key(tuple(factors[k] for k in node_out), step, True)
     # a root in two different keys cannot be rescaled consistently
     seen: dict[int, tuple[int, ...]] = {}
     for key in group_order:
@@ -1103,6 +1109,10 @@ def _build(interp: _Interpreter, treedef, leaves, paths, fn, arg_specs, strict) 
         reasons = tuple(dict.fromkeys(x for r in key for x in atoms.reasons[r]))
         if len(key) > 1:
             reasons = reasons + ("node group spans several array axes",)
+        if key not in fed and not any(atoms.input[r] or atoms.output[r] for r in key):
+            # rescaling nodes that no parameter enters would change the function (e.g. a unit channel axis
+            # made by a reshape of a hidden layer's output, whose own kernel then has no node axis)
+            reasons = reasons + ("no parameter edge enters these nodes (a node axis created by a reshape?)",)
         if any(atoms.input[r] for r in key):
             kind = "input"
         elif any(atoms.output[r] for r in key):

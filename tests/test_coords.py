@@ -21,7 +21,7 @@ import numpy as np
 import optax
 import pytest
 from jax.flatten_util import ravel_pytree
-from zoo import ZOO
+from zoo import ZOO, Spaces
 
 import pathspace_jax as pj
 
@@ -49,7 +49,7 @@ def _jitted(tx):
 
 @pytest.fixture(scope="module")
 def spaces():
-    return {c.name: pj.trace(c.fn, c.params, c.inputs(2)) for c in CASES}
+    return Spaces()
 
 
 def _leaves(tree):
@@ -409,6 +409,7 @@ def test_in_skeleton_sign_flip_rule(name, spaces):
     chex.assert_trees_all_close(results[0], results[1], rtol=1e-10, atol=1e-13)
 
 
+@pytest.mark.slow
 def test_zero_initialised_biases_and_float_dtypes():
     model = nn.Sequential([nn.Dense(8), nn.relu, nn.Dense(6), nn.relu, nn.Dense(3)])
     x = jax.random.normal(jax.random.key(0), (5, 4))
@@ -514,6 +515,7 @@ def test_jit_no_recompile_vmap_and_errors(spaces):
         pj.in_path_space(optax.sgd(0.1), space, min_ratio=0.0)
 
 
+@pytest.mark.slow
 def test_sharded_g_sgd_8_devices():
     code = textwrap.dedent(
         """
@@ -559,6 +561,7 @@ class _RNN(nn.Module):
         return nn.Dense(3)(h[:, -1])
 
 
+@pytest.mark.slow
 def test_10000_g_sgd_steps_on_relu_rnn_stay_finite():
     model = _RNN()
     key = jax.random.key(0)
@@ -618,6 +621,7 @@ def test_g_sgd_from_skeleton_init_trains_like_sgd():
     assert l_g < 2.0 * l_sgd + 0.05, (l_g, l_sgd)
 
 
+@pytest.mark.slow
 def test_zero_skeleton_weight_is_a_clear_error_at_init_and_a_zero_update_inside_jit():
     """A dead unit (all incoming weights 0) cannot be represented: the chart says where, G-SGD's init refuses it,
     and under jit (no check possible) the update is finite and leaves the unrepresentable weights alone."""

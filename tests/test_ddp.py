@@ -419,6 +419,7 @@ def test_kappa_does_not_depend_on_the_data_at_alpha_zero():
 @pytest.mark.parametrize(
     "name,alpha,moment", [("mlp", 0.5, "second"), ("cnn", 1.0, "variance"), ("cnn", 0.4, "second")]
 )
+@pytest.mark.slow
 def test_probe_estimator_is_unbiased(name, alpha, moment):
     fn, _, params, x, space = _case(name)
     exact = ravel_pytree(pj.ddp_kappa(space, params, x, alpha=alpha, moment=moment))[0]
@@ -590,6 +591,7 @@ def test_every_k_reuses_kappa():
     chex.assert_trees_all_close(u, jax.tree_util.tree_map(lambda g, k: jnp.where(k > 0, g / k, 0), grads, k3))
 
 
+@pytest.mark.slow
 def test_vmap_over_an_ensemble():
     fn, params, x, space, grads = _setup()
     ens = jax.tree_util.tree_map(lambda a: jnp.stack([a, 2.0 * a, -a]), params)
@@ -622,6 +624,7 @@ def test_dead_unit_gives_no_nan():
     assert float(k["w0"][:, 0].max()) == 0.0  # no output depends on a weight into a dead unit
 
 
+@pytest.mark.slow
 def test_sharded_jit_on_eight_devices():
     code = textwrap.dedent(
         """

@@ -115,6 +115,7 @@ def _scaled(space, params, k, x=None, fn=None):
 
 
 @pytest.mark.parametrize("k", [0, 30, 56, 60, 62, 70])
+@pytest.mark.slow
 def test_path_norm_of_exact_rescalings_is_unchanged(k):
     fn, params, x, _, space = _setup("mlp")
     scaled, _ = _scaled(space, params, k, x, fn)
@@ -189,6 +190,7 @@ def test_unbalanced_layers_train_like_the_balanced_network():
     np.testing.assert_allclose(finals[1], finals[0], rtol=1e-2)
 
 
+@pytest.mark.slow
 def test_tiny_weights_give_no_nan_in_g_sgd():
     """All weights ×1e-20: skeleton products underflow; the chart is singular there, the update is finite."""
     fn, params, x, y, space = _setup("mlp")
@@ -328,6 +330,7 @@ def test_one_probe_can_be_exactly_zero_and_probe_damping_bounds_it():
     np.testing.assert_allclose(exact["Dense_2"]["bias"], 1.0, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_ddp_alpha_one_with_probes_trains_the_digits_mlp_like_the_exact_estimator():
     from sklearn.datasets import load_digits
 

@@ -69,6 +69,7 @@ def test_path_labels_are_the_edges_describe_lists():
 
 
 @pytest.mark.parametrize("name", ["g_sgd", "g_adam"])
+@pytest.mark.slow
 def test_language_model_trains_in_a_partition(name):
     space, params, data, loss = _lm()
     path_tx = {"g_sgd": pj.g_sgd(space, 0.1), "g_adam": pj.g_adam(space, 3e-3)}[name]

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.flatten_util import ravel_pytree
-from zoo import ZOO
+from zoo import ZOO, Spaces
 
 import pathspace_jax as pj
 from pathspace_jax.rescale import node_vector
@@ -23,7 +23,7 @@ IDS = [c.name for c in CASES]
 
 @pytest.fixture(scope="module")
 def spaces():
-    return {c.name: pj.trace(c.fn, c.params, c.inputs(2)) for c in CASES}
+    return Spaces()
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
@@ -290,6 +290,7 @@ def test_assert_function_invariant_catches_a_non_invariant_function():
         pj.testing.assert_function_invariant(shifted, space, case.params, case.inputs(3))
 
 
+@pytest.mark.slow
 def test_sharded_trace_and_rescale_8_devices():
     """rescale under jit with params sharded over 8 simulated CPU devices."""
     code = textwrap.dedent(
@@ -404,3 +405,51 @@ def test_batchnorm_in_eval_mode_pins_and_keeps_the_rest():
     assert space.num_hidden == 4
     assert {leaf.path: leaf.kind for leaf in space.leaves}["BatchNorm_0/scale"] == "other"
     pj.testing.assert_function_invariant(fn, space, variables["params"], jax.random.normal(jax.random.key(1), x.shape))
+
+
+class _ReshapedInputCNN(nn.Module):
+    """A CNN on flat (b, 64) inputs, reshaped to (b, 8, 8, 1) inside the model."""
+
+    reshape: bool = True
+
+    @nn.compact
+    def __call__(self, x):
+        if self.reshape:
+            x = x.reshape(x.shape[0], 8, 8, 1)
+        h = nn.relu(nn.Conv(4, (3, 3))(x))
+        return nn.Dense(3)(h.reshape(h.shape[0], -1))
+
+
+@pytest.mark.slow
+def test_input_reshaped_to_a_channel_axis_stays_an_input():
+    model = _ReshapedInputCNN()
+    x = jax.random.normal(jax.random.key(0), (5, 64), jnp.float64)
+    params = model.init(jax.random.key(1), x)["params"]
+    fn = lambda p, x: model.apply({"params": p}, x)
+    space = pj.trace(fn, params, x)
+    assert [(g.size, g.kind) for g in space.groups] == [(1, "input"), (4, "hidden"), (3, "output")]
+    pj.testing.assert_function_invariant(fn, space, params, x)
+    pj.g_sgd(space, 0.1).init(params)  # a skeleton exists (it did not when the channel node was 'hidden')
+    # the same network fed the images directly
+    images = x.reshape(5, 8, 8, 1)
+    direct = _ReshapedInputCNN(reshape=False)
+    other = pj.trace(lambda p, x: direct.apply({"params": p}, x), params, images)
+    np.testing.assert_allclose(pj.path_norm(space, params), pj.path_norm(other, params), rtol=1e-12)
+
+
+def test_hidden_layer_reshaped_to_a_new_channel_axis_is_pinned_not_rescaled():
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.relu(nn.Dense(64)(x)).reshape(x.shape[0], 8, 8, 1)
+            h = nn.relu(nn.Conv(4, (3, 3))(h))
+            return nn.Dense(3)(h.reshape(h.shape[0], -1))
+
+    model = Net()
+    x = jax.random.normal(jax.random.key(0), (5, 10), jnp.float64)
+    params = model.init(jax.random.key(1), x)["params"]
+    fn = lambda p, x: model.apply({"params": p}, x)
+    space = pj.trace(fn, params, x)
+    g0 = space.groups[0]
+    assert (g0.size, g0.kind) == (1, "pinned") and "no parameter edge enters" in g0.reasons[-1]
+    pj.testing.assert_function_invariant(fn, space, params, x)  # the unit channel node was rescaled before

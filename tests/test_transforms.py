@@ -100,6 +100,7 @@ def test_pure_state_and_structure_errors():
         pj.g_sgd(space, 0.1).update(shorter, optax.EmptyState(), shorter)
 
 
+@pytest.mark.slow
 def test_optax_inject_hyperparams():
     """``optax.inject_hyperparams`` turns every numeric argument into a (traced) array: the learning rate
     in the state then acts like the constant, and DDP's program-selecting arguments get a clear error."""

@@ -308,3 +308,14 @@ def _build() -> dict[str, Case]:
 
 
 ZOO: dict[str, Case] = _build()
+
+
+class Spaces(dict):
+    """The zoo's spaces, traced on first use (a test run that needs three cases traces three)."""
+
+    def __missing__(self, name: str):
+        import pathspace_jax as pj
+
+        case = ZOO[name]
+        space = self[name] = pj.trace(case.fn, case.params, case.inputs(2))
+        return space
