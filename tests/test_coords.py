@@ -238,6 +238,7 @@ def test_value_skeleton_takes_the_largest_paths_and_commutes_with_rescaling(name
         pj.trace(case.fn, case.params, case.inputs(2), skeleton="largest")
 
 
+@pytest.mark.slow
 def test_g_sgd_from_a_standard_init_trains_at_sgd_learning_rates():
     """Normalised coordinates (the default): from Flax's standard init, G-SGD trains at SGD's learning rates on
     the index skeleton; on the raw basis-path values (``normalize=False``) the same learning rates diverge,
@@ -465,6 +466,7 @@ def test_static_node_gathers_and_sums_match_numpy():
 # ---------------------------------------------------------------------------- jit, vmap, errors
 
 
+@pytest.mark.slow
 def test_jit_no_recompile_vmap_and_errors(spaces):
     case, space = ZOO["stacked_rnn_every_step"], spaces["stacked_rnn_every_step"]
     loss, batch = _loss_fn(case)

@@ -274,6 +274,7 @@ def test_path_norm_matches_enumeration(p):
     np.testing.assert_allclose(pj.path_norm(rspace, rparams, p=p), ref, rtol=1e-12)
 
 
+@pytest.mark.slow
 def test_one_fn_traced_at_two_lengths_gives_two_spaces():
     """The space's identity includes the argument shapes: κ and path norms are cached on it."""
     fn, params, _ = _linen(LinenRNN(hidden=2), (2, 3, 2), seed=3)
