@@ -9,12 +9,14 @@ state.
 from __future__ import annotations
 
 import chex
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import nnx
+from flax import nnx, struct
+from flax.training import train_state
 
 import pathspace_jax as pj
 
@@ -131,9 +133,6 @@ def test_optax_inject_hyperparams():
 
 def test_flax_train_state_apply_gradients_passes_the_batch():
     """``pj.apply_gradients`` on a ``TrainState`` subclass: the same params as the functional DDP-SGD loop."""
-    import flax.linen as nn
-    from flax import struct
-    from flax.training import train_state
 
     class State(train_state.TrainState):
         seen: int = struct.field(pytree_node=False, default=0)  # an extra field, kept

@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import pathspace_jax as pj
+
 
 @dataclasses.dataclass(frozen=True)
 class Case:
@@ -314,8 +316,6 @@ class Spaces(dict):
     """The zoo's spaces, traced on first use (a test run that needs three cases traces three)."""
 
     def __missing__(self, name: str):
-        import pathspace_jax as pj
-
         case = ZOO[name]
         space = self[name] = pj.trace(case.fn, case.params, case.inputs(2))
         return space
