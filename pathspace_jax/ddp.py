@@ -42,14 +42,19 @@ like Path-SGD's κ⁽¹⁾; ν comes out of the same VJP. The second term ("seco
   of one probe: one forward and one backward pass of the network. Its variance is that of a
   squared Rademacher sum: at most 2·(exact)² per probe and entry, divided by ``num_probes``.
 
-Scope: feed-forward ReLU networks that ``trace`` finds fully homogeneous (MLP, CNN, residual nets,
-linen / nnx / plain JAX). A residual block ``h + relu(Dense(h))`` is feed-forward although its
-kernel is an edge from a node group to itself: every path uses it at most once. The inputs' leading
-axis is the batch axis, and the function is applied to each example as a batch of one
-(``jax.vmap``), so functions that mix examples are not supported. Recurrences (``scan``, ``while``),
-weight tying, pinned node groups and non-float inputs raise an error that says why (a path through a
-recurrent kernel uses it at every time step, so γ²_net is no longer quadratic in that weight and the
-closed form above does not hold).
+Scope: feed-forward ReLU networks (MLP, CNN, residual nets, linen / nnx / plain JAX). A residual
+block ``h + relu(Dense(h))`` is feed-forward although its kernel is an edge from a node group to
+itself: every path uses it at most once. **Pinned groups are boundaries** (as in
+`pathspace_jax.path_kappa`): a pinned node (the input of a LayerNorm or a tanh, or a LayerNorm's output
+where its offset enters) is a node of the recursion whose γ_v² is added to γ²_net, and downstream
+the boundary values are inputs of the homogeneous part: γ² = 1 there, and their values are held
+fixed (``stop_gradient``) in the node statistics of the layers after them, so γ²_net stays quadratic
+in every weight. Parameters that are not edges (a LayerNorm's scale) get κ = 0 and pass through the
+transformations. The inputs' leading axis is the batch axis, and the function is applied to each
+example as a batch of one (``jax.vmap``), so functions that mix examples are not supported.
+Recurrences (``scan``, ``while``), weight tying and non-float inputs raise an error that says why (a
+path through a recurrent kernel uses it at every time step, so γ²_net is no longer quadratic in that
+weight and the closed form above does not hold).
 
 References:
   Neyshabur, Salakhutdinov, Tomioka, Srebro, "Data-dependent path normalization in neural networks",
@@ -83,6 +88,7 @@ def _forward(prog: squared.Program, params: Sequence, inputs: Sequence, want: Se
     """The real forward pass (one example, batch of one); returns the values of the vars in ``want``."""
     env = dict(prog.consts)
     env.update(zip(prog.in_ids, list(params) + list(inputs), strict=False))
+    boundary, kept = prog.bnd | set(prog.sinks), {}
     for e in prog.eqns:
         vals = [jnp.asarray(x[1]) if isinstance(x, tuple) else env[x] for x in e.ins]
         if e.prim.name == "max" and prog.kinds[e.outs[0]] == "act":
@@ -94,7 +100,9 @@ def _forward(prog: squared.Program, params: Sequence, inputs: Sequence, want: Se
                 continue
         for o, v in zip(e.outs, squared.bind(e, vals), strict=False):
             env[o] = v
-    return [env[i] for i in want]
+            if o in boundary:  # a boundary value: downstream, an input of the homogeneous part
+                kept[o], env[o] = v, jax.lax.stop_gradient(v)
+    return [kept.get(i, env[i]) for i in want]
 
 
 def _gamma_net(prog: squared.Program, sq_params: Sequence, ones: Sequence, stats: Sequence, alpha: float):
@@ -107,9 +115,9 @@ def _gamma_net(prog: squared.Program, sq_params: Sequence, ones: Sequence, stats
         return squared.V(alpha * stats[node_pos[v]] + (1.0 - alpha) * val.m, None)
 
     vals = [squared.V(x, None) for x in list(sq_params) + list(ones)]
-    outs = squared.evaluate(prog, vals, 2.0, post=mix)
-    by_id = dict(zip(prog.out_ids, outs, strict=True))
-    return sum(jnp.sum(by_id[v].m) for v in prog.outputs)
+    sinks: list = []
+    outs = squared.evaluate(prog, vals, 2.0, post=mix, sinks=sinks)
+    return squared.total(prog, outs, sinks).m
 
 
 # ----------------------------------------------------------------------------- public API
@@ -117,12 +125,6 @@ def _gamma_net(prog: squared.Program, sq_params: Sequence, ones: Sequence, stats
 
 def _check_space(space: PathSpace) -> None:
     check_path_space(space, "ddp_kappa")
-    pinned = [g for g in space.groups if g.kind == "pinned"]
-    if pinned:
-        raise DDPUnsupportedError(
-            "ddp_kappa needs a network that is positively homogeneous everywhere; these node groups are pinned: "
-            + "; ".join(f"{g.name} (size {g.size}): {', '.join(g.reasons)}" for g in pinned)
-        )
 
 
 def _as_tuple(inputs) -> tuple:
@@ -257,7 +259,7 @@ def _kappa_jit(space, leaves, xs, key, alpha, moment, estimator, num_probes, pro
     dtype = jnp.result_type(*leaves)
 
     # -- the real forward pass, per example, keeping every node's pre-activation
-    want = prog.nodes if alpha < 1.0 else prog.outputs
+    want = prog.nodes if alpha < 1.0 else prog.outputs + prog.sinks
 
     def zs_of(ps):
         return jax.vmap(lambda *x: _forward(prog, ps, [xi[None] for xi in x], want))(*xs)

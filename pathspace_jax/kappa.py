@@ -46,13 +46,21 @@ multiplies every path sum through a node by the same factor, which does not chan
   squared body with concrete carries (never from names). This was checked against ``jax.hessian`` of
   γ²_net in float64 (tests/test_kappa.py); the paper's printed closed form was not used.
 
-**Scope.** Networks that `trace` finds positively homogeneous everywhere. Pinned node groups are
-refused (a pinned group is not a boundary of the path sum: the |·|^p network cannot pass through a
-tanh or a normalisation), as are integer inputs (an embedding lookup on an all-ones input would pick
-one row; the path sum over one-hot inputs is not what it computes) and, for κ⁽²⁾, recurrent bodies
-that are not linear in the carry after squaring, weight tying (a parameter used by two operations),
-and recurrent parameters that are not leaves of params themselves. ``second_order=False`` (κ⁽¹⁾)
-needs none of the κ⁽²⁾ conditions.
+**Pinned groups are boundaries.** Where `trace` pins a node group (a LayerNorm, a tanh, a gating
+product), or an output group meets such an operation (a tanh head), the path sum is taken over the
+positively homogeneous part with those nodes as its boundary, as G-SGD treats them: paths start at
+the inputs, the bias node and the boundary nodes, and end at the outputs and the boundary nodes. In
+the |·|^p network a boundary node's incoming path sum is added to γ²_net there, and downstream its
+value is 1, like an input's; a parameter that is not an edge (a LayerNorm's scale) lies on no path
+(κ = 0; the transformations pass such leaves through), and a bias added to a boundary value (a
+LayerNorm's offset) is a path of one edge. A pinned recurrent group cuts the recurrence at every
+step: each step's recurrent edge is a path from h_{t−1} to the next pre-activation.
+
+**Scope.** Integer inputs are refused (an embedding lookup on an all-ones input would pick one row;
+the path sum over one-hot inputs is not what it computes) and, for κ⁽²⁾, recurrent bodies that are
+not linear in the carry after squaring, weight tying (a parameter used by two operations), and
+recurrent parameters that are not leaves of params themselves. ``second_order=False`` (κ⁽¹⁾) needs
+none of the κ⁽²⁾ conditions.
 
 **Numerics.** `path_norm` carries every tensor of the |·|^p network as a mantissa and a power-of-two
 exponent (an int32 scalar per tensor), renormalised after every operation, so intermediate products
@@ -82,7 +90,7 @@ from pathspace_jax import jaxpr as jx
 from pathspace_jax import squared
 from pathspace_jax.coords import kappa_from_frame, to_canonical_frame
 from pathspace_jax.graph import PathSpace, check_path_space, compute_dtype
-from pathspace_jax.squared import V, align, evaluate, raise_power, renorm
+from pathspace_jax.squared import V, evaluate, raise_power, renorm
 
 __all__ = ["path_norm", "path_kappa", "PathKappaUnsupportedError"]
 
@@ -117,13 +125,6 @@ def _lag_sum(cin, nu, a):
 
 def _check_space(space: PathSpace, who: str) -> None:
     check_path_space(space, who)
-    pinned = [g for g in space.groups if g.kind == "pinned"]
-    if pinned:
-        raise PathKappaUnsupportedError(
-            f"{who} needs a network that is positively homogeneous everywhere (pinned groups are not boundary "
-            "nodes of the path sum: the |w|^p network on an all-ones input cannot pass through them); these node "
-            "groups are pinned: " + "; ".join(f"{g.name} (size {g.size}): {', '.join(g.reasons)}" for g in pinned)
-        )
     for spec in jax.tree_util.tree_leaves(space.arg_specs):
         if jax.dtypes.issubdtype(spec.dtype, jax.dtypes.prng_key):
             raise PathKappaUnsupportedError(
@@ -150,10 +151,6 @@ def _setup(space, leaves):
     )
     ones = [jnp.ones(s, dt) for s, _ in input_key]
     return dt, leaves, lg, prog, ones
-
-
-def _act_outputs(prog, outs):
-    return [o for o, x in zip(outs, prog.out_ids, strict=True) if not isinstance(x, tuple) and prog.kinds[x] != "const"]
 
 
 def _live(eqns, out_ids) -> list:
@@ -211,7 +208,7 @@ def path_kappa(space: PathSpace, params, *, second_order: bool = True):
       dead unit). The update g / κ is rescaling invariant either way (Neyshabur et al. 2016, Thm 2).
 
     Raises:
-      PathKappaUnsupportedError: pinned groups, integer inputs, or (κ⁽²⁾ only) recurrences it does not cover.
+      PathKappaUnsupportedError: integer inputs, or (κ⁽²⁾ only) recurrences it does not cover.
 
     Example:
       >>> space = pj.trace(lambda p, x: model.apply({"params": p}, x), params, x)
@@ -252,8 +249,9 @@ def _kappa_jit(space, leaves, second_order):
     def g_of(sq, perts):
         rec: dict = {}
         vals = [V(s, None) for s in sq] + [V(o, None) for o in ones]
-        outs = _act_outputs(prog, evaluate(prog, vals, 2.0, hooks=perts, record=rec))
-        total = sum(jnp.sum(o.m if isinstance(o, V) else o) for o in outs)
+        sinks: list = []
+        outs = evaluate(prog, vals, 2.0, hooks=perts, record=rec, sinks=sinks)
+        total = squared.total(prog, outs, sinks).m
         static.update({k: v for k, v in rec.items() if isinstance(k, tuple)})
         return total, {k: v for k, v in rec.items() if not isinstance(k, tuple)}
 
@@ -333,13 +331,11 @@ def _norm_jit(space, leaves, p):
     dt, ps, _, prog, ones = _setup(space, leaves)
     zero = jnp.zeros((), jnp.int32)
     vals = [_power_v(w, p) for w in ps] + [V(o, zero) for o in ones]
-    outs = _act_outputs(prog, evaluate(prog, vals, p))
-    sums = [renorm(V(jnp.sum(o.m), o.e if o.e is not None else zero)) for o in outs if isinstance(o, V)]
-    sums += [V(jnp.sum(jnp.abs(o)), zero) for o in outs if not isinstance(o, V)]
-    if not sums:
-        return jnp.zeros((), dt)
-    ms, top = align(sums)
-    total = functools.reduce(jnp.add, ms)
+    sinks: list = []
+    outs = evaluate(prog, vals, p, sinks=sinks)
+    total, top = squared.total(prog, outs, sinks)
+    total = total.astype(dt)
+    top = zero if top is None else top
     a = jnp.floor(top.astype(dt) / p).astype(jnp.int32)
     b = (top - a).astype(dt) / p if p == 1.0 else (top.astype(dt) - a.astype(dt) * p) / p
     return jnp.ldexp(total ** (1.0 / p) * jnp.exp2(b), a)

@@ -31,6 +31,7 @@ import numpy as np
 
 from pathspace_jax import jaxpr as jx
 from pathspace_jax.graph import PathSpace
+from pathspace_jax.trace import boundary_sites
 
 # ops through which a pre-activation passes without becoming a node (one consumer)
 _TRANSPARENT = {"reshape", "squeeze", "expand_dims", "broadcast_in_dim", "transpose", "convert_element_type", "copy",
@@ -66,6 +67,9 @@ class Program:
     outputs: list[int]  # var ids of the function's outputs that are nodes
     who: str = "path_kappa"  # the public function errors are reported for
     err: type = ValueError  # the error it raises
+    pinned: set[int] = dataclasses.field(default_factory=set)  # act vars in a boundary group (from trace)
+    sinks: list[int] = dataclasses.field(default_factory=list)  # pinned nodes: paths end here (`_find_boundary`)
+    bnd: set[int] = dataclasses.field(default_factory=set)  # other boundary values: 1 in the |·|^p network
 
 
 def _join(a: str, b: str) -> str:
@@ -82,23 +86,30 @@ def _flatten(
     allow_scan: bool = False,
     inline_custom: bool = False,
     in_kinds: Sequence[str] | None = None,
+    sites: dict | None = None,
+    prefix: tuple = (),
+    in_pinned: Sequence[bool] | None = None,
 ) -> Program:
     """Flatten ``closed`` (calls inlined) into a `Program`.
 
     ``allow_scan`` keeps each ``scan`` as one equation whose ``body`` is the flattened body (its in_ids:
     consts, carry, xs; carry kinds joined with the body's carry outputs); otherwise scan, while and cond
     raise ``err``. ``inline_custom`` enters every ``custom_jvp``/``custom_vjp`` call (ReLU written as
-    ``jax.nn.relu`` becomes a plain ``max``). ``in_kinds`` overrides the kinds of the inputs.
+    ``jax.nn.relu`` becomes a plain ``max``). ``in_kinds`` overrides the kinds of the inputs. ``sites``
+    (`pathspace_jax.trace.boundary_sites` of ``closed``; ``prefix``: this jaxpr's key there) flags the
+    values in boundary groups, ``in_pinned`` the inputs of a scan body.
     """
     counter = iter(range(10**9))
     eqns: list[_Eqn] = []
     consts: dict[int, Any] = {}
     kinds: dict[int, str] = {}
+    pinned: set[int] = set()
+    sites = sites or {}
 
     def kind_of(x):
         return "const" if isinstance(x, tuple) else kinds[x]
 
-    def walk(jaxpr, const_vals, in_ids):
+    def walk(jaxpr, const_vals, in_ids, prefix):
         env = {}
         for v, c in zip(jaxpr.constvars, const_vals, strict=False):
             i = next(counter)
@@ -109,16 +120,22 @@ def _flatten(
         def read(x):
             return ("lit", jx.literal_value(x)) if jx.is_literal(x) else env[x]
 
-        for e in jaxpr.eqns:
+        for idx, e in enumerate(jaxpr.eqns):
+            key = prefix + (idx,)
+            flags = sites.get(key, ())
             ins = [read(x) for x in e.invars]
             ks = [kind_of(x) for x in ins]
             sub = jx.call_body(e)
             name = e.primitive.name
             if name == "scan" and allow_scan:
-                outs, scan_eqn = _flatten_scan(e, ins, ks, kinds, counter, who, err, inline_custom)
+                ins_pinned = [not isinstance(x, tuple) and x in pinned for x in ins]
+                outs, scan_eqn = _flatten_scan(e, ins, ks, kinds, counter, who, err, inline_custom, sites, key,
+                                               ins_pinned)  # fmt: skip
                 eqns.append(scan_eqn)
-                for v, o in zip(e.outvars, outs, strict=True):
+                for j, (v, o) in enumerate(zip(e.outvars, outs, strict=True)):
                     env[v] = o
+                    if j < len(flags) and flags[j]:
+                        pinned.add(o)
                 continue
             if name in ("scan", "while", "cond"):
                 raise err(
@@ -141,7 +158,7 @@ def _flatten(
                         consts[i], kinds[i] = x[1], "const"
                         x = i
                     sub_in.append(x)
-                outs = walk(sub.jaxpr, sub.consts, sub_in)
+                outs = walk(sub.jaxpr, sub.consts, sub_in, key)
                 for v, o in zip(e.outvars, outs, strict=False):
                     if isinstance(o, tuple):
                         i = next(counter)
@@ -151,10 +168,12 @@ def _flatten(
                 continue
             outs = []
             k = "act" if "act" in ks else "param" if "param" in ks else "const"
-            for v in e.outvars:
+            for j, v in enumerate(e.outvars):
                 i = next(counter)
                 env[v], kinds[i] = i, k
                 outs.append(i)
+                if j < len(flags) and flags[j] and k == "act":
+                    pinned.add(i)
             eqns.append(_Eqn(e.primitive, dict(e.params), ins, outs, jx.where(e)))
         return [read(x) for x in jaxpr.outvars]
 
@@ -162,19 +181,26 @@ def _flatten(
     in_ids = [next(counter) for _ in top.invars]
     for j, i in enumerate(in_ids):
         kinds[i] = in_kinds[j] if in_kinds is not None else "param" if j < n_params else "act"
-    out_ids = walk(top, closed.consts, in_ids)
-    prog = Program(eqns, n_params, in_ids, out_ids, consts, kinds, [], [], who, err)
-    _find_nodes(prog)
+    in_flags = in_pinned if in_pinned is not None else [False] * n_params + list(sites.get(("in",), ()))
+    pinned.update(i for i, f in zip(in_ids, in_flags, strict=False) if f and kinds[i] == "act")
+    out_ids = walk(top, closed.consts, in_ids, prefix)
+    prog = Program(eqns, n_params, in_ids, out_ids, consts, kinds, [], [], who, err, pinned)
+    _find_boundary(prog, _find_nodes(prog))
     return prog
 
 
-def _flatten_scan(e, ins, ks, kinds, counter, who, err, inline_custom) -> tuple[list[int], _Eqn]:
+def _flatten_scan(e, ins, ks, kinds, counter, who, err, inline_custom, sites, key, ins_pinned):
     """One ``scan`` equation: flatten its body (carry kinds iterated to a fixed point), append it."""
     sc = jx.scan(e)
     nc, ncar = sc.num_consts, sc.num_carry
     in_k = list(ks)
+    flags = sites.get(key, ())
+    in_p = list(ins_pinned)  # a carry is pinned where its result is (trace ties their atoms)
+    for j in range(ncar):
+        in_p[nc + j] = j < len(flags) and flags[j]
     for _ in range(len(in_k) + 2):
-        bp = _flatten(sc.body, 0, who=who, err=err, allow_scan=True, inline_custom=inline_custom, in_kinds=in_k)
+        bp = _flatten(sc.body, 0, who=who, err=err, allow_scan=True, inline_custom=inline_custom, in_kinds=in_k,
+                      sites=sites, prefix=key, in_pinned=in_p)  # fmt: skip
         out_k = [("const" if isinstance(x, tuple) else bp.kinds[x]) for x in bp.out_ids]
         new_k = list(in_k)
         for j in range(ncar):
@@ -190,8 +216,8 @@ def _flatten_scan(e, ins, ks, kinds, counter, who, err, inline_custom) -> tuple[
     return outs, _Eqn(e.primitive, dict(e.params), ins, outs, jx.where(e), scan=sc, body=bp)
 
 
-def _find_nodes(prog: Program) -> None:
-    """Mark the node pre-activations (see the module docstring)."""
+def _find_nodes(prog: Program) -> set[int]:
+    """Mark the node pre-activations (see the module docstring); returns the linear accumulations."""
     kinds = prog.kinds
     uses: dict[int, list[_Eqn]] = {}
     for e in prog.eqns:
@@ -232,6 +258,53 @@ def _find_nodes(prog: Program) -> None:
             nodes.append(i)
     prog.nodes = nodes
     prog.outputs = list(dict.fromkeys(outs))
+    return fresh
+
+
+def _find_boundary(prog: Program, fresh: set[int]) -> None:
+    """Pinned groups as boundaries: the pinned nodes are *sinks* (the paths that reach them end there, and
+    their |·|^p values are added to the total) and, for everything downstream, *sources* of value 1, like
+    inputs. Values computed from boundary values without a parameter edge (a LayerNorm, a tanh head) are
+    boundary values too (`prog.bnd`): they are 1 in the |·|^p network, and parameter edges leaving them
+    start new paths. A bias added to a boundary value (a LayerNorm's offset) ends at a sink of its own.
+    """
+    if not prog.pinned:
+        return
+    kinds, pinned, node_set = prog.kinds, prog.pinned, set(prog.nodes)
+    sinks: list[int] = []
+    bnd = {i for i in prog.in_ids if i in pinned}
+    for e in prog.eqns:
+        if e.prim.name == "scan":
+            body_bnd = e.body.bnd | set(e.body.sinks)
+            for j, o in enumerate(e.outs):
+                x = e.body.out_ids[j]
+                if o in pinned or (not isinstance(x, tuple) and x in body_bnd):
+                    bnd.add(o)
+            continue
+        act_ins = [x for x in e.ins if not isinstance(x, tuple) and kinds[x] == "act"]
+        edge = e.prim.name in ("dot_general", "conv_general_dilated") and any(
+            not isinstance(x, tuple) and kinds[x] == "param" for x in e.ins
+        )
+        for o in e.outs:
+            if kinds[o] != "act":
+                continue
+            if act_ins and not edge and all(x in bnd for x in act_ins):
+                bnd.add(o)  # computed from boundary values only
+                if e.prim.name in ("add", "add_any", "sub") and any(
+                    not isinstance(x, tuple) and kinds[x] == "param" for x in e.ins
+                ):
+                    sinks.append(o)  # a bias edge enters a boundary node (a LayerNorm's offset)
+            elif o in pinned and o in node_set:
+                sinks.append(o)  # the paths of the homogeneous part end here
+                bnd.add(o)
+            elif o in pinned and o not in fresh:
+                bnd.add(o)
+    prog.sinks = sinks
+    prog.bnd = bnd - set(sinks)
+    keep = (node_set - prog.bnd) | set(sinks)
+    prog.nodes = [o for e in prog.eqns for o in e.outs if o in keep]
+    prog.nodes += [i for i in prog.in_ids if i in keep]
+    prog.outputs = [v for v in prog.outputs if v not in bnd]
 
 
 @functools.lru_cache(maxsize=64)
@@ -249,7 +322,8 @@ def program(space: PathSpace, param_key: tuple, input_key: tuple, **flatten_opti
         return space.fn(jax.tree_util.tree_unflatten(space.treedef, ps), *jax.tree_util.tree_unflatten(args_def, xs))
 
     closed = jax.make_jaxpr(f)(param_specs, input_specs)
-    return _flatten(closed, len(param_specs), **flatten_options)
+    sites = boundary_sites(closed, len(param_specs), [leaf.path for leaf in space.leaves])
+    return _flatten(closed, len(param_specs), sites=sites, **flatten_options)
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -375,11 +449,14 @@ def evaluate(
     post: Callable[[int, V], V] | None = None,
     hooks: dict | None = None,
     record: dict | None = None,
+    sinks: list | None = None,
 ):
     """Evaluate the |·|^power network on ``invals`` (params raised to ``power``, then inputs, as `V`s).
 
-    Returns the values of ``prog.out_ids``. ``post(var, value)`` replaces the value of every input and
-    every non-constant var where it is produced (DDP mixes node statistics in). For κ⁽²⁾: ``hooks`` maps
+    Returns the values of ``prog.out_ids``; ``sinks`` receives the sums (scalar `V`s) of the paths that
+    end at boundary nodes (`_find_boundary`), which `total` adds to the outputs. ``post(var, value)``
+    replaces the value of every input and every non-constant var where it is produced (DDP mixes node
+    statistics in). For κ⁽²⁾: ``hooks`` maps
     the index of a top-level scan equation to a zero array (T, n) added to the carry it produces at every
     step (its gradient is the carry adjoint ν), and ``record`` receives, under that index, a `ScanRecord`
     and, under ``("entries", index)``, the recurrent entries found by `_recurrent_entries`.
@@ -394,14 +471,20 @@ def evaluate(
     def rd(x):
         return jnp.asarray(x[1]) if isinstance(x, tuple) else env[x]
 
+    sink_set = set(prog.sinks)
+    boundary = prog.bnd | sink_set
     for idx, e in enumerate(prog.eqns):
         ks = [("const" if isinstance(x, tuple) else kinds[x]) for x in e.ins]
         vals = [rd(x) for x in e.ins]
         out_kind = kinds[e.outs[0]]
+        if e.outs[0] in sink_set:  # only the paths of the homogeneous part end at a sink
+            vals = [V(jnp.zeros_like(v.m), v.e) if x in boundary else v for x, v in zip(e.ins, vals, strict=True)]
         if e.prim.name == "scan":
-            outs = _eval_scan(e, vals, power, None if hooks is None else hooks.get(idx), record, idx)
+            outs = _eval_scan(e, vals, power, None if hooks is None else hooks.get(idx), record, idx, sinks)
         elif out_kind == "const":
             outs = bind(e, vals)
+        elif e.outs[0] in prog.bnd:
+            outs = _boundary_op(prog, e, ks, vals)
         elif (r := _is_relu(e, ks, vals)) is not None:
             outs = [vals[r]]
         else:
@@ -414,8 +497,54 @@ def evaluate(
             res = _squared_op(e, ks, ms, out_kind, power, prog.who, prog.err)
             outs = [renorm(V(m, top if is_float(m) else None)) for m in res]
         for o, v in zip(e.outs, outs, strict=True):
-            env[o] = post(o, v) if post is not None and out_kind != "const" else v
+            if post is not None and out_kind != "const":
+                v = post(o, v)
+            if o in sink_set:
+                if sinks is not None:
+                    sinks.append(renorm(V(jnp.sum(v.m), v.e)))
+                v = V(jnp.ones_like(v.m), None if v.e is None else jnp.zeros((), jnp.int32))
+            env[o] = v
     return [rd(x) for x in prog.out_ids]
+
+
+def _boundary_op(prog: Program, e: _Eqn, ks, vals) -> list:
+    """An operation whose result is a boundary value (`_find_boundary`): 1 in the |·|^p network. A parameter
+    that multiplies it (a LayerNorm's scale) lies on no path."""
+    if any(ks[k] == "act" and x not in prog.bnd and x not in prog.sinks for k, x in enumerate(e.ins)):
+        raise prog.err(
+            f"{prog.who}: {e.prim.name} at {e.where} combines a value of the positively homogeneous part with a "
+            "value of a pinned node group other than by a parameter edge or a sum; path sums are not defined there"
+        )
+    ms = [v.m if isinstance(v, V) else v for v in vals]
+    tracked = any(isinstance(v, V) and v.e is not None for v in vals)
+    out = []
+    for sd in jax.eval_shape(lambda *a: bind(e, list(a)), *ms):
+        tracked_here = tracked and jnp.issubdtype(sd.dtype, jnp.inexact)
+        out.append(V(jnp.ones(sd.shape, sd.dtype), jnp.zeros((), jnp.int32) if tracked_here else None))
+    return out
+
+
+def total(prog: Program, outs: list, sinks: list) -> V:
+    """The sum of the |·|^p network's outputs that are nodes of the homogeneous part and of the ``sinks``
+    (`evaluate`): Σ_paths Π |p_e|^p over the paths from the inputs, the bias node and the boundary nodes to
+    the outputs and the boundary nodes. A scalar `V` (exponent None when nothing is tracked)."""
+    skip = prog.bnd | set(prog.sinks)
+    parts = list(sinks)
+    for o, x in zip(outs, prog.out_ids, strict=True):
+        if isinstance(x, tuple) or prog.kinds[x] == "const" or x in skip:
+            continue
+        parts.append(renorm(V(jnp.sum(o.m), o.e)) if isinstance(o, V) else V(jnp.sum(jnp.abs(o)), None))
+    return sum_v(parts)
+
+
+def sum_v(parts: list) -> V:
+    """The sum of scalar `V`s (aligned to the largest exponent where exponents are tracked)."""
+    if not parts:
+        return V(jnp.zeros(()), None)
+    if any(p.e is not None for p in parts):
+        parts = [p if p.e is not None else renorm(V(p.m, jnp.zeros((), jnp.int32))) for p in parts]
+    ms, top = align(parts)
+    return V(functools.reduce(jnp.add, ms), top)
 
 
 def _to_v(x, power: float, stable: bool, dtype) -> V:
@@ -427,7 +556,7 @@ def _to_v(x, power: float, stable: bool, dtype) -> V:
     return renorm(V(m, jnp.zeros((), jnp.int32) if stable else None))
 
 
-def _eval_scan(e: _Eqn, vals, power, pert, record, idx):
+def _eval_scan(e: _Eqn, vals, power, pert, record, idx, sinks=None):
     bp = e.body
     nc, ncar, length, reverse = e.scan.num_consts, e.scan.num_carry, e.scan.length, e.scan.reverse
     bk = [bp.kinds[i] for i in bp.in_ids]
@@ -455,17 +584,20 @@ def _eval_scan(e: _Eqn, vals, power, pert, record, idx):
     if pert is not None:
         _check_linear_body(bp)
 
-    def body_out(carry_v, x_m, perturb_vec=None):
+    collect = sinks is not None and _collects(bp)
+
+    def body_out(carry_v, x_m, perturb_vec=None, found=None):
         x_v = [V(m, v.e) if isinstance(v, V) else m for m, v in zip(x_m, xs, strict=True)]
         perturb = None
         if perturb_vec is not None:
             perturb = dict(zip([carry_out_ids[j] for j in act_carry], unflat(perturb_vec), strict=True))
-        return _eval_body(bp, list(consts) + list(carry_v) + x_v, power, perturb)
+        return _eval_body(bp, list(consts) + list(carry_v) + x_v, power, perturb, found)
 
     def step(carry, x):
         x_m, p_t = x
         carry_v = [V(*c) if isinstance(c, tuple) else c for c in carry]
-        outs = body_out(carry_v, x_m, p_t)
+        found = [] if collect else None
+        outs = body_out(carry_v, x_m, p_t, found)
         new = []
         for j in range(ncar):
             o = outs[j]
@@ -479,11 +611,21 @@ def _eval_scan(e: _Eqn, vals, power, pert, record, idx):
             ys.append(tuple(o) if isinstance(o, V) else (o, None))
         if p_t is not None:
             ys.append((jax.lax.stop_gradient(flat([carry_v[j].m for j in act_carry])), None))
+        if collect:
+            s = sum_v(found)
+            ys.append((s.m.astype(fdt), s.e))
         return new, ys
 
     init_c = [tuple(v) if isinstance(v, V) else v for v in init]
     carry, ys = jax.lax.scan(step, init_c, (xs_m, pert), length=length, reverse=reverse)
     outs = [V(*c) if isinstance(c, tuple) else c for c in carry]
+    if collect:  # the paths that end at boundary nodes inside the body, over every step
+        s_m, s_e = ys.pop()
+        if s_e is None:
+            sinks.append(V(jnp.sum(s_m), None))
+        else:
+            top = jnp.max(s_e)
+            sinks.append(renorm(V(jnp.sum(jnp.ldexp(s_m, s_e - top)), top)))
     if pert is not None:
         cin = ys.pop()[0]
         cv = list(init)
@@ -512,10 +654,15 @@ def _eval_scan(e: _Eqn, vals, power, pert, record, idx):
     return outs
 
 
-def _eval_body(bp: Program, invals: list, power: float, perturb: dict | None):
+def _collects(prog: Program) -> bool:
+    """Whether paths can end at boundary nodes in ``prog`` (or a scan body in it)."""
+    return bool(prog.sinks or prog.bnd) or any(e.body is not None and _collects(e.body) for e in prog.eqns)
+
+
+def _eval_body(bp: Program, invals: list, power: float, perturb: dict | None, sinks: list | None = None):
     """`evaluate` for a scan body, adding ``perturb[v]`` to the value of var v where it is produced."""
     if not perturb:
-        return evaluate(bp, invals, power)
+        return evaluate(bp, invals, power, sinks=sinks)
     produced = {o for e in bp.eqns for o in e.outs}
     if set(perturb) - produced:
         raise bp.err(
@@ -526,7 +673,7 @@ def _eval_body(bp: Program, invals: list, power: float, perturb: dict | None):
     def add(o, v):
         return V(v.m + perturb[o].astype(v.m.dtype), v.e) if o in perturb else v
 
-    return evaluate(bp, invals, power, post=add)
+    return evaluate(bp, invals, power, post=add, sinks=sinks)
 
 
 def _check_linear_body(bp: Program) -> None:

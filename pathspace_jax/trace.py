@@ -203,6 +203,10 @@ class _Interpreter:
         self.leaf_axes: list[list[list[int]]] = []
         self.step = 0
         self.eqn = None
+        # the atoms of every equation's outputs, keyed by the chain of equation indices through calls and
+        # loop bodies (``site``); `boundary_sites` turns them into pinned flags for `pathspace_jax.squared`
+        self.site: tuple = ()
+        self.sites: dict[tuple, list[list[int] | None]] = {}
 
     # -- helpers -------------------------------------------------------------
     def reason(self, what: str = "") -> str:
@@ -244,9 +248,11 @@ class _Interpreter:
             env[var] = val
         for var, val in zip(jaxpr.invars, args):
             env[var] = val
-        for eqn in jaxpr.eqns:
+        prefix = self.site
+        for idx, eqn in enumerate(jaxpr.eqns):
             self.eqn = eqn
             self.step += 1
+            self.site = prefix + (idx,)
             ins = [self.read(env, x) for x in eqn.invars]
             outs = self.apply(eqn, ins)
             if any(v.random for v in ins):
@@ -255,6 +261,8 @@ class _Interpreter:
                 shape = getattr(var.aval, "shape", ())
                 assert len(val.axes) == len(shape), (eqn.primitive.name, val.axes, shape)
                 env[var] = val
+            self.sites[self.site] = [self.all_atoms(v) if v.kind == ACT else None for v in outs]
+        self.site = prefix
         return [self.read(env, x) for x in jaxpr.outvars]
 
     def run_closed(self, cj: jx.ClosedJaxpr, args: Sequence[_Val]) -> list[_Val]:
@@ -977,28 +985,34 @@ def trace(fn: Callable[..., Any], params, *args, strict: bool = False, skeleton:
 def _run_trace(bound, leaves, treedef, paths, arg_specs, strict):
     param_specs = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in leaves]
     try:
-        closed, out_shape = jax.make_jaxpr(
-            lambda ps, a: bound(jax.tree_util.tree_unflatten(treedef, ps), *a), return_shape=True
-        )(param_specs, arg_specs)
+        closed = jax.make_jaxpr(lambda ps, a: bound(jax.tree_util.tree_unflatten(treedef, ps), *a))(
+            param_specs, arg_specs
+        )
     except Exception as e:
         shapes = jax.tree_util.tree_map(lambda s: f"{s.dtype}{list(s.shape)}", arg_specs)
         raise ValueError(
             f"fn(params, *args) could not be traced with args of shapes {shapes}: {type(e).__name__}: {e}"
         ) from e
-    del out_shape
+    interp = _interpret(closed, param_specs, jax.tree_util.tree_leaves(arg_specs), paths)
+    return _build(interp, treedef, leaves, paths, bound, arg_specs, strict), closed, interp
+
+
+def _interpret(closed, param_specs, input_specs, paths) -> _Interpreter:
+    """Run the abstract interpreter on ``closed``, a jaxpr of ``(param leaves, input leaves)``."""
     interp = _Interpreter(paths)
-    n_leaves = len(leaves)
+    n_leaves = len(param_specs)
     in_vals: list[_Val] = []
-    for i, leaf in enumerate(leaves):
+    for i, leaf in enumerate(param_specs):
         axes = interp.fresh(leaf.shape)
         interp.leaf_axes.append(axes)
         in_vals.append(_Val(PARAM, axes, leaf=i))
-    for a in jax.tree_util.tree_leaves(arg_specs):
+    for a in input_specs:
         if jnp.issubdtype(a.dtype, jnp.floating):
             in_vals.append(_Val(ACT, interp.fresh(a.shape, input=True)))
         else:
             is_key = jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key)
             in_vals.append(_Val(CONST, interp.fresh(a.shape, input=True), random=is_key))
+    interp.sites[("in",)] = [interp.all_atoms(v) if v.kind == ACT else None for v in in_vals[n_leaves:]]
     consts = [interp.const_val(c) for c in closed.consts]
     outs = interp.run(closed.jaxpr, consts, in_vals)
     interp.eqn = None
@@ -1017,7 +1031,29 @@ def _run_trace(bound, leaves, treedef, paths, arg_specs, strict):
             f"params leaves {unused} are not used by fn: remove them from the params pytree passed to trace "
             "(or make fn use them)."
         )
-    return _build(interp, treedef, leaves, paths, bound, arg_specs, strict), closed, interp
+    return interp
+
+
+def boundary_sites(closed, n_params: int, paths: Sequence[str]) -> dict[tuple, tuple[bool, ...]]:
+    """Which values of ``closed`` lie in a node group that is not positively homogeneous.
+
+    ``closed`` is a jaxpr of ``(param leaves..., input leaves...)`` (as `pathspace_jax.squared` makes
+    it). The interpreter is run on it, and for every equation (keyed by the chain of equation indices
+    through calls and loop bodies; the inputs under ``("in",)``) each output gets a flag: True where the
+    value's node axis belongs to a pinned group, or to an output group that meets an operation that is
+    not positively homogeneous (a tanh head). Path-SGD and DDP-SGD treat those nodes as boundaries.
+    """
+    avals = jx.in_avals(closed)
+    specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
+    interp = _interpret(closed, specs[:n_params], specs[n_params:], paths)
+    treedef = jax.tree_util.tree_structure(list(range(n_params)))
+    _build(interp, treedef, specs[:n_params], list(paths), None, tuple(specs[n_params:]), False)
+    atoms, roots = interp.atoms, interp.pinned_roots
+
+    def flag(al) -> bool:
+        return al is not None and any(atoms.find(r) in roots for r in _resolve_alias_roots(atoms, al))
+
+    return {k: tuple(flag(a) for a in v) for k, v in interp.sites.items()}
 
 
 def _resolve_alias_roots(atoms: _Atoms, xs: Sequence[int]) -> list[int]:
@@ -1124,6 +1160,8 @@ def _build(interp: _Interpreter, treedef, leaves, paths, fn, arg_specs, strict) 
         groups.append(NodeGroup(f"g{gi}", size, kind, offset, reasons if kind != "input" else ()))
         key_index[key] = gi
         offset += size
+    interp.pinned_roots = {r for key, gi in key_index.items() if groups[gi].reasons and groups[gi].kind != "input"
+                           for r in key}  # fmt: skip
     num_nodes = offset
     offsets = np.array([g.offset for g in groups])
 

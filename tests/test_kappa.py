@@ -328,6 +328,74 @@ def test_path_norm_deep_float32_does_not_overflow():
     assert float(pj.path_norm(space, big)) == np.inf
 
 
+# ----------------------------------------------------------------------------- pinned groups as boundaries
+
+
+class LinenLNTanh(nn.Module):
+    """A LayerNorm in the middle (its group pinned) and a tanh head (the output group meets a tanh)."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.relu(nn.Dense(4, param_dtype=F64)(x))
+        h = nn.LayerNorm(param_dtype=F64)(nn.Dense(4, param_dtype=F64)(h))
+        h = nn.relu(nn.Dense(3, param_dtype=F64)(h))
+        return jnp.tanh(nn.Dense(2, param_dtype=F64)(h))
+
+
+class LinenTanhRNN(nn.Module):
+    """A tanh RNN: the recurrent group is pinned, so the boundary cuts the recurrence at every step."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.RNN(nn.SimpleCell(4, activation_fn=jnp.tanh, param_dtype=F64))(x)
+        return nn.Dense(2, param_dtype=F64)(h[:, -1])
+
+
+def _boundary_gamma2(name, t_len=5):
+    """γ²_net with pinned groups as boundaries, written out by hand: paths start at the inputs, the bias node
+    and the pinned nodes (value 1), and end at the outputs and the pinned nodes."""
+
+    def dense(a, p):
+        return a @ p["kernel"] + p["bias"]
+
+    if name == "ln_tanh":
+
+        def g(p):
+            q = _squared(p)
+            to_ln = dense(dense(jnp.ones(3), q["Dense_0"]), q["Dense_1"])  # ends at the LayerNorm's input
+            offset = q["LayerNorm_0"]["bias"]  # the bias edge into the LayerNorm's output (same pinned group)
+            head = dense(dense(jnp.ones(4), q["Dense_2"]), q["Dense_3"])  # from the LayerNorm to tanh's input
+            return jnp.sum(to_ln) + jnp.sum(offset) + jnp.sum(head)
+
+        return g
+
+    def g(p):  # tanh_rnn: one step's paths into z_t, the recurrent edge from h_{t-1} (none at t = 0)
+        q, c = _squared(p), _squared(p)["SimpleCell_0"]
+        steps = t_len * jnp.sum(dense(jnp.ones(3), c["i"])) + (t_len - 1) * jnp.sum(jnp.ones(4) @ c["h"]["kernel"])
+        return steps + jnp.sum(dense(jnp.ones(4), q["Dense_0"]))
+
+    return g
+
+
+@pytest.mark.parametrize("name", ["ln_tanh", "tanh_rnn"])
+def test_pinned_groups_are_boundaries(name):
+    fn, params, x = _linen(LinenLNTanh(), (5, 3)) if name == "ln_tanh" else _linen(LinenTanhRNN(), (2, 5, 3))
+    space = pj.trace(fn, params, x)
+    assert any(g.reasons for g in space.groups if g.kind != "input")
+    g = _boundary_gamma2(name)
+    np.testing.assert_allclose(float(pj.path_norm(space, params)) ** 2, float(g(params)), rtol=1e-12)
+    ref = _half_hessian_diag(g, params)
+    chex.assert_trees_all_close(pj.path_kappa(space, params), ref, rtol=1e-10, atol=1e-12)
+    chex.assert_trees_all_close(pj.path_kappa(space, params, second_order=False), ref, rtol=1e-10, atol=1e-12)
+    if name == "ln_tanh":  # the LayerNorm's scale lies on no path; its offset is an edge into the pinned group
+        assert float(jnp.max(ref["LayerNorm_0"]["scale"])) == 0.0
+        chex.assert_trees_all_close(ref["LayerNorm_0"]["bias"], jnp.ones(4, F64))
+    if space.num_hidden:  # (the tanh RNN has no hidden node: nothing to rescale)
+        y = jnp.zeros_like(fn(params, x))
+        tx = pj.path_sgd(space, 0.05, eps=0.0)
+        assert_update_invariant(tx, jax.jit(_loss(fn)), space, params, (x, y), num_steps=2, rtol=1e-8, atol=1e-10)
+
+
 # ----------------------------------------------------------------------------- the optax contract
 
 
@@ -450,14 +518,6 @@ def test_errors():
         tx.update(params, tx.init(params))
     with pytest.raises(ValueError, match="every"):
         pj.scale_by_path_sgd(space, every=0)
-
-    def tanh_fn(p, x):
-        return jnp.tanh(x @ p["w0"]) @ p["w1"]
-
-    tp = {"w0": jnp.ones((3, 4), F64), "w1": jnp.ones((4, 2), F64)}
-    tspace = pj.trace(tanh_fn, tp, x)
-    with pytest.raises(pj.PathKappaUnsupportedError, match="pinned"):
-        pj.path_kappa(tspace, tp)
 
     def embed_fn(p, ids):
         return jax.nn.relu(p["emb"][ids]) @ p["w"]
