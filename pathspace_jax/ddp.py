@@ -52,9 +52,10 @@ fixed (``stop_gradient``) in the node statistics of the layers after them, so γ
 in every weight. Parameters that are not edges (a LayerNorm's scale) get κ = 0 and pass through the
 transformations. The inputs' leading axis is the batch axis, and the function is applied to each
 example as a batch of one (``jax.vmap``), so functions that mix examples are not supported.
-Recurrences (``scan``, ``while``), weight tying and non-float inputs raise an error that says why (a
-path through a recurrent kernel uses it at every time step, so γ²_net is no longer quadratic in that
-weight and the closed form above does not hold).
+Token ids (integer inputs) are a one-hot input times the embedding table, as in
+`pathspace_jax.path_kappa`. Recurrences (``scan``, ``while``), weight tying and other inputs raise
+an error that says why (a path through a recurrent kernel uses it at every time step, so γ²_net is
+no longer quadratic in that weight and the closed form above does not hold).
 
 References:
   Neyshabur, Salakhutdinov, Tomioka, Srebro, "Data-dependent path normalization in neural networks",
@@ -103,6 +104,11 @@ def _forward(prog: squared.Program, params: Sequence, inputs: Sequence, want: Se
             if o in boundary:  # a boundary value: downstream, an input of the homogeneous part
                 kept[o], env[o] = v, jax.lax.stop_gradient(v)
     return [kept.get(i, env[i]) for i in want]
+
+
+def _ones(xs, dtype) -> list:
+    """The all-ones input of the γ² recursion (γ² = 1 on inputs); token ids stay integers."""
+    return [jnp.ones((1, *jnp.shape(x)[1:]), x.dtype if jnp.issubdtype(x.dtype, jnp.integer) else dtype) for x in xs]
 
 
 def _gamma_net(prog: squared.Program, sq_params: Sequence, ones: Sequence, stats: Sequence, alpha: float):
@@ -167,8 +173,8 @@ def check_inputs(space: PathSpace, inputs) -> list:
                 "network: trace and train a function that closes over the key, or the deterministic one "
                 "(e.g. deterministic=True)."
             )
-        if not jnp.issubdtype(dt, jnp.floating):
-            raise DDPUnsupportedError(f"ddp_kappa: input #{i} must be floating point, got {dt}")
+        if not (jnp.issubdtype(dt, jnp.floating) or jnp.issubdtype(dt, jnp.integer)):
+            raise DDPUnsupportedError(f"ddp_kappa: input #{i} must be floating point or token ids, got {dt}")
         if tuple(jnp.shape(x))[1:] != tuple(spec.shape)[1:]:
             raise ValueError(
                 f"inputs: input #{i} has shape {tuple(jnp.shape(x))}, but the space was traced with examples of "
@@ -283,7 +289,7 @@ def _kappa_jit(space, leaves, xs, key, alpha, moment, estimator, num_probes, pro
             else:
                 stats.append(jnp.var(z, axis=0))
         stats = [jax.lax.stop_gradient(s) for s in stats]
-        ones = [jnp.ones((1, *jnp.shape(x)[1:]), dtype) for x in xs]
+        ones = _ones(xs, dtype)
         sq = [p * p for p in leaves]
         kappa_a, nus = jax.grad(lambda w, s: _gamma_net(prog, w, ones, s, alpha), argnums=(0, 1))(sq, stats)
         kappa = [k + a for k, a in zip(kappa, kappa_a, strict=False)]
@@ -331,7 +337,7 @@ def _kappa_jit(space, leaves, xs, key, alpha, moment, estimator, num_probes, pro
                 kappa[j] = kappa[j] + jnp.sum(wj * J * J, axis=(0, 1)) / n
     if estimator == "probes" and alpha > 0.0:
         # δ · κ_path (the exact α = 0 κ, one VJP of the squared network): see `ddp_kappa`'s probe_damping
-        ones = [jnp.ones((1, *jnp.shape(x)[1:]), dtype) for x in xs]
+        ones = _ones(xs, dtype)
         zero = [0.0] * len(prog.nodes)
         k_path = jax.grad(lambda w: _gamma_net(prog, w, ones, zero, 0.0))([p * p for p in leaves])
         kappa = [k + probe_damping * kp for k, kp in zip(kappa, k_path, strict=True)]

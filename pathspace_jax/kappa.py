@@ -56,11 +56,14 @@ value is 1, like an input's; a parameter that is not an edge (a LayerNorm's scal
 LayerNorm's offset) is a path of one edge. A pinned recurrent group cuts the recurrence at every
 step: each step's recurrent edge is a path from h_{t−1} to the next pre-activation.
 
-**Scope.** Integer inputs are refused (an embedding lookup on an all-ones input would pick one row;
-the path sum over one-hot inputs is not what it computes) and, for κ⁽²⁾, recurrent bodies that are
-not linear in the carry after squaring, weight tying (a parameter used by two operations), and
-recurrent parameters that are not leaves of params themselves. ``second_order=False`` (κ⁽¹⁾) needs
-none of the κ⁽²⁾ conditions.
+**Token ids.** An integer input is a sequence of token ids and ``table[ids]`` an embedding lookup:
+the one-hot input (one input node per row of the table) times the table. On the all-ones input of
+the |·|^p network every looked-up vector is then Σ_rows |table[row, :]|^p, so path norms and κ are
+those of the same network fed one-hot vectors (tested against that formulation).
+
+**Scope.** For κ⁽²⁾: recurrent bodies that are not linear in the carry after squaring, weight tying
+(a parameter used by two operations), and recurrent parameters that are not leaves of params
+themselves are refused. ``second_order=False`` (κ⁽¹⁾) needs none of these conditions.
 
 **Numerics.** `path_norm` carries every tensor of the |·|^p network as a mantissa and a power-of-two
 exponent (an int32 scalar per tensor), renormalised after every operation, so intermediate products
@@ -131,11 +134,10 @@ def _check_space(space: PathSpace, who: str) -> None:
                 f"{who}: the traced function takes a PRNG key (for dropout?). Path sums are defined for one "
                 "deterministic network: trace the deterministic function (e.g. deterministic=True)."
             )
-        if not jnp.issubdtype(spec.dtype, jnp.floating):
+        if not (jnp.issubdtype(spec.dtype, jnp.floating) or jnp.issubdtype(spec.dtype, jnp.integer)):
             raise PathKappaUnsupportedError(
-                f"{who}: the traced function takes a {spec.dtype} input (token ids / an embedding lookup?). Path "
-                "sums are defined here for floating-point inputs, where an all-ones input activates every input "
-                "node; an integer input would select one embedding row. Trace a function of the one-hot input."
+                f"{who}: the traced function takes a {spec.dtype} input; path sums are defined for floating-point "
+                "inputs and for integer token ids (embedding lookups)."
             )
 
 
@@ -144,12 +146,15 @@ def _setup(space, leaves):
     dt = compute_dtype(leaves)
     leaves, lg = to_canonical_frame(space, [jnp.asarray(p).astype(dt) for p in leaves], dt)
     specs = jax.tree_util.tree_leaves(space.arg_specs)
-    input_key = tuple(((1, *tuple(x.shape)[1:]), str(jnp.dtype(dt))) for x in specs)
+    input_key = tuple(
+        ((1, *tuple(x.shape)[1:]), str(x.dtype if jnp.issubdtype(x.dtype, jnp.integer) else jnp.dtype(dt)))
+        for x in specs
+    )
     param_key = tuple((tuple(p.shape), str(p.dtype)) for p in leaves)
     prog = squared.program(
         space, param_key, input_key, who=_WHO, err=PathKappaUnsupportedError, allow_scan=True, inline_custom=True
     )
-    ones = [jnp.ones(s, dt) for s, _ in input_key]
+    ones = [jnp.ones(s, d) for s, d in input_key]  # token ids: 1 (any id; `squared._lookup` sums the rows)
     return dt, leaves, lg, prog, ones
 
 
@@ -208,7 +213,8 @@ def path_kappa(space: PathSpace, params, *, second_order: bool = True):
       dead unit). The update g / κ is rescaling invariant either way (Neyshabur et al. 2016, Thm 2).
 
     Raises:
-      PathKappaUnsupportedError: integer inputs, or (κ⁽²⁾ only) recurrences it does not cover.
+      PathKappaUnsupportedError: inputs that are neither floats nor token ids, or (κ⁽²⁾ only) recurrences it
+        does not cover.
 
     Example:
       >>> space = pj.trace(lambda p, x: model.apply({"params": p}, x), params, x)

@@ -70,6 +70,7 @@ class Program:
     pinned: set[int] = dataclasses.field(default_factory=set)  # act vars in a boundary group (from trace)
     sinks: list[int] = dataclasses.field(default_factory=list)  # pinned nodes: paths end here (`_find_boundary`)
     bnd: set[int] = dataclasses.field(default_factory=set)  # other boundary values: 1 in the |·|^p network
+    lookups: set[int] = dataclasses.field(default_factory=set)  # results of embedding lookups (`_lookup`)
 
 
 def _join(a: str, b: str) -> str:
@@ -104,6 +105,8 @@ def _flatten(
     consts: dict[int, Any] = {}
     kinds: dict[int, str] = {}
     pinned: set[int] = set()
+    tokens: set[int] = set()  # integer values computed from integer inputs (token ids), of kind "const"
+    lookups: set[int] = set()
     sites = sites or {}
 
     def kind_of(x):
@@ -168,12 +171,20 @@ def _flatten(
                 continue
             outs = []
             k = "act" if "act" in ks else "param" if "param" in ks else "const"
+            from_tokens = any(not isinstance(x, tuple) and x in tokens for x in ins)
+            lookup = from_tokens and name == "gather" and ks[0] == "param"
+            if lookup:
+                k = "act"  # an embedding lookup: the one-hot input times the table (`_lookup`)
             for j, v in enumerate(e.outvars):
                 i = next(counter)
                 env[v], kinds[i] = i, k
                 outs.append(i)
                 if j < len(flags) and flags[j] and k == "act":
                     pinned.add(i)
+                if lookup:
+                    lookups.add(i)
+                elif from_tokens and k == "const":
+                    tokens.add(i)
             eqns.append(_Eqn(e.primitive, dict(e.params), ins, outs, jx.where(e)))
         return [read(x) for x in jaxpr.outvars]
 
@@ -181,10 +192,15 @@ def _flatten(
     in_ids = [next(counter) for _ in top.invars]
     for j, i in enumerate(in_ids):
         kinds[i] = in_kinds[j] if in_kinds is not None else "param" if j < n_params else "act"
+    if in_kinds is None:  # integer inputs are token ids: constants that select embedding rows
+        for i, aval in zip(in_ids[n_params:], jx.in_avals(closed)[n_params:], strict=True):
+            if jnp.issubdtype(aval.dtype, jnp.integer):
+                kinds[i] = "const"
+                tokens.add(i)
     in_flags = in_pinned if in_pinned is not None else [False] * n_params + list(sites.get(("in",), ()))
     pinned.update(i for i, f in zip(in_ids, in_flags, strict=False) if f and kinds[i] == "act")
     out_ids = walk(top, closed.consts, in_ids, prefix)
-    prog = Program(eqns, n_params, in_ids, out_ids, consts, kinds, [], [], who, err, pinned)
+    prog = Program(eqns, n_params, in_ids, out_ids, consts, kinds, [], [], who, err, pinned, lookups=lookups)
     _find_boundary(prog, _find_nodes(prog))
     return prog
 
@@ -230,7 +246,7 @@ def _find_nodes(prog: Program) -> set[int]:
         ins_k = [("const" if isinstance(x, tuple) else kinds[x]) for x in e.ins]
         if kinds[e.outs[0]] != "act":
             continue
-        if name in ("dot_general", "conv_general_dilated") and "param" in ins_k:
+        if name in ("dot_general", "conv_general_dilated") and "param" in ins_k or e.outs[0] in prog.lookups:
             fresh.add(e.outs[0])
         elif name in _TRANSPARENT or name in _MERGE:
             if any((not isinstance(x, tuple)) and x in fresh for x in e.ins):
@@ -463,9 +479,9 @@ def evaluate(
     """
     kinds = prog.kinds
     env: dict[int, Any] = dict(prog.consts)
-    env.update(zip(prog.in_ids, invals, strict=True))
-    if post is not None:
-        for i in prog.in_ids:
+    for i, v in zip(prog.in_ids, invals, strict=True):
+        env[i] = v.m if kinds[i] == "const" and isinstance(v, V) else v  # token ids
+        if post is not None and kinds[i] != "const":
             env[i] = post(i, env[i])
 
     def rd(x):
@@ -485,6 +501,8 @@ def evaluate(
             outs = bind(e, vals)
         elif e.outs[0] in prog.bnd:
             outs = _boundary_op(prog, e, ks, vals)
+        elif e.outs[0] in prog.lookups:
+            outs = [_lookup(prog, e, vals)]
         elif (r := _is_relu(e, ks, vals)) is not None:
             outs = [vals[r]]
         else:
@@ -522,6 +540,30 @@ def _boundary_op(prog: Program, e: _Eqn, ks, vals) -> list:
         tracked_here = tracked and jnp.issubdtype(sd.dtype, jnp.inexact)
         out.append(V(jnp.ones(sd.shape, sd.dtype), jnp.zeros((), jnp.int32) if tracked_here else None))
     return out
+
+
+def _lookup(prog: Program, e: _Eqn, vals) -> V:
+    """An embedding lookup ``table[ids]`` in the |·|^p network: the lookup is the one-hot input (one node per
+    row) times the table, so on the all-ones input every looked-up vector is the table's column sums of
+    |·|^p: Σ_rows |table[row, :]|^p (the table arrives raised)."""
+    dn = e.params["dimension_numbers"]
+    table = vals[0]
+    shape = jnp.shape(table.m)
+    out_ndim = jnp.ndim(vals[1]) - 1 + len(shape) - 1
+    whole_rows = (
+        tuple(dn.collapsed_slice_dims) == (0,)
+        and tuple(dn.start_index_map) == (0,)
+        and tuple(e.params["slice_sizes"]) == (1, *shape[1:])
+        and tuple(dn.offset_dims) == tuple(range(out_ndim - len(shape) + 1, out_ndim))
+    )
+    if not whole_rows:
+        raise prog.err(
+            f"{prog.who}: the gather at {e.where} indexes a parameter with token ids other than as an embedding "
+            "lookup of whole rows (table[ids]); path sums are defined here for lookups of whole rows"
+        )
+    col = jnp.sum(table.m, axis=0)
+    out_shape = tuple(jnp.shape(vals[1])[:-1]) + tuple(shape[1:])
+    return renorm(V(jnp.broadcast_to(col, out_shape), table.e))
 
 
 def total(prog: Program, outs: list, sinks: list) -> V:

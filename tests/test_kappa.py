@@ -396,6 +396,32 @@ def test_pinned_groups_are_boundaries(name):
         assert_update_invariant(tx, jax.jit(_loss(fn)), space, params, (x, y), num_steps=2, rtol=1e-8, atol=1e-10)
 
 
+def _embed_fn(p, ids):
+    return jax.nn.relu(p["emb"][ids] @ p["w0"] + p["b0"]) @ p["w1"] + p["b1"]
+
+
+def _one_hot_fn(p, x):
+    return jax.nn.relu((x @ p["emb"]) @ p["w0"] + p["b0"]) @ p["w1"] + p["b1"]
+
+
+def test_token_ids_are_a_one_hot_input():
+    """An embedding lookup table[ids] is the one-hot input times the table: path norms, Path-SGD's κ and DDP's κ
+    (every α, exact) on token ids equal those of the one-hot formulation."""
+    shapes = {"emb": (7, 3), "w0": (3, 4), "b0": (4,), "w1": (4, 2), "b1": (2,)}
+    params = _tree_normal({k: jax.ShapeDtypeStruct(v, F64) for k, v in shapes.items()}, 5, scale=0.8)
+    ids = jax.random.randint(jax.random.key(3), (6,), 0, 7)
+    x = jax.nn.one_hot(ids, 7, dtype=F64)
+    s_ids, s_hot = pj.trace(_embed_fn, params, ids), pj.trace(_one_hot_fn, params, x)
+    np.testing.assert_allclose(float(pj.path_norm(s_ids, params)), float(pj.path_norm(s_hot, params)), rtol=1e-13)
+    chex.assert_trees_all_close(pj.path_kappa(s_ids, params), pj.path_kappa(s_hot, params), rtol=1e-12)
+    for alpha, moment in [(0.0, "second"), (0.5, "second"), (1.0, "second"), (0.5, "variance")]:
+        got = pj.ddp_kappa(s_ids, params, ids, alpha=alpha, moment=moment)
+        chex.assert_trees_all_close(got, pj.ddp_kappa(s_hot, params, x, alpha=alpha, moment=moment), rtol=1e-10)
+    rows = np.unique(np.asarray(ids))  # not vacuous: at α = 1 only the rows in the batch have κ > 0
+    k1 = np.asarray(pj.ddp_kappa(s_ids, params, ids, alpha=1.0)["emb"])
+    assert np.all(k1[rows] > 0) and np.all(np.delete(k1, rows, axis=0) == 0)
+
+
 # ----------------------------------------------------------------------------- the optax contract
 
 
@@ -519,12 +545,12 @@ def test_errors():
     with pytest.raises(ValueError, match="every"):
         pj.scale_by_path_sgd(space, every=0)
 
-    def embed_fn(p, ids):
-        return jax.nn.relu(p["emb"][ids]) @ p["w"]
+    def part_of_rows_fn(p, ids):  # token ids that select part of each row: not an embedding lookup
+        return jax.nn.relu(p["emb"][ids, :2]) @ p["w"]
 
-    ep = {"emb": jnp.ones((5, 3), F64), "w": jnp.ones((3, 2), F64)}
-    espace = pj.trace(embed_fn, ep, jnp.array([0, 1, 2]))
-    with pytest.raises(pj.PathKappaUnsupportedError, match="int"):
+    ep = {"emb": jnp.ones((5, 3), F64), "w": jnp.ones((2, 2), F64)}
+    espace = pj.trace(part_of_rows_fn, ep, jnp.array([0, 1, 2]))
+    with pytest.raises(pj.PathKappaUnsupportedError, match="whole rows"):
         pj.path_norm(espace, ep)
 
 
