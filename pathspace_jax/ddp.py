@@ -85,25 +85,64 @@ class DDPUnsupportedError(ValueError):
 # ----------------------------------------------------------------------------- evaluation
 
 
-def _forward(prog: squared.Program, params: Sequence, inputs: Sequence, want: Sequence[int]) -> list:
-    """The real forward pass (one example, batch of one); returns the values of the vars in ``want``."""
+def _forward(prog: squared.Program, params: Sequence, inputs: Sequence, want: Sequence) -> list:
+    """The real forward pass (one example, batch of one); returns the values of ``want``: var ids, or
+    ``(scan equation index, body var id)`` for a node inside a scan body (stacked over the steps)."""
+    return _run(prog, list(params) + list(inputs), want)[1]
+
+
+def _run(prog: squared.Program, invals: list, want: Sequence) -> tuple[list, list]:
+    """`_forward` on ``prog``'s inputs; returns the values of ``prog.out_ids`` and of ``want``. Boundary
+    values (`squared._find_boundary`) are held fixed (``stop_gradient``) for what comes after them."""
     env = dict(prog.consts)
-    env.update(zip(prog.in_ids, list(params) + list(inputs), strict=False))
-    boundary, kept = prog.bnd | set(prog.sinks), {}
-    for e in prog.eqns:
+    env.update(zip(prog.in_ids, invals, strict=False))
+    boundary, kept, got = prog.bnd | set(prog.sinks), {}, {}
+    for idx, e in enumerate(prog.eqns):
         vals = [jnp.asarray(x[1]) if isinstance(x, tuple) else env[x] for x in e.ins]
-        if e.prim.name == "max" and prog.kinds[e.outs[0]] == "act":
+        if e.body is not None:  # a scan, step by step: the wanted body nodes are stacked over the steps
+            inner = [w[1] for w in want if isinstance(w, tuple) and w[0] == idx]
+            outs, got_scan = _run_scan(e, vals, inner)
+            got.update({(idx, v): g for v, g in zip(inner, got_scan, strict=True)})
+        elif e.prim.name == "max" and prog.kinds[e.outs[0]] == "act" and _is_relu(e):
             # a ReLU max(x, 0): use jax.nn.relu (derivative 0 at 0, as the user's model has)
-            a, b = e.ins
-            x, zero = (vals[0], b) if isinstance(b, tuple) else (vals[1], a)
-            if isinstance(zero, tuple) and not np.any(np.asarray(zero[1])) and jnp.ndim(zero[1]) == 0:
-                env[e.outs[0]] = jax.nn.relu(x)
-                continue
-        for o, v in zip(e.outs, squared.bind(e, vals), strict=False):
+            outs = [jax.nn.relu(vals[0] if isinstance(e.ins[1], tuple) else vals[1])]
+        else:
+            outs = squared.bind(e, vals)
+        for o, v in zip(e.outs, outs, strict=False):
             env[o] = v
             if o in boundary:  # a boundary value: downstream, an input of the homogeneous part
                 kept[o], env[o] = v, jax.lax.stop_gradient(v)
-    return [kept.get(i, env[i]) for i in want]
+    outs = [jnp.asarray(x[1]) if isinstance(x, tuple) else env[x] for x in prog.out_ids]
+    return outs, [got[w] if isinstance(w, tuple) else kept.get(w, env[w]) for w in want]
+
+
+def _scan_sinks(prog: squared.Program) -> list:
+    """The boundary nodes inside scan bodies, as ``(scan equation index, body var)`` (see `_forward`)."""
+    out = []
+    for i, e in enumerate(prog.eqns):
+        if e.body is None:
+            continue
+        if any(x.body is not None and (x.body.sinks or _scan_sinks(x.body)) for x in e.body.eqns):
+            raise DDPUnsupportedError(f"ddp_kappa: a pinned node group inside a nested scan at {e.where}")
+        out += [(i, v) for v in e.body.sinks]
+    return out
+
+
+def _is_relu(e) -> bool:
+    zero = [x for x in e.ins if isinstance(x, tuple)]
+    return len(zero) == 1 and not np.any(np.asarray(zero[0][1])) and np.ndim(zero[0][1]) == 0
+
+
+def _run_scan(e, vals, inner: list) -> tuple[list, list]:
+    bp, nc, ncar = e.body, e.scan.num_consts, e.scan.num_carry
+    consts, init, xs = vals[:nc], vals[nc : nc + ncar], vals[nc + ncar :]
+
+    def step(carry, x):
+        outs, got = _run(bp, list(consts) + list(carry) + list(x), inner)
+        return outs[:ncar], (outs[ncar:], got)
+
+    carry, (ys, got) = jax.lax.scan(step, list(init), list(xs), length=e.scan.length, reverse=e.scan.reverse)
+    return list(carry) + list(ys), list(got)
 
 
 def _ones(xs, dtype) -> list:
@@ -131,6 +170,7 @@ def _gamma_net(prog: squared.Program, sq_params: Sequence, ones: Sequence, stats
 
 def _check_space(space: PathSpace) -> None:
     check_path_space(space, "ddp_kappa")
+    squared.refuse_random(space, "ddp_kappa", DDPUnsupportedError)
 
 
 def _as_tuple(inputs) -> tuple:
@@ -256,16 +296,27 @@ def ddp_kappa(
 @functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7))
 def _kappa_jit(space, leaves, xs, key, alpha, moment, estimator, num_probes, probe_damping=0.0):
     """κ in the canonical frame (`pathspace_jax.coords.to_canonical_frame`) and the frame's log-gauge l."""
+    param_key = tuple((tuple(p.shape), str(p.dtype)) for p in leaves)
+    input_key = tuple(((1, *jnp.shape(x)[1:]), str(jnp.result_type(x))) for x in xs)
+    prog = squared.program(space, param_key, input_key, who="ddp_kappa", err=DDPUnsupportedError, allow_scan=True)
+    scans = [(i, e) for i, e in enumerate(prog.eqns) if e.body is not None]
+    if scans and alpha == 0.0:  # Path-SGD's κ, with the κ⁽²⁾ of the recurrent kernels
+        from pathspace_jax.kappa import _kappa_jit as path_kappa_jit
+
+        return path_kappa_jit(space, leaves, True)
+    if scans and alpha < 1.0:
+        raise DDPUnsupportedError(
+            f"ddp_kappa: the scan at {scans[0][1].where} is a recurrence; for 0 < alpha < 1 DDP-SGD's κ is "
+            "implemented for feed-forward networks only (a path uses a recurrent kernel at every step, so γ²_net is "
+            "not quadratic in it). alpha=1 (the diagonal Fisher) and alpha=0 (Path-SGD's κ) support recurrences."
+        )
     frame, lg = to_canonical_frame(space, leaves, compute_dtype(leaves))
     leaves = [c.astype(p.dtype) for c, p in zip(frame, leaves, strict=True)]
     n = int(jnp.shape(xs[0])[0])
-    param_key = tuple((tuple(p.shape), str(p.dtype)) for p in leaves)
-    input_key = tuple(((1, *jnp.shape(x)[1:]), str(jnp.result_type(x))) for x in xs)
-    prog = squared.program(space, param_key, input_key, who="ddp_kappa", err=DDPUnsupportedError)
     dtype = jnp.result_type(*leaves)
 
     # -- the real forward pass, per example, keeping every node's pre-activation
-    want = prog.nodes if alpha < 1.0 else prog.outputs + prog.sinks
+    want = prog.nodes if alpha < 1.0 else prog.outputs + prog.sinks + _scan_sinks(prog)
 
     def zs_of(ps):
         return jax.vmap(lambda *x: _forward(prog, ps, [xi[None] for xi in x], want))(*xs)

@@ -223,3 +223,15 @@ def bind(prim, params: dict, vals: Sequence) -> list:
     subfuns, kw = bp if isinstance(bp, tuple) else ((), bp)
     out = prim.bind(*subfuns, *vals, **kw)
     return list(out) if prim.multiple_results else [out]
+
+
+def is_row_lookup(params: dict, operand_ndim: int, slice_sizes_tail: tuple, out_ndim: int) -> bool:
+    """Whether a ``gather`` with these params reads whole rows of its operand: ``table[ids]`` (an embedding
+    lookup: axis 0 indexed and collapsed, every other axis taken whole and placed last)."""
+    dn = params["dimension_numbers"]
+    return (
+        tuple(dn.collapsed_slice_dims) == (0,)
+        and tuple(dn.start_index_map) == (0,)
+        and tuple(params["slice_sizes"]) == (1, *slice_sizes_tail)
+        and tuple(dn.offset_dims) == tuple(range(out_ndim - operand_ndim + 1, out_ndim))
+    )

@@ -128,6 +128,7 @@ def _lag_sum(cin, nu, a):
 
 def _check_space(space: PathSpace, who: str) -> None:
     check_path_space(space, who)
+    squared.refuse_random(space, who, PathKappaUnsupportedError)
     for spec in jax.tree_util.tree_leaves(space.arg_specs):
         if jax.dtypes.issubdtype(spec.dtype, jax.dtypes.prng_key):
             raise PathKappaUnsupportedError(

@@ -546,17 +546,10 @@ def _lookup(prog: Program, e: _Eqn, vals) -> V:
     """An embedding lookup ``table[ids]`` in the |·|^p network: the lookup is the one-hot input (one node per
     row) times the table, so on the all-ones input every looked-up vector is the table's column sums of
     |·|^p: Σ_rows |table[row, :]|^p (the table arrives raised)."""
-    dn = e.params["dimension_numbers"]
     table = vals[0]
     shape = jnp.shape(table.m)
     out_ndim = jnp.ndim(vals[1]) - 1 + len(shape) - 1
-    whole_rows = (
-        tuple(dn.collapsed_slice_dims) == (0,)
-        and tuple(dn.start_index_map) == (0,)
-        and tuple(e.params["slice_sizes"]) == (1, *shape[1:])
-        and tuple(dn.offset_dims) == tuple(range(out_ndim - len(shape) + 1, out_ndim))
-    )
-    if not whole_rows:
+    if not jx.is_row_lookup(e.params, len(shape), tuple(shape[1:]), out_ndim):
         raise prog.err(
             f"{prog.who}: the gather at {e.where} indexes a parameter with token ids other than as an embedding "
             "lookup of whole rows (table[ids]); path sums are defined here for lookups of whole rows"
@@ -564,6 +557,15 @@ def _lookup(prog: Program, e: _Eqn, vals) -> V:
     col = jnp.sum(table.m, axis=0)
     out_shape = tuple(jnp.shape(vals[1])[:-1]) + tuple(shape[1:])
     return renorm(V(jnp.broadcast_to(col, out_shape), table.e))
+
+
+def refuse_random(space: PathSpace, who: str, err: type) -> None:
+    """Path sums and DDP's statistics are defined for one deterministic network: a group pinned because
+    random numbers reach it (dropout in the traced function) is an error, not a boundary."""
+    for g in space.groups:
+        why = [r for r in g.reasons if "random numbers" in r]
+        if why:
+            raise err(f"{who}: node group {g.name} (size {g.size}) {why[0]}")
 
 
 def total(prog: Program, outs: list, sinks: list) -> V:

@@ -80,15 +80,29 @@ def _remask(tree, flags):
     return jax.tree_util.tree_unflatten(treedef, [optax.MaskedNode() if f else x for x, f in zip(leaves, flags)])
 
 
-def _accept_masked(space, who: str, tx):
-    """``tx`` that also takes the masked trees of ``optax.partition`` / ``optax.masked`` (see `_unmask`)."""
+def _accept_masked(space, who: str, tx, *, runs_network: bool = False):
+    """``tx`` that also takes the masked trees of ``optax.partition`` / ``optax.masked`` (see `_unmask`).
+
+    ``runs_network``: ``tx`` evaluates the real network (DDP-SGD's statistics), which needs the values of
+    every leaf, so masked leaves in ``params`` are an error that says how to compose instead.
+    """
 
     def init_fn(params):
         return tx.init(_unmask(space, params, who)[0])
 
     def update_fn(updates, state, params=None, **extra_args):
         updates, flags = _unmask(space, updates, who)
-        new, state = tx.update(updates, state, _unmask(space, params, who)[0], **extra_args)
+        params, pflags = _unmask(space, params, who)
+        if runs_network and pflags is not None:
+            masked = [leaf.path for leaf, f in zip(space.leaves, pflags) if f]
+            raise ValueError(
+                f"{who}: optax.partition / optax.masked hid the values of {masked}, but DDP-SGD's node statistics "
+                "(alpha > 0) run the whole network, which needs them. Scale the whole tree, then split: "
+                "optax.chain(pj.scale_by_ddp(space, alpha=...), optax.partition({'path': optax.sgd(lr), "
+                "'other': ...}, pj.path_labels(space, params))); scale_by_ddp passes the leaves of kind 'other' "
+                "through unscaled."
+            )
+        new, state = tx.update(updates, state, params, **extra_args)
         return _remask(new, flags), state
 
     return type(tx)(init_fn, update_fn)
@@ -270,7 +284,8 @@ def scale_by_ddp(
             space, config, every_one, updates, state, params, xs, key, damping, eps, every, probe_damping
         )
 
-    return _accept_masked(space, "scale_by_ddp", optax.GradientTransformationExtraArgs(init_fn, update_fn))
+    tx = optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return _accept_masked(space, "scale_by_ddp", tx, runs_network=alpha > 0.0)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))

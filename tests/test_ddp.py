@@ -7,6 +7,7 @@ specific small networks differentiated twice by ``jax.hessian``.
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -373,7 +374,7 @@ def test_kappa_is_half_hessian_diagonal_of_the_recursion(name, alpha, moment):
 @pytest.mark.parametrize(
     "name,moment",
     [("linen_cnn", "second"), ("linen_cnn", "variance"), ("linen_res_cnn", "second"), ("nnx_mlp", "second"),
-     ("plain_nested", "variance"), ("plain_seq", "second")],
+     ("plain_nested", "variance"), ("plain_seq", "second"), ("linen_rnn", "second"), ("linen_rnn", "variance")],
 )  # fmt: skip
 def test_alpha_one_is_the_fisher_diagonal_on_flax_models(name, moment):
     fn, params, x = _flax_model(name)
@@ -569,6 +570,45 @@ def test_errors_are_clear():
     chained = optax.chain(pj.scale_by_ddp(space, alpha=0.5), optax.scale(-0.1))
     u, _ = chained.update(grads, chained.init(params), params, inputs=x, labels=jnp.zeros(3), foo=1)
     assert jax.tree_util.tree_structure(u) == jax.tree_util.tree_structure(params)
+
+
+def _rnn_fn(p, x, act=jax.nn.relu, cut=False):
+    """A one-layer RNN (lax.scan) read out at the last step; ``cut`` holds h_{t-1} and h_T fixed and returns
+    every pre-activation too (the boundary nodes of a tanh RNN)."""
+    sg = jax.lax.stop_gradient if cut else (lambda v: v)
+
+    def step(h, xt):
+        z = xt @ p["wi"] + sg(h) @ p["wh"] + p["b"]
+        return act(z), z
+
+    h, zs = jax.lax.scan(step, jnp.zeros((x.shape[0], 4), x.dtype), x.swapaxes(0, 1))
+    y = sg(h) @ p["wo"] + p["bo"]
+    return jnp.concatenate([zs.swapaxes(0, 1).reshape(x.shape[0], -1), y], axis=1) if cut else y
+
+
+def test_recurrent_networks_at_alpha_zero_and_one():
+    """Recurrences: α = 1 is the diagonal Fisher (of the outputs, and of the boundary nodes of a pinned
+    recurrent group: every pre-activation of a tanh RNN, h_{t-1} held fixed), α = 0 is Path-SGD's κ with
+    its κ⁽²⁾; 0 < α < 1 is refused with a clear error."""
+    ks = jax.random.split(jax.random.key(0), 5)
+    shapes = {"wi": (3, 4), "wh": (4, 4), "b": (4,), "wo": (4, 2), "bo": (2,)}
+    p = {n: 0.6 * jax.random.normal(k, s, jnp.float64) for k, (n, s) in zip(ks, shapes.items(), strict=True)}
+    x = jax.random.normal(jax.random.key(5), (6, 5, 3), jnp.float64)
+    relu_space = pj.trace(_rnn_fn, p, x)
+    assert any(leaf.recurrent for leaf in relu_space.leaves)
+    chex.assert_trees_all_close(pj.ddp_kappa(relu_space, p, x, alpha=1.0), _fisher(_rnn_fn, p, x, "second"),
+                                rtol=1e-10, atol=1e-12)  # fmt: skip
+    chex.assert_trees_all_close(pj.ddp_kappa(relu_space, p, x, alpha=0.0), pj.path_kappa(relu_space, p), rtol=1e-12)
+
+    def tanh_fn(q, x):
+        return _rnn_fn(q, x, jnp.tanh)
+
+    tanh_space = pj.trace(tanh_fn, p, x)
+    boundary = _fisher(functools.partial(_rnn_fn, act=jnp.tanh, cut=True), p, x, "variance")
+    got = pj.ddp_kappa(tanh_space, p, x, alpha=1.0, moment="variance")
+    chex.assert_trees_all_close(got, boundary, rtol=1e-10, atol=1e-12)
+    with pytest.raises(pj.DDPUnsupportedError, match="alpha=1 .* and alpha=0"):
+        pj.ddp_kappa(relu_space, p, x, alpha=0.5)
 
 
 def test_unsupported_models_raise():

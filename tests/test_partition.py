@@ -68,19 +68,45 @@ def test_path_labels_are_the_edges_describe_lists():
     assert jax.tree_util.tree_structure(pj.path_labels(space)) == jax.tree_util.tree_structure(labels)
 
 
-@pytest.mark.parametrize("name", ["g_sgd", "g_adam"])
+def _path_tx(space, name):
+    return {
+        "g_sgd": lambda: pj.g_sgd(space, 0.1),
+        "g_adam": lambda: pj.g_adam(space, 3e-3),
+        # Path-SGD and DDP-SGD: the pinned group (the second RNN layer, normalised by the LayerNorm) is a
+        # boundary, cut at every step; the token ids are a one-hot input. DDP at α = 0 is Path-SGD's κ (with
+        # κ⁽²⁾), at α = 1 the diagonal Fisher; 0 < α < 1 is not implemented for recurrences.
+        "path_sgd": lambda: pj.path_sgd(space, 1.0),
+        "ddp_sgd_0": lambda: pj.ddp_sgd(space, 1.0, alpha=0.0),
+        "ddp_sgd_1": lambda: pj.ddp_sgd(space, 1.0, alpha=1.0),
+    }[name]()
+
+
+def _partitioned(space, params, name):
+    """The path optimiser on the edges, Adam on the rest. DDP-SGD at α > 0 runs the whole network (its node
+    statistics need the LayerNorm's scale), so it scales the whole tree and the split comes after it."""
+    labels = pj.path_labels(space, params)
+    if name == "ddp_sgd_1":
+        return optax.chain(
+            pj.scale_by_ddp(space, alpha=1.0),
+            optax.partition({"path": optax.sgd(1.0), "other": optax.adam(3e-3)}, labels),
+        )
+    return optax.partition({"path": _path_tx(space, name), "other": optax.adam(3e-3)}, labels)
+
+
+@pytest.mark.parametrize("name", ["g_sgd", "g_adam", "path_sgd", "ddp_sgd_0", "ddp_sgd_1"])
 @pytest.mark.slow
 def test_language_model_trains_in_a_partition(name):
     space, params, data, loss = _lm()
-    path_tx = {"g_sgd": pj.g_sgd(space, 0.1), "g_adam": pj.g_adam(space, 3e-3)}[name]
-    tx = optax.partition({"path": path_tx, "other": optax.adam(3e-3)}, pj.path_labels(space, params))
-    plain = {"g_sgd": optax.sgd(0.1), "g_adam": optax.adam(3e-3)}[name]  # the same optimiser on every leaf
+    path_tx, tx = _path_tx(space, name), _partitioned(space, params, name)
+
+    def extra(seq):  # DDP-SGD's batch: the traced function's input (the token ids)
+        return {"inputs": (seq[:, :-1],)} if name.startswith("ddp") else {}
 
     def train(tx):
         @jax.jit
         def step(p, s, seq):
             value, grads = jax.value_and_grad(loss)(p, seq)
-            updates, s = tx.update(grads, s, p)
+            updates, s = tx.update(grads, s, p, **extra(seq))
             return optax.apply_updates(p, updates), s, value
 
         p, s, losses = params, tx.init(params), []
@@ -89,17 +115,24 @@ def test_language_model_trains_in_a_partition(name):
             losses.append(float(value))
         return np.asarray(losses)
 
-    ours, base = train(tx), train(plain)
+    ours = train(tx)
     assert np.all(np.isfinite(ours)), ours
-    assert ours[-5:].mean() < ours[:5].mean() and ours[-5:].mean() <= 1.2 * base[-5:].mean(), (ours, base)
+    assert ours[-5:].mean() < 0.9 * ours[:5].mean(), ours
+    if name.startswith("g_"):  # G-SGD trains at the plain optimiser's rates: compare with it on every leaf
+        base = train({"g_sgd": optax.sgd(0.1), "g_adam": optax.adam(3e-3)}[name])
+        assert ours[-5:].mean() <= 1.2 * base[-5:].mean(), (ours, base)
 
     # at the path leaves, the update is the one the transformation gives on the whole tree
     grads = jax.grad(loss)(params, data[0])
-    part, _ = tx.update(grads, tx.init(params), params)
-    whole, _ = path_tx.update(grads, path_tx.init(params), params)
+    part, _ = tx.update(grads, tx.init(params), params, **extra(data[0]))
+    whole, _ = path_tx.update(grads, path_tx.init(params), params, **extra(data[0]))
     for leaf, a, b in zip(space.leaves, jax.tree_util.tree_leaves(part), jax.tree_util.tree_leaves(whole)):
         if leaf.kind != "other":
             chex.assert_trees_all_close(a, b, rtol=1e-6, atol=1e-7)
+    if name == "ddp_sgd_1":  # inside the partition, DDP-SGD says why it needs the hidden leaves' values
+        inside = optax.partition({"path": path_tx, "other": optax.adam(3e-3)}, pj.path_labels(space, params))
+        with pytest.raises(ValueError, match=r"hid the values of \['LayerNorm_0/scale'\]"):
+            inside.update(grads, inside.init(params), params, **extra(data[0]))
 
 
 @pytest.mark.parametrize("name", ["path_sgd", "ddp_sgd"])
