@@ -58,3 +58,25 @@ np.set_printoptions(precision=4, suppress=True)
 html_theme = "alabaster"
 html_static_path = ["_static"]
 html_theme_options = {"description": "Path-space optimisation of ReLU networks in JAX"}
+
+
+# The docstrings write absolute values as |x| (e.g. "|p_e|^p" in path_norm), which reST would read as
+# substitution references. Escape "|" outside ``literals`` and literal blocks when rendering them; the
+# docstrings themselves are left as they are.
+def _escape_bars(app, what, name, obj, options, lines):
+    literal_indent = None
+    for i, line in enumerate(lines):
+        indent = len(line) - len(line.lstrip())
+        if literal_indent is not None:
+            if line.strip() and indent <= literal_indent:
+                literal_indent = None
+            else:
+                continue
+        parts = line.split("``")
+        lines[i] = "``".join(p if k % 2 else p.replace("|", "\\|") for k, p in enumerate(parts))
+        if line.rstrip().endswith("::"):
+            literal_indent = indent
+
+
+def setup(app):
+    app.connect("autodoc-process-docstring", _escape_bars)
