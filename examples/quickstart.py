@@ -104,7 +104,7 @@ def main():
     params = model.init(jax.random.key(0), data[0][:1])["params"]
     fn = lambda p, x: model.apply({"params": p}, x)  # noqa: E731
     space = pj.trace(fn, params, data[0][:1])
-    # the skeleton (G-SGD's basis paths) is chosen from these values: the chains of the largest path values
+    # the skeleton (G-SGD's basis paths) is chosen by index, from the graph alone (trace's default)
     print(pj.describe(space), "\n")
 
     unbalanced = pj.random_rescale(space, params, jax.random.key(1), max_exponent=args.unbalance)

@@ -305,7 +305,8 @@ def to_coords(space: PathSpace, params):
       >>> c2 = pj.to_coords(space, pj.random_rescale(space, params, key))  # equal where coord_mask
 
     References:
-      Seed 001 (basis paths of the reduction graph); Meng et al., ICLR 2019.
+      "Path Space for Recurrent Neural Networks with ReLU Activations" (basis paths of the reduction
+      graph); Meng et al., "G-SGD: Optimizing ReLU neural networks in its positively scale-invariant space", ICLR 2019.
     """
     leaves = space.leaves_of(params)
     ct = compute_dtype(leaves)
@@ -430,14 +431,16 @@ def canonicalize(space: PathSpace, params):
 def skeleton_init(space: PathSpace, params):
     """An initialisation for G-SGD: every skeleton weight (incoming and outgoing) set to ±1, its sign kept.
 
-    G-SGD moves a weight ``e = u -> v`` by ``η ∂L/∂w_e / (A_u B_v)²`` (A_u, B_v: the products of the
+    A plain SGD step on the raw path coordinates moves a weight ``e = u -> v`` by ``η ∂L/∂w_e / (A_u B_v)²``
+    (A_u, B_v: the products of the
     weights on u's incoming and v's outgoing skeleton chains). With the skeleton chosen by index (from
     the graph alone: ``trace(..., skeleton="index")`` or abstract params), a chain through one small
-    initial weight makes the effective step of some weights 10⁴–10⁸ times SGD's, and G-SGD diverges at
-    any learning rate that SGD tolerates. With every skeleton weight ±1, A = B = ±1: the coordinates
+    initial weight makes the effective step of some weights 10⁴–10⁸ times SGD's in raw coordinates
+    (G-SGD itself divides by the rescaling-invariant `coord_scales`, which removes that). With every
+    skeleton weight ±1, A = B = ±1: the coordinates
     are the weights up to sign, the coordinate gradient is ±∂L/∂w at the non-skeleton entries, and
     G-SGD trains at SGD's learning rates. This is the initialisation of Meng et al. (ICLR 2019). With
-    the skeleton chosen from the params' values (``trace``'s default) it is not needed.
+    the skeleton chosen from the params' values (``trace(..., skeleton="values")``) it is not needed.
 
     It **changes the function** (it is not a rescaling: only the gauge, the outgoing skeleton weights,
     can be set by rescaling — see `canonicalize`). Call it once on freshly initialised params, never on

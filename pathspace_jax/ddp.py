@@ -1,6 +1,7 @@
 """DDP-SGD's κ: data-dependent path normalisation, from the path norm to the diagonal natural gradient.
 
-Seed 002 (Neyshabur, Salakhutdinov, Tomioka, Srebro) defines, for every non-input node v,
+Neyshabur, Salakhutdinov, Tomioka and Srebro ("Data-dependent path normalization in neural networks",
+ICLR 2016) define, for every non-input node v,
 
     γ_v² = α S(z_v) + (1 − α) Σ_{u→v} γ_u² w²_{u→v},      γ² = 1 on inputs and the bias node,
     γ²_net = Σ_{v ∈ outputs} γ_v²,                        κ_e = ½ ∂²γ²_net / ∂w_e²,

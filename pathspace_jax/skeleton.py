@@ -23,15 +23,17 @@ columns).
 
 Which admissible edge? Two rules, both commuting with rescaling:
 
-* **by value** (`choose_by_value`; ``trace``'s default, stored in ``PathSpace.skeleton_edges``): in
+* **by value** (`choose_by_value`; opt-in, ``trace(..., skeleton="values")``, stored in
+  ``PathSpace.skeleton_edges``): in
   order of depth, v takes the incoming edge ``u -> v`` with the largest ``|w_{u->v}| · |A_u|`` (A_u:
   the product along u's chosen incoming chain), and in order of distance to the outputs the outgoing
   edge ``v -> y`` with the largest ``|w_{v->y}| · |B_y|``. Under a rescaling all candidates of v scale
   alike, so the choice is the same for every rescaling of the params. The chains then carry the
   largest path values, so G-SGD's divisors ``A_u B_v`` stay away from zero. With the index rule, a
-  chain through one small initial weight makes ``A_u B_v`` tiny (10⁻⁵–10⁻⁸ at a standard init) and
-  G-SGD's step ``η g / (A_u B_v)²`` diverges at any learning rate SGD uses.
-* **by index** (from the graph alone; abstract params or ``trace(..., skeleton="index")``), in the
+  chain through one small initial weight makes ``A_u B_v`` tiny (10⁻⁵–10⁻⁸ at a standard init), and
+  a step ``η g / (A_u B_v)²`` would diverge at any learning rate SGD uses; G-SGD therefore divides by
+  the rescaling-invariant `pathspace_jax.coord_scales` instead, and trains with either rule.
+* **by index** (``trace``'s default: from the graph alone, so one space serves any params), in the
   spirit of Alg. 1 of the G-SGD-for-RNNs paper (``M[j][j % n_in] = 1``): the k-th hidden node of a group takes the
   ``k mod n``-th admissible neighbour (in node order), and among parallel edges between the same two
   nodes (conv kernel taps) the middle one in flat order — the centre tap of an odd kernel. It also

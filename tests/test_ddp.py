@@ -1,7 +1,7 @@
 """DDP-SGD (issue 5): κ against its definitions by autodiff, in float64, and the optax contract.
 
 Every reference below is computed independently of pathspace_jax.ddp: per-example Jacobians of the
-model itself (``jax.vmap(jax.jacrev(...))``), and hand-written γ² recursions (seed 002 eq. 4) for
+model itself (``jax.vmap(jax.jacrev(...))``), and hand-written γ² recursions (Neyshabur et al., "Data-dependent path normalization in neural networks", eq. 4) for
 specific small networks differentiated twice by ``jax.hessian``.
 """
 
@@ -171,7 +171,7 @@ def _stat(z, moment):
 
 
 def mlp_gamma_net(p, x, alpha, moment):
-    """Seed 002 eq. (4)-(5), written out for `mlp_fn`."""
+    """Neyshabur et al. (ICLR 2016), eq. (4)-(5), written out for `mlp_fn`."""
     g = jnp.ones(x.shape[1])
     h = x
     for i in range(3):
@@ -507,7 +507,7 @@ def _ddp_step(space, alpha, moment, x, lr=0.05):
 
 
 def _assert_update_invariant(step, space, params, key, num_draws=3):
-    """step(T(w)) == T(step(w)) for power-of-two rescalings T (seed 002 §6.1)."""
+    """step(T(w)) == T(step(w)) for power-of-two rescalings T (Neyshabur et al., ICLR 2016, §6.1)."""
     base = step(params)
     for k in jax.random.split(key, num_draws):
         alphas = pj.random_alphas(space, k, max_exponent=3)

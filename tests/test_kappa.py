@@ -1,7 +1,8 @@
 """Path-SGD (issue 2): path_kappa and path_norm against their definitions, in float64, and the optax contract.
 
 References are computed independently of pathspace_jax.kappa: γ²_net is the sum of the model's outputs
-on an all-ones input with squared parameters (seed 000 Thm 3; models without average pooling) or a
+on an all-ones input with squared parameters (Neyshabur et al., "Path-normalized optimization of recurrent neural
+networks with ReLU activations", Thm 3; models without average pooling) or a
 hand-written function with the pooling coefficient squared, differentiated twice by ``jax.hessian``;
 path norms are sums over explicitly enumerated paths of hand-built graphs.
 """
