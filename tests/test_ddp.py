@@ -1,8 +1,9 @@
 """DDP-SGD (issue 5): κ against its definitions by autodiff, in float64, and the optax contract.
 
 Every reference below is computed independently of pathspace_jax.ddp: per-example Jacobians of the
-model itself (``jax.vmap(jax.jacrev(...))``), and hand-written γ² recursions (Neyshabur et al., "Data-dependent path normalization in neural networks", eq. 4) for
-specific small networks differentiated twice by ``jax.hessian``.
+model itself (``jax.vmap(jax.jacrev(...))``), and hand-written γ² recursions (Neyshabur et al.,
+"Data-dependent path normalization in neural networks", eq. 4) for specific small networks
+differentiated twice by ``jax.hessian``.
 """
 
 from __future__ import annotations
