@@ -25,6 +25,7 @@ from pathspace_jax.coords import (
 from pathspace_jax.ddp import DDPUnsupportedError, ddp_kappa
 from pathspace_jax.graph import EdgeLeaf, NodeGroup, PathSpace
 from pathspace_jax.kappa import PathKappaUnsupportedError, path_kappa, path_norm
+from pathspace_jax.normalize import DDPNormalizationError, ddp_normalize, ddp_normalized_weights
 from pathspace_jax.rescale import describe, random_alphas, random_rescale, rescale
 from pathspace_jax.trace import UnsupportedModelError, trace
 from pathspace_jax.train_state import apply_gradients
@@ -77,6 +78,10 @@ __all__ = [
     "ddp_kappa",
     "ddp_sgd",
     "scale_by_ddp",
+    # DDP-Normalization
+    "DDPNormalizationError",
+    "ddp_normalize",
+    "ddp_normalized_weights",
     # Flax TrainState
     "apply_gradients",
     # invariance assertions

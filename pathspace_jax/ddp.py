@@ -395,3 +395,30 @@ def _kappa_jit(space, leaves, xs, key, alpha, moment, estimator, num_probes, pro
         kappa = [k + probe_damping * kp for k, kp in zip(kappa, k_path, strict=True)]
     kappa = [k.astype(p.dtype) for k, p in zip(kappa, leaves, strict=False)]
     return kappa, lg
+
+
+def node_gamma2(space: PathSpace, params, inputs, *, alpha: float, moment: str = "second") -> list:
+    """γ_v² (eq. 4) at every node of the unrolled network, in the order of the forward pass: one array per
+    pre-activation, shaped like one example's (a channel at every position of a convolution). For tests
+    and diagnostics (DDP-Normalization makes γ_v = 1 at every hidden node); params are used as they are.
+    """
+    _check_space(space)
+    alpha, _ = check_options(alpha, moment, "exact", 1)
+    leaves = [jnp.asarray(p) for p in space.leaves_of(params, "params")]
+    xs = check_inputs(space, inputs)
+    param_key = tuple((tuple(p.shape), str(p.dtype)) for p in leaves)
+    input_key = tuple(((1, *jnp.shape(x)[1:]), str(jnp.result_type(x))) for x in xs)
+    prog = squared.program(space, param_key, input_key, who="ddp_kappa", err=DDPUnsupportedError)
+    zs = jax.vmap(lambda *x: _forward(prog, leaves, [xi[None] for xi in x], prog.nodes))(*xs)
+    stats = {v: jnp.mean(z * z, axis=0) if moment == "second" else jnp.var(z, axis=0) for v, z in zip(prog.nodes, zs)}
+    found: dict = {}
+
+    def mix(v, val):
+        if v not in stats:
+            return val
+        found[v] = alpha * stats[v] + (1.0 - alpha) * val.m
+        return squared.V(found[v], None)
+
+    vals = [squared.V(p * p, None) for p in leaves] + [squared.V(o, None) for o in _ones(xs, leaves[0].dtype)]
+    squared.evaluate(prog, vals, 2.0, post=mix)
+    return [found[v][0] for v in prog.nodes]
