@@ -23,6 +23,7 @@ and the source line of the user's code that produced the equation.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -64,13 +65,40 @@ class UnsupportedJaxprError(NotImplementedError):
 
 
 def where(eqn) -> str:
-    """``file:line (function)`` of the user's code that produced ``eqn`` (JAX's own frames skipped)."""
+    """``file:line (function)`` of the user's code that produced ``eqn``.
+
+    JAX's own frames are skipped, and so are those of installed libraries (Flax, optax, this package):
+    the line named is the first one in the user's own source (their model's ``__call__``), followed by
+    the library line it went through, shortened to the package path (``in flax/linen/...:214``).
+    """
     try:
         from jax._src import source_info_util
 
-        return source_info_util.summarize(eqn.source_info)
+        frames = list(source_info_util.user_frames(eqn.source_info.traceback))
     except Exception:  # pragma: no cover - private API drift
         return "<unknown source>"
+    if not frames:
+        return "<unknown source>"
+
+    def fmt(f, path):
+        if path == f.file_name and path.startswith(os.getcwd() + os.sep):
+            path = os.path.relpath(path)
+        return f"{path}:{f.start_line} ({f.function_name.split('.<locals>.')[0]})"
+
+    def library_path(name: str) -> str | None:
+        for marker in ("/site-packages/", "/dist-packages/"):
+            if marker in name:
+                return name.split(marker, 1)[1]
+        return (
+            "pathspace_jax/" + name.split("/pathspace_jax/", 1)[1] if "/pathspace_jax/pathspace_jax/" in name else None
+        )
+
+    inner = frames[0]
+    for f in frames:
+        if library_path(f.file_name) is None:  # the user's own line
+            inside = library_path(inner.file_name)
+            return fmt(f, f.file_name) + (f", in {fmt(inner, inside)}" if inside and f is not inner else "")
+    return fmt(inner, library_path(inner.file_name) or inner.file_name)
 
 
 def _unknown(eqn, what: str) -> UnsupportedJaxprError:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Sequence
 from typing import Any
 
@@ -103,7 +104,7 @@ def describe(space: PathSpace) -> str:
     rows = []
     for leaf in space.leaves:
         if leaf.kind == "other":
-            role = f"not an edge ({leaf.note})"
+            role = "not an edge: " + leaf.note
         else:
             role = f"{side(leaf.src_groups)} -> {side(leaf.dst_groups)}"
             if leaf.recurrent:
@@ -121,8 +122,7 @@ def describe(space: PathSpace) -> str:
     lines += [f"{p:<{w}}  {s:<{ws}}  {r}" for p, s, r in rows]
     lines += ["", "group  size    kind"]
     for g in space.groups:
-        line = f"{g.name:<5}  {g.size:<6}  {g.kind}"
-        if g.reasons:
-            line += ": " + "; ".join(g.reasons)
-        lines.append(line)
+        lines.append(f"{g.name:<5}  {g.size:<6}  {g.kind}" + (", because:" if g.reasons else ""))
+        for reason in g.reasons:
+            lines += textwrap.wrap(reason, 110, initial_indent=" " * 17 + "- ", subsequent_indent=" " * 19)
     return "\n".join(lines)

@@ -186,7 +186,7 @@ def test_describe_names_roles_and_reasons():
     assert "skeleton chosen from the params' values" in pj.describe(by_value)
     tanh = ZOO["tanh_mlp_partly_pinned"]
     text = pj.describe(pj.trace(tanh.fn, tanh.params, tanh.inputs(2)))
-    assert "pinned: tanh" in text and "zoo.py" in text
+    assert "pinned, because:" in text and "- tanh: nonlinear" in text and "zoo.py:" in text
     assert "hidden" in text and "input" in text and "output" in text
 
 
