@@ -608,6 +608,7 @@ def test_skeleton_init_sets_exactly_the_skeleton_to_signs(name, spaces):
     np.testing.assert_allclose(np.abs(_path_values(rows, jnp.asarray(new)))[coord], np.abs(new)[coord], rtol=1e-12)
 
 
+@pytest.mark.slow
 def test_g_sgd_from_skeleton_init_trains_like_sgd():
     """From `skeleton_init` (A = B = ±1, so ∂L/∂c = ±∂L/∂w at the non-skeleton entries) G-SGD trains at
     SGD's learning rate."""

@@ -619,6 +619,7 @@ def test_unsupported_models_raise():
         pj.ddp_kappa(space, params, x, alpha=0.5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
 def test_dtype_preserved_and_no_recompilation(dtype):
     fn, params, x, space, grads = _setup(dtype)
@@ -647,6 +648,7 @@ def _state_kappa(space, st):
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(st.kappa), leaves)
 
 
+@pytest.mark.slow
 def test_every_k_reuses_kappa():
     fn, params, x, space, grads = _setup()
     tx = pj.scale_by_ddp(space, alpha=0.5, every=3, damping=0.0, estimator="exact")

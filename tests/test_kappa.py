@@ -459,6 +459,7 @@ def test_update_differs_from_sgd_on_unbalanced_network():
     )
 
 
+@pytest.mark.slow
 def test_jit_without_recompilation_and_every():
     fn, params, x = _model("rnn_last")
     space = pj.trace(fn, params, x)

@@ -147,6 +147,7 @@ def test_covariance_with_shift_is_batch_normalisation():
     chex.assert_trees_all_close(mlp_fn(w, x), expected, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_linen_model_jit_vmap_and_dtype():
     model = nn.Sequential([nn.Dense(16), nn.relu, nn.Dense(16), nn.relu, nn.Dense(3)])
     x = jax.random.normal(jax.random.key(0), (32, 8), jnp.float32)

@@ -287,6 +287,7 @@ def test_dropout_is_pinned_and_named_and_path_sgd_refuses_it():
 # ----------------------------------------------------------------------------- compilation
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo", ["path_sgd", "ddp_sgd"])
 def test_every_does_not_recompile_outside_jit(algo):
     fn, params, x, y, space = _setup("mlp")

@@ -99,6 +99,7 @@ def test_rescale_by_identity_and_inverse():
     chex.assert_trees_all_equal(pj.rescale(space, case.params, ones), case.params)
 
 
+@pytest.mark.slow
 def test_rescale_jits_and_vmaps():
     case = ZOO["mlp"]
     space = pj.trace(case.fn, case.params, case.inputs(2))

@@ -45,6 +45,7 @@ def _loss(model, x, y):
     return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(_TXS))
 def test_nnx_optimizer_matches_the_functional_loop(name):
     make, needs_inputs = _TXS[name]
@@ -131,6 +132,7 @@ def test_optax_inject_hyperparams():
         chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_flax_train_state_apply_gradients_passes_the_batch():
     """``pj.apply_gradients`` on a ``TrainState`` subclass: the same params as the functional DDP-SGD loop."""
 

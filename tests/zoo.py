@@ -15,6 +15,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 import pathspace_jax as pj
@@ -52,15 +53,29 @@ def _alive(params):
     beyond node-wise rescaling and would spoil the rank checks.
     """
     leaves, treedef = jax.tree_util.tree_flatten(params)
-    keys = jax.random.split(jax.random.key(99), len(leaves))
+    rng = np.random.default_rng(99)  # numpy: no XLA compilation per shape at import
     out = []
-    for a, k in zip(leaves, keys):
+    for a in leaves:
+        a = np.asarray(a, np.float64)
         if a.ndim == 1:
-            out.append(0.05 * jax.random.normal(k, a.shape, a.dtype))
+            out.append(0.05 * rng.standard_normal(a.shape))
         else:
-            a = a + 0.1 * jax.random.normal(k, a.shape, a.dtype)
+            a = a + 0.1 * rng.standard_normal(a.shape)
             out.append(a - 0.5 * a.mean(axis=tuple(range(a.ndim - 1)), keepdims=True))
-    return jax.tree_util.tree_unflatten(treedef, out)
+    return _f64(jax.tree_util.tree_unflatten(treedef, out))
+
+
+def _init(shapes, seed: int):
+    """LeCun-normal kernels (fan-in: every axis but the last) and zero biases, drawn with numpy from the
+    shapes alone (``jax.eval_shape`` of the model's init): building the zoo compiles nothing."""
+    rng = np.random.default_rng(seed)
+
+    def draw(s):
+        if len(s.shape) < 2:
+            return np.zeros(s.shape)
+        return rng.standard_normal(s.shape) / np.sqrt(np.prod(s.shape[:-1]))
+
+    return jax.tree_util.tree_map(draw, shapes)
 
 
 def _normal(*shape):
@@ -68,8 +83,8 @@ def _normal(*shape):
 
 
 def _linen(name, module, draw, hidden, pinned=0, recurrent=False, extra_symmetries=0, seed=0) -> Case:
-    x = draw(jax.random.key(123), 2)
-    params = _alive(_f64(module.init(jax.random.key(seed), x)["params"]))
+    x = jax.eval_shape(lambda: draw(jax.random.key(123), 2))
+    params = _alive(_init(jax.eval_shape(module.init, jax.random.key(seed), x)["params"], seed))
     return Case(
         name, lambda p, x: module.apply({"params": p}, x), params, draw, hidden, pinned, recurrent, extra_symmetries
     )
@@ -222,7 +237,7 @@ class NnxRNN(nnx.Module):
 
 def _nnx(name, module, draw, hidden, recurrent=False) -> Case:
     graphdef, state, rest = nnx.split(module, nnx.Param, ...)
-    state = _alive(_f64(state))
+    state = _alive(state)
     return Case(name, lambda s, x: nnx.merge(graphdef, s, rest)(x), state, draw, hidden, 0, recurrent)
 
 
@@ -231,12 +246,8 @@ def _nnx(name, module, draw, hidden, recurrent=False) -> Case:
 
 def _plain_transpose_slice() -> Case:
     """Per-time-step Dense written with einsum, a transpose, and the last step sliced."""
-    k = jax.random.split(jax.random.key(5), 4)
-    params = {
-        "w1": jax.random.normal(k[0], (3, 4), jnp.float64),
-        "b1": jax.random.normal(k[1], (4,), jnp.float64),
-        "w2": jax.random.normal(k[2], (4, 2), jnp.float64),
-    }
+    rng = np.random.default_rng(5)
+    params = {"w1": rng.standard_normal((3, 4)), "b1": rng.standard_normal(4), "w2": rng.standard_normal((4, 2))}
     params = _alive(params)
 
     def fn(p, x):  # x: [B, T, 3]
@@ -257,11 +268,11 @@ _my_relu.defvjp(lambda x: (_my_relu(x), x), lambda x, g: (g * (x > 0),))
 
 def _plain_nested() -> Case:
     """jit, checkpoint (remat) and custom_vjp around parts of the network."""
-    k = jax.random.split(jax.random.key(6), 6)
+    rng = np.random.default_rng(6)
     params = [
-        {"w": jax.random.normal(k[0], (4, 5), jnp.float64), "b": jax.random.normal(k[1], (5,), jnp.float64)},
-        {"w": jax.random.normal(k[2], (5, 3), jnp.float64), "b": jax.random.normal(k[3], (3,), jnp.float64)},
-        {"w": jax.random.normal(k[4], (3, 2), jnp.float64)},
+        {"w": rng.standard_normal((4, 5)), "b": rng.standard_normal(5)},
+        {"w": rng.standard_normal((5, 3)), "b": rng.standard_normal(3)},
+        {"w": rng.standard_normal((3, 2))},
     ]
     params = _alive(params)
 
@@ -283,7 +294,7 @@ def _plain_nested() -> Case:
 
 def _build() -> dict[str, Case]:
     cases = [
-        _linen("mlp", MLP(), _normal(4), hidden=13),
+        _linen("mlp", MLP(), _normal(4), hidden=13, seed=1),
         _linen("leaky_nobias_single_output", LeakyNoBias(), _normal(4), hidden=11),
         _linen("cnn1d_stride_dilation_avgpool", CNN1D(), _normal(12, 2), hidden=7),
         _linen("cnn2d_stride_padding_maxpool", CNN2D(), _normal(8, 8, 1), hidden=7),
