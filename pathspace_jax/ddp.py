@@ -54,9 +54,11 @@ in every weight. Parameters that are not edges (a LayerNorm's scale) get κ = 0 
 transformations. The inputs' leading axis is the batch axis, and the function is applied to each
 example as a batch of one (``jax.vmap``), so functions that mix examples are not supported.
 Token ids (integer inputs) are a one-hot input times the embedding table, as in
-`pathspace_jax.path_kappa`. Recurrences (``scan``, ``while``), weight tying and other inputs raise
-an error that says why (a path through a recurrent kernel uses it at every time step, so γ²_net is
-no longer quadratic in that weight and the closed form above does not hold).
+`pathspace_jax.path_kappa`. **Recurrences** (``scan``): at α = 1, κ is the diagonal Fisher above, of
+the outputs and the boundary nodes of the unrolled network (evaluated step by step); at α = 0 it is
+Path-SGD's κ with its κ⁽²⁾; for 0 < α < 1 they raise an error, since a path through a recurrent
+kernel uses it at every time step, so γ²_net is no longer quadratic in that weight and the closed
+form above does not hold. ``while`` loops, weight tying and other inputs raise an error that says why.
 
 References:
   Neyshabur, Salakhutdinov, Tomioka, Srebro, "Data-dependent path normalization in neural networks",

@@ -8,13 +8,18 @@ kept as one equation with its flattened body (its carry kinds iterated to a fixe
 *node* pre-activations that DDP's recursion mixes statistics into: a value produced by a parameterised linear
 map (possibly plus biases, residual branches and constant factors) that is used by anything else (a ReLU,
 the next layer, two consumers, the function's output); every output of the function is a node.
+Values in node groups that `pathspace_jax.trace` pins (found by running its interpreter on the same
+jaxpr, `pathspace_jax.trace.boundary_sites`) make the boundary: pinned nodes are *sinks* and what is
+computed from them *boundary values* (`_find_boundary`). Integer inputs are token ids, and a gather of
+a parameter by them an embedding lookup (`_lookup`).
 
 **The |·|^p network.** `evaluate` runs the program with every linear coefficient replaced by its |·|^p: the
 parameters arrive raised, fixed coefficients on a path (average pooling's 1/k, a constant scale) are raised
 here, ``sub``/``neg``/``abs`` become ``add``/identity, and ReLU, max pooling and the other operations of
-``_AS_IS`` are applied as they are to the non-negative values. On an all-ones input its outputs sum to
-Σ_paths Π |p_e|^p. Values are carried as `V` (a mantissa and an optional int32 power-of-two exponent
-renormalised after every operation, so products neither overflow nor underflow). Hooks let the callers
+``_AS_IS`` are applied as they are to the non-negative values. On an all-ones input its outputs (and,
+with boundaries, the sums at the sinks: `total`) sum to Σ_paths Π |p_e|^p. Values are carried as `V` (a
+mantissa and an optional int32 power-of-two exponent renormalised after every operation, so products
+neither overflow nor underflow). Hooks let the callers
 mix node statistics in (DDP), perturb a scan's carries and record what κ⁽²⁾ needs (Path-SGD).
 """
 
