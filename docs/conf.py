@@ -45,14 +45,41 @@ napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 default_role = "py:obj"
 
-# doctest: only the explicit {doctest} / {testcode} blocks of the pages are run. The ">>>" lines of the
-# library's docstrings (shown in the API reference) are fragments that use names defined elsewhere (space,
-# params, grads), so plain doctest blocks are not collected.
-doctest_test_doctest_blocks = ""
+# doctest: the {doctest} / {testcode} blocks of the pages, and the ">>>" examples of the library's docstrings
+# (the API reference), are run. The docstrings' examples share the names defined here: a small linen MLP
+# (model, params, x, y, key), its space, a gradient (grads) and un-normalised weights (w_tilde, x_calib).
+doctest_test_doctest_blocks = "default"
 doctest_default_flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE | doctest.DONT_ACCEPT_TRUE_FOR_1
 doctest_global_setup = """
 import numpy as np
 np.set_printoptions(precision=4, suppress=True)
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from flax.training.train_state import TrainState
+import pathspace_jax as pj
+
+
+class _MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Dense(8)(x))
+        x = nn.relu(nn.Dense(8)(x))
+        return nn.Dense(3)(x)
+
+
+model = _MLP()
+key = jax.random.key(0)
+x = jax.random.normal(jax.random.key(1), (16, 4))
+y = jax.random.normal(jax.random.key(2), (16, 3))
+params = model.init(key, x)["params"]
+fn = lambda p, x: model.apply({"params": p}, x)
+space = pj.trace(fn, params, x)
+grads = jax.grad(lambda p: jnp.mean((fn(p, x) - y) ** 2))(params)
+w_tilde, x_calib = params, x
+i, j = 1, 2
 """
 
 html_theme = "alabaster"

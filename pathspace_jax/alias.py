@@ -40,6 +40,7 @@ def ddp_sgd(
 
     Example:
       >>> tx = pj.ddp_sgd(space, 0.1, alpha=1.0)  # one damped probe per step; estimator="exact" for exact κ
+      >>> state = tx.init(params)
       >>> updates, state = tx.update(grads, state, params, inputs=x, key=key)
 
     References:
@@ -183,6 +184,7 @@ def path_sgd(
 
     Example:
       >>> tx = pj.path_sgd(space, 0.01, momentum=0.9)
+      >>> state = tx.init(params)
       >>> updates, state = tx.update(grads, state, params)
 
     References:

@@ -349,7 +349,8 @@ def coord_mask(space: PathSpace):
     """Bool pytree like the params: True at the m − H coordinate entries, False at the H gauge entries.
 
     Example:
-      >>> sum(m.sum() for m in jax.tree_util.tree_leaves(pj.coord_mask(space))) == space.num_coords
+      >>> int(sum(m.sum() for m in jax.tree_util.tree_leaves(pj.coord_mask(space)))) == space.num_coords
+      True
     """
     sk = skeleton(space)
     out = []
@@ -394,9 +395,12 @@ def basis_paths(space: PathSpace):
     entry's coordinate in `to_coords`.
 
     Example:
+      >>> import jax.flatten_util
       >>> flat, _ = jax.flatten_util.ravel_pytree(params)
       >>> idx = pj.basis_paths(space)["Dense_0"]["kernel"][i, j]
-      >>> jnp.prod(flat[idx[idx >= 0]])  # == pj.to_coords(space, params)["Dense_0"]["kernel"][i, j]
+      >>> value = jnp.prod(flat[idx[idx >= 0]])
+      >>> bool(jnp.isclose(value, pj.to_coords(space, params)["Dense_0"]["kernel"][i, j]))
+      True
     """
     return jax.tree_util.tree_unflatten(space.treedef, list(_basis_paths_np(space)))
 
@@ -417,7 +421,10 @@ def canonicalize(space: PathSpace, params):
       The canonical params, same structure and dtypes.
 
     Example:
-      >>> pj.canonicalize(space, pj.random_rescale(space, params, key))  # == pj.canonicalize(space, params)
+      >>> a = pj.canonicalize(space, pj.random_rescale(space, params, key))
+      >>> b = pj.canonicalize(space, params)
+      >>> all(bool(jnp.allclose(u, v, rtol=1e-5)) for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+      True
     """
     leaves = space.leaves_of(params)
     sk = skeleton(space)
@@ -455,8 +462,8 @@ def skeleton_init(space: PathSpace, params):
       dtypes.
 
     Example:
-      >>> params = pj.skeleton_init(space, model.init(key, x)["params"])
-      >>> tx = pj.g_sgd(space, 0.05)
+      >>> p0 = pj.skeleton_init(space, model.init(key, x)["params"])
+      >>> tx = pj.g_sgd(space, 0.05, normalize=False)  # raw basis-path values, as Meng et al.
 
     References:
       Meng et al., "G-SGD: Optimizing ReLU neural networks in its positively scale-invariant space",

@@ -307,8 +307,10 @@ def path_norm(space: PathSpace, params, p: float = 2.0):
       A scalar in the params' dtype.
 
     Example:
-      >>> pj.path_norm(space, params)          # ℓ2 path norm
-      >>> pj.path_norm(space, params, p=1.0)   # ℓ1 path norm
+      >>> l2 = pj.path_norm(space, params)          # ℓ2 path norm
+      >>> l1 = pj.path_norm(space, params, p=1.0)   # ℓ1 path norm
+      >>> bool(jnp.isclose(pj.path_norm(space, pj.random_rescale(space, params, key)), l2, rtol=1e-5))
+      True
 
     References:
       Neyshabur, Tomioka, Srebro, "Norm-based capacity control in neural networks", COLT 2015;

@@ -262,7 +262,9 @@ def ddp_normalize(space: PathSpace, *, alpha: float, moment: str = "second", eps
     Example:
       >>> fn_tilde = pj.ddp_normalize(space, alpha=0.5)
       >>> loss = lambda w, x, y: ((fn_tilde(w, x) - y) ** 2).mean()
-      >>> w_tilde = optax.apply_updates(w_tilde, tx.update(jax.grad(loss)(w_tilde, x, y), state, w_tilde)[0])
+      >>> tx = optax.sgd(0.1)
+      >>> updates, state = tx.update(jax.grad(loss)(w_tilde, x, y), tx.init(w_tilde), w_tilde)
+      >>> w_tilde = optax.apply_updates(w_tilde, updates)
 
     References:
       Neyshabur, Salakhutdinov, Tomioka, Srebro, "Data-dependent path normalization in neural networks",
@@ -315,7 +317,9 @@ def ddp_normalized_weights(
 
     Example:
       >>> w = pj.ddp_normalized_weights(space, w_tilde, x_calib, alpha=0.5)
-      >>> space.fn(w, x_calib)   # equals pj.ddp_normalize(space, alpha=0.5)(w_tilde, x_calib)
+      >>> plain = space.fn(w, x_calib)  # an ordinary network: no batch statistics
+      >>> bool(jnp.allclose(plain, pj.ddp_normalize(space, alpha=0.5)(w_tilde, x_calib), atol=1e-5))
+      True
     """
     alpha = _check(space, alpha, moment, eps)
     eps = float(eps)

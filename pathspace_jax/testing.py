@@ -101,7 +101,8 @@ def assert_update_invariant(
 
     Example:
       >>> loss = lambda p, b: ((space.fn(p, b[0]) - b[1]) ** 2).mean()
-      >>> pj.testing.assert_update_invariant(pj.g_sgd(space, 0.1), loss, space, params, (x, y))
+      >>> tx = pj.g_sgd(space, 0.1)
+      >>> pj.testing.assert_update_invariant(tx, loss, space, params, (x, y), rtol=1e-5, atol=1e-6)
     """
     import optax  # local: keeps importing pathspace_jax.testing light
 

@@ -959,8 +959,11 @@ def trace(fn: Callable[..., Any], params, *args, strict: bool = False, skeleton:
       A `PathSpace` (frozen, hashable, holds no JAX arrays).
 
     Example:
-      >>> model = flax.linen.Dense(3)
-      >>> space = trace(lambda p, x: model.apply({"params": p}, x), params, x)
+      >>> dense = flax.linen.Dense(3)
+      >>> p = dense.init(key, x)["params"]
+      >>> s = pj.trace(lambda p, x: dense.apply({"params": p}, x), p, x)
+      >>> s.num_hidden  # one layer: no hidden node
+      0
 
     References:
       Meng et al., "G-SGD: Optimizing ReLU neural networks in its positively

@@ -249,6 +249,7 @@ def scale_by_ddp(
 
     Example:
       >>> tx = optax.chain(pj.scale_by_ddp(space, alpha=1.0), optax.scale(-0.1))
+      >>> state = tx.init(params)
       >>> updates, state = tx.update(grads, state, params, inputs=x)
 
     References:
@@ -499,6 +500,7 @@ def scale_by_path_sgd(
 
     Example:
       >>> tx = optax.chain(pj.scale_by_path_sgd(space), optax.scale(-0.01))
+      >>> state = tx.init(params)
       >>> updates, state = tx.update(grads, state, params)
 
     References:
