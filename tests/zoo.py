@@ -42,7 +42,7 @@ def _f64(tree):
     return jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float64), tree)
 
 
-def _alive(params):
+def _alive(params, with_jax: bool = False):
     """Make the parameters generic for the rank checks.
 
     Every unit's incoming weights are pushed towards mixed signs (half their mean
@@ -53,14 +53,19 @@ def _alive(params):
     beyond node-wise rescaling and would spoil the rank checks.
     """
     leaves, treedef = jax.tree_util.tree_flatten(params)
-    rng = np.random.default_rng(99)  # numpy: no XLA compilation per shape at import
+    if with_jax:  # the original draws (jax.random: compiles per shape), for the cases that need them
+        keys = jax.random.split(jax.random.key(99), len(leaves))
+        noise = [lambda shape, k=k: np.asarray(jax.random.normal(k, shape, jnp.float64)) for k in keys]
+    else:  # numpy: no XLA compilation per shape at import
+        rng = np.random.default_rng(99)
+        noise = [rng.standard_normal for _ in leaves]
     out = []
-    for a in leaves:
+    for a, draw in zip(leaves, noise):
         a = np.asarray(a, np.float64)
         if a.ndim == 1:
-            out.append(0.05 * rng.standard_normal(a.shape))
+            out.append(0.05 * draw(a.shape))
         else:
-            a = a + 0.1 * rng.standard_normal(a.shape)
+            a = a + 0.1 * draw(a.shape)
             out.append(a - 0.5 * a.mean(axis=tuple(range(a.ndim - 1)), keepdims=True))
     return _f64(jax.tree_util.tree_unflatten(treedef, out))
 
@@ -82,9 +87,12 @@ def _normal(*shape):
     return lambda key, b: jax.random.normal(key, (b, *shape), jnp.float64)
 
 
-def _linen(name, module, draw, hidden, pinned=0, recurrent=False, extra_symmetries=0, seed=0) -> Case:
-    x = jax.eval_shape(lambda: draw(jax.random.key(123), 2))
-    params = _alive(_init(jax.eval_shape(module.init, jax.random.key(seed), x)["params"], seed))
+def _linen(name, module, draw, hidden, pinned=0, recurrent=False, extra_symmetries=0, seed=0, flax_init=False) -> Case:
+    if flax_init:  # the model's own initialisers, run eagerly (compiles its init ops: a few seconds)
+        params = _alive(_f64(module.init(jax.random.key(seed), draw(jax.random.key(123), 2))["params"]), with_jax=True)
+    else:
+        x = jax.eval_shape(lambda: draw(jax.random.key(123), 2))
+        params = _alive(_init(jax.eval_shape(module.init, jax.random.key(seed), x)["params"], seed))
     return Case(
         name, lambda p, x: module.apply({"params": p}, x), params, draw, hidden, pinned, recurrent, extra_symmetries
     )
@@ -308,6 +316,7 @@ def _build() -> dict[str, Case]:
             hidden=7,
             recurrent=True,
             extra_symmetries=9,
+            flax_init=True,  # its rank check needs the original values (numpy draws leave a degenerate unit)
         ),
         _linen("tanh_mlp_partly_pinned", TanhMLP(), _normal(3), hidden=4, pinned=1),
         _linen("layernorm_mlp_partly_pinned", LayerNormMLP(), _normal(3), hidden=4, pinned=1, extra_symmetries=4),
