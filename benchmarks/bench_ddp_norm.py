@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import optax
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import interleaved_ratio, setups, time_steps, write_results  # noqa: E402
+from common import interleaved_ratio, make_step, setups, write_results  # noqa: E402
 
 import pathspace_jax as pj  # noqa: E402
 
@@ -43,18 +43,6 @@ class BatchNormCNN(nn.Module):
         return nn.Dense(10)(x.reshape(x.shape[0], -1))
 
 
-def _step(apply, tx):
-    def loss_fn(p, x, y):
-        return optax.softmax_cross_entropy_with_integer_labels(apply(p, x), y).mean()
-
-    def step(params, opt_state, x, y):
-        loss, g = jax.value_and_grad(loss_fn)(params, x, y)
-        updates, opt_state = tx.update(g, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    return jax.jit(step, donate_argnums=(0, 1))
-
-
 def main() -> None:
     rows = {}
     all_setups = setups()
@@ -64,41 +52,31 @@ def main() -> None:
         fn = lambda p, x, model=model: model.apply({"params": p}, x)  # noqa: E731
         space = pj.trace(fn, params, x)
         sgd = optax.sgd(0.01)
-        plain = _step(fn, sgd)
+        plain = make_step(model, sgd)
         bn_vars = bn_model.init(jax.random.key(0), x)
         stats = bn_vars["batch_stats"]
 
         def bn_apply(p, x, stats=stats, bn_model=bn_model):
             return bn_model.apply({"params": p, "batch_stats": stats}, x, mutable=["batch_stats"])[0]
 
-        bn = _step(bn_apply, sgd)
+        bn = make_step(bn_apply, sgd)
         bn_params = bn_vars["params"]
         out = {}
         for vname, kw in {
             "alpha0.5_second": dict(alpha=0.5),
             "alpha1_variance": dict(alpha=1.0, moment="variance"),
         }.items():
-            step = _step(pj.ddp_normalize(space, **kw), sgd)
+            step = make_step(pj.ddp_normalize(space, **kw), sgd)
             s = sgd.init(params)
             r_plain = interleaved_ratio(step, plain, params, s, s, x, y, rounds=3, repeats=10)
-            # against batch normalisation: time each step on its own params (the ratio of medians)
-            r_bn = _ratio_two_params(step, params, bn, bn_params, sgd, x, y)
+            # against batch normalisation: each step on its own params
+            r_bn = interleaved_ratio(step, bn, params, s, sgd.init(bn_params), x, y, rounds=3, repeats=10,
+                                     params_b=bn_params)  # fmt: skip
             out[vname] = {"vs_plain_sgd": round(r_plain, 3), "vs_batchnorm_sgd": round(r_bn, 3)}
             print(f"{name:28s} {vname:16s} {r_plain:6.2f}x plain SGD step, {r_bn:6.2f}x BatchNorm SGD step", flush=True)
         rows[name] = out
     path = write_results("ddp_norm", rows)
     print("wrote", path)
-
-
-def _ratio_two_params(step_a, params_a, step_b, params_b, tx, x, y, rounds=3, repeats=10) -> float:
-    """Median over alternating rounds of time(step_a) / time(step_b), each step on its own params."""
-    ratios = []
-    for _ in range(rounds):
-        ta = time_steps(step_a, params_a, tx.init(params_a), x, y, repeats=repeats)
-        tb = time_steps(step_b, params_b, tx.init(params_b), x, y, repeats=repeats)
-        ratios.append(ta / tb)
-    ratios.sort()
-    return ratios[len(ratios) // 2]
 
 
 if __name__ == "__main__":

@@ -68,16 +68,22 @@ def setups() -> dict[str, tuple[nn.Module, jax.Array, jax.Array]]:
     }
 
 
-def make_step(model: nn.Module, tx: optax.GradientTransformation, extra: Callable[[Any], dict] | None = None):
+def make_step(
+    model: nn.Module | Callable, tx: optax.GradientTransformation, extra: Callable[[Any], dict] | None = None
+):
     """A jitted train step ``(params, opt_state, x, y) -> (params, opt_state, loss)``.
+
+    ``model``: a linen module (applied to ``{"params": p}``) or a function ``(params, x) -> logits``.
 
     ``extra(x)`` gives extra keyword arguments for ``tx.update`` (e.g. ``inputs=x``). Params and
     optimizer state are donated, as in a real training loop, so XLA may update them in place (for a
     transform that keeps κ in its state this matters: without donation κ is copied every step).
     """
 
+    apply = (lambda p, x: model.apply({"params": p}, x)) if isinstance(model, nn.Module) else model
+
     def loss_fn(p, x, y):
-        logits = model.apply({"params": p}, x)
+        logits = apply(p, x)
         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
     def step(params, opt_state, x, y):
@@ -105,12 +111,15 @@ def time_steps(step, params, opt_state, x, y, *, repeats: int = 50, warmup: int 
     return times[len(times) // 2]
 
 
-def interleaved_ratio(step_a, step_b, params, state_a, state_b, x, y, *, rounds: int = 5, repeats: int = 20) -> float:
-    """Median over rounds of time(step_a) / time(step_b), alternating to cancel drift."""
+def interleaved_ratio(
+    step_a, step_b, params, state_a, state_b, x, y, *, rounds: int = 5, repeats: int = 20, params_b=None
+) -> float:
+    """Median over rounds of time(step_a) / time(step_b), alternating to cancel drift (``params_b``: step_b's
+    own params, when the two models differ)."""
     ratios = []
     for _ in range(rounds):
         ta = time_steps(step_a, params, state_a, x, y, repeats=repeats)
-        tb = time_steps(step_b, params, state_b, x, y, repeats=repeats)
+        tb = time_steps(step_b, params if params_b is None else params_b, state_b, x, y, repeats=repeats)
         ratios.append(ta / tb)
     ratios.sort()
     return ratios[len(ratios) // 2]

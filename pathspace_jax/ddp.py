@@ -94,9 +94,10 @@ def _forward(prog: squared.Program, params: Sequence, inputs: Sequence, want: Se
     return _run(prog, list(params) + list(inputs), want)[1]
 
 
-def _run(prog: squared.Program, invals: list, want: Sequence) -> tuple[list, list]:
+def _run(prog: squared.Program, invals: list, want: Sequence, post=None) -> tuple[list, list]:
     """`_forward` on ``prog``'s inputs; returns the values of ``prog.out_ids`` and of ``want``. Boundary
-    values (`squared._find_boundary`) are held fixed (``stop_gradient``) for what comes after them."""
+    values (`squared._find_boundary`) are held fixed (``stop_gradient``) for what comes after them.
+    ``post(var, value, eqn)`` replaces every value where it is produced (DDP-Normalization)."""
     env = dict(prog.consts)
     env.update(zip(prog.in_ids, invals, strict=False))
     boundary, kept, got = prog.bnd | set(prog.sinks), {}, {}
@@ -112,7 +113,7 @@ def _run(prog: squared.Program, invals: list, want: Sequence) -> tuple[list, lis
         else:
             outs = squared.bind(e, vals)
         for o, v in zip(e.outs, outs, strict=False):
-            env[o] = v
+            env[o] = v if post is None else post(o, v, e)
             if o in boundary:  # a boundary value: downstream, an input of the homogeneous part
                 kept[o], env[o] = v, jax.lax.stop_gradient(v)
     outs = [jnp.asarray(x[1]) if isinstance(x, tuple) else env[x] for x in prog.out_ids]

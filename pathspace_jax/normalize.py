@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pathspace_jax import squared
+from pathspace_jax.ddp import _run as ddp_run
 from pathspace_jax.graph import PathSpace, check_path_space
 
 __all__ = ["ddp_normalize", "ddp_normalized_weights", "DDPNormalizationError"]
@@ -148,37 +149,27 @@ def _stat(z, moment):
 
 
 def _run(space, prog, nodes, leaves, xs, alpha, moment, eps, center, record=None):
-    """The forward program with every hidden pre-activation normalised (in order, layer by layer)."""
-    env = dict(prog.consts)
-    env.update(zip(prog.in_ids, list(leaves) + list(xs), strict=True))
-    for e in prog.eqns:
-        vals = [jnp.asarray(x[1]) if isinstance(x, tuple) else env[x] for x in e.ins]
-        if e.prim.name == "max" and prog.kinds[e.outs[0]] == "act" and any(isinstance(x, tuple) for x in e.ins):
-            zero = [x[1] for x in e.ins if isinstance(x, tuple)][0]
-            act = vals[1] if isinstance(e.ins[0], tuple) else vals[0]
-            outs = [jax.nn.relu(act)] if not np.any(np.asarray(zero)) else squared.bind(e, vals)
-        else:
-            outs = squared.bind(e, vals)
-        for o, z in zip(e.outs, outs, strict=True):
-            if o in nodes:
-                node = nodes[o]
-                if jnp.shape(z)[-1:] != (space.groups[node.group].size,):
-                    raise DDPNormalizationError(
-                        f"ddp_normalize: the pre-activation at {e.where} has shape {jnp.shape(z)}; its nodes "
-                        f"(group {space.groups[node.group].name}, size {space.groups[node.group].size}) must be its "
-                        "last axis (Dense, NHWC convolutions)"
-                    )
-                g2 = alpha * _stat(z, moment) + (1.0 - alpha) * _incoming(space, node, leaves)
-                gamma = jnp.sqrt(g2 + eps)
-                if record is not None:
-                    record[o] = (gamma, jnp.mean(z, axis=tuple(range(z.ndim - 1))))
-                if center:
-                    bias = 0.0 if node.bias is None else leaves[node.bias]
-                    z = (z - jnp.mean(z, axis=tuple(range(z.ndim - 1)))) / gamma + bias
-                else:
-                    z = z / gamma
-            env[o] = z
-    return [jnp.asarray(x[1]) if isinstance(x, tuple) else env[x] for x in prog.out_ids]
+    """The forward program (`pathspace_jax.ddp`'s real forward pass) with every hidden pre-activation
+    normalised where it is produced, so each layer's statistics see the normalised layers before it."""
+
+    def normalize(o, z, e):
+        if o not in nodes:
+            return z
+        node, group = nodes[o], space.groups[nodes[o].group]
+        if jnp.shape(z)[-1:] != (group.size,):
+            raise DDPNormalizationError(
+                f"ddp_normalize: the pre-activation at {e.where} has shape {jnp.shape(z)}; its nodes (group "
+                f"{group.name}, size {group.size}) must be its last axis (Dense, NHWC convolutions)"
+            )
+        gamma = jnp.sqrt(alpha * _stat(z, moment) + (1.0 - alpha) * _incoming(space, node, leaves) + eps)
+        mean = jnp.mean(z, axis=tuple(range(z.ndim - 1)))
+        if record is not None:
+            record[o] = (gamma, mean)
+        if center:
+            return (z - mean) / gamma + (0.0 if node.bias is None else leaves[node.bias])
+        return z / gamma
+
+    return ddp_run(prog, list(leaves) + list(xs), [], post=normalize)[0]
 
 
 @functools.lru_cache(maxsize=32)
