@@ -149,6 +149,11 @@ def _run_scan(e, vals, inner: list) -> tuple[list, list]:
     return list(carry) + list(ys), list(got)
 
 
+def _moment(z, moment: str):
+    """S(z) over the batch (axis 0): the uncentred second moment or the variance."""
+    return jnp.mean(z * z, axis=0) if moment == "second" else jnp.var(z, axis=0)
+
+
 def _ones(xs, dtype) -> list:
     """The all-ones input of the γ² recursion (γ² = 1 on inputs); token ids stay integers."""
     return [jnp.ones((1, *jnp.shape(x)[1:]), x.dtype if jnp.issubdtype(x.dtype, jnp.integer) else dtype) for x in xs]
@@ -338,11 +343,7 @@ def _kappa_jit(space, leaves, xs, key, alpha, moment, estimator, num_probes, pro
             if alpha == 0.0:
                 stats.append(0.0)
                 continue
-            z = zs[want.index(v)]
-            if moment == "second":
-                stats.append(jnp.mean(z * z, axis=0))
-            else:
-                stats.append(jnp.var(z, axis=0))
+            stats.append(_moment(zs[want.index(v)], moment))
         stats = [jax.lax.stop_gradient(s) for s in stats]
         ones = _ones(xs, dtype)
         sq = [p * p for p in leaves]
@@ -413,7 +414,7 @@ def node_gamma2(space: PathSpace, params, inputs, *, alpha: float, moment: str =
     input_key = tuple(((1, *jnp.shape(x)[1:]), str(jnp.result_type(x))) for x in xs)
     prog = squared.program(space, param_key, input_key, who="ddp_kappa", err=DDPUnsupportedError)
     zs = jax.vmap(lambda *x: _forward(prog, leaves, [xi[None] for xi in x], prog.nodes))(*xs)
-    stats = {v: jnp.mean(z * z, axis=0) if moment == "second" else jnp.var(z, axis=0) for v, z in zip(prog.nodes, zs)}
+    stats = {v: _moment(z, moment) for v, z in zip(prog.nodes, zs)}
     found: dict = {}
 
     def mix(v, val):
