@@ -7,6 +7,8 @@ exponents, α and moments) are marked ``slow`` here: nothing is skipped, only gr
 them alone and ``-m "slow or not slow"`` runs everything (what CI runs).
 """
 
+import gc
+
 import jax
 import pytest
 
@@ -21,3 +23,15 @@ def pytest_collection_modifyitems(config, items):
         if hasattr(item, "callspec") and function in seen:
             item.add_marker(pytest.mark.slow)
         seen.add(function)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _free_compiled_programs():
+    """Drop JAX's compiled programs after each test module.
+
+    A worker that runs many modules otherwise keeps every executable it compiled: 2.6 GB at the end of the
+    default run, 1.1 GB with this (modules share little worth keeping; the default run takes the same time).
+    """
+    yield
+    jax.clear_caches()
+    gc.collect()
