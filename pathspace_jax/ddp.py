@@ -71,6 +71,7 @@ import functools
 from collections.abc import Sequence
 
 import jax
+import jax.flatten_util
 import jax.numpy as jnp
 import numpy as np
 
@@ -120,15 +121,16 @@ def _run(prog: squared.Program, invals: list, want: Sequence, post=None) -> tupl
     return outs, [got[w] if isinstance(w, tuple) else kept.get(w, env[w]) for w in want]
 
 
-def _scan_sinks(prog: squared.Program) -> list:
-    """The boundary nodes inside scan bodies, as ``(scan equation index, body var)`` (see `_forward`)."""
+def _scan_nodes(prog: squared.Program, which: str = "sinks") -> list:
+    """The boundary nodes (``"sinks"``) or all the nodes (``"nodes"``) inside scan bodies, as ``(scan
+    equation index, body var)`` (see `_forward`)."""
     out = []
     for i, e in enumerate(prog.eqns):
         if e.body is None:
             continue
-        if any(x.body is not None and (x.body.sinks or _scan_sinks(x.body)) for x in e.body.eqns):
-            raise DDPUnsupportedError(f"ddp_kappa: a pinned node group inside a nested scan at {e.where}")
-        out += [(i, v) for v in e.body.sinks]
+        if any(x.body is not None and (x.body.sinks if which == "sinks" else True) for x in e.body.eqns):
+            raise DDPUnsupportedError(f"ddp_kappa: a nested scan at {e.where} (one level of recurrence is supported)")
+        out += [(i, v) for v in getattr(e.body, which)]
     return out
 
 
@@ -159,18 +161,24 @@ def _ones(xs, dtype) -> list:
     return [jnp.ones((1, *jnp.shape(x)[1:]), x.dtype if jnp.issubdtype(x.dtype, jnp.integer) else dtype) for x in xs]
 
 
-def _gamma_net(prog: squared.Program, sq_params: Sequence, ones: Sequence, stats: Sequence, alpha: float):
-    """γ²_net: the squared network with the node statistics ``stats`` mixed in at every node (eq. 4)."""
-    node_pos = {v: k for k, v in enumerate(prog.nodes)}
+def _mixer(alpha: float, stats: dict):
+    """The ``post`` hook of the γ² recursion: at a node v, γ_v² = α S(z_v) + (1 − α) (the squared sum)."""
 
     def mix(v, val):
-        if v not in node_pos:
-            return val
-        return squared.V(alpha * stats[node_pos[v]] + (1.0 - alpha) * val.m, None)
+        return squared.V(alpha * stats[v] + (1.0 - alpha) * val.m, None) if v in stats else val
 
+    return mix
+
+
+def _gamma_net(prog: squared.Program, sq_params: Sequence, ones: Sequence, stats: Sequence, alpha: float,
+               scan_stats: dict | None = None):  # fmt: skip
+    """γ²_net: the squared network with the node statistics ``stats`` mixed in at every node (eq. 4), and
+    ``scan_stats[i][v]`` (stacked over the steps) at the node v of the body of scan equation i."""
+    posts = {i: (d, functools.partial(_mixer, alpha)) for i, d in (scan_stats or {}).items()}
     vals = [squared.V(x, None) for x in list(sq_params) + list(ones)]
     sinks: list = []
-    outs = squared.evaluate(prog, vals, 2.0, post=mix, sinks=sinks)
+    mix = _mixer(alpha, dict(zip(prog.nodes, stats, strict=True)))
+    outs = squared.evaluate(prog, vals, 2.0, post=mix, sinks=sinks, scan_posts=posts)
     return squared.total(prog, outs, sinks).m
 
 
@@ -302,9 +310,10 @@ def ddp_kappa(
     return space.unflatten_like(params, kappa_from_frame(space, kappa, lg))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7))
-def _kappa_jit(space, leaves, xs, key, alpha, moment, estimator, num_probes, probe_damping=0.0):
-    """κ in the canonical frame (`pathspace_jax.coords.to_canonical_frame`) and the frame's log-gauge l."""
+@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7, 9))
+def _kappa_jit(space, leaves, xs, key, alpha, moment, estimator, num_probes, probe_damping=0.0, clamp=False):
+    """κ in the canonical frame (`pathspace_jax.coords.to_canonical_frame`) and the frame's log-gauge l.
+    ``clamp``: κ at the recurrent kernels (0 < α < 1) is clamped at 0 before the probe damping is added."""
     param_key = tuple((tuple(p.shape), str(p.dtype)) for p in leaves)
     input_key = tuple(((1, *jnp.shape(x)[1:]), str(jnp.result_type(x))) for x in xs)
     prog = squared.program(space, param_key, input_key, who="ddp_kappa", err=DDPUnsupportedError, allow_scan=True)
@@ -313,43 +322,42 @@ def _kappa_jit(space, leaves, xs, key, alpha, moment, estimator, num_probes, pro
         from pathspace_jax.kappa import _kappa_jit as path_kappa_jit
 
         return path_kappa_jit(space, leaves, True)
-    if scans and alpha < 1.0:
-        raise DDPUnsupportedError(
-            f"ddp_kappa: the scan at {scans[0][1].where} is a recurrence; for 0 < alpha < 1 DDP-SGD's κ is "
-            "implemented for feed-forward networks only (a path uses a recurrent kernel at every step, so γ²_net is "
-            "not quadratic in it). alpha=1 (the diagonal Fisher) and alpha=0 (Path-SGD's κ) support recurrences."
-        )
+    recurrent = bool(scans) and alpha < 1.0  # 0 < α < 1 through a recurrence: the recurrent term below
+    if recurrent and estimator == "probes":
+        key, rec_key = jax.random.split(key)
     frame, lg = to_canonical_frame(space, leaves, compute_dtype(leaves))
     leaves = [c.astype(p.dtype) for c, p in zip(frame, leaves, strict=True)]
     n = int(jnp.shape(xs[0])[0])
     dtype = jnp.result_type(*leaves)
 
     # -- the real forward pass, per example, keeping every node's pre-activation
-    want = prog.nodes if alpha < 1.0 else prog.outputs + prog.sinks + _scan_sinks(prog)
+    # (the nodes inside a scan body: stacked over the steps)
+    inner = _scan_nodes(prog, "nodes") if recurrent else []
+    want = prog.nodes + inner if alpha < 1.0 else prog.outputs + prog.sinks + _scan_nodes(prog)
 
     def zs_of(ps):
         return jax.vmap(lambda *x: _forward(prog, ps, [xi[None] for xi in x], want))(*xs)
 
+    def gamma_net(sq, stats):  # stats: one per entry of want
+        scan_stats: dict = {}
+        for (i, v), st in zip(inner, stats[len(prog.nodes) :], strict=True):
+            scan_stats.setdefault(i, {})[v] = st
+        return _gamma_net(prog, sq, ones, stats[: len(prog.nodes)], alpha, scan_stats)
+
     kappa = [jnp.zeros_like(p) for p in leaves]
-    zs, vjp = [], None
-    if alpha > 0.0:
+    zs, vjp, lin = [], None, None
+    if recurrent:  # the linearised forward pass serves the recurrent term too
+        zs, lin = jax.linearize(zs_of, leaves)
+        vjp = jax.linear_transpose(lin, leaves)
+    elif alpha > 0.0:
         zs, vjp = jax.vjp(zs_of, leaves)
 
     # -- the γ² recursion: term (1 − α) λ_v γ_u² and ν = ∂γ²_net/∂S
-    node_index = {v: k for k, v in enumerate(prog.nodes)}
+    ones = _ones(xs, dtype)
     if alpha < 1.0:
-        stats = []
-        for v in prog.nodes:
-            if alpha == 0.0:
-                stats.append(0.0)
-                continue
-            stats.append(_moment(zs[want.index(v)], moment))
-        stats = [jax.lax.stop_gradient(s) for s in stats]
-        ones = _ones(xs, dtype)
-        sq = [p * p for p in leaves]
-        kappa_a, nus = jax.grad(lambda w, s: _gamma_net(prog, w, ones, s, alpha), argnums=(0, 1))(sq, stats)
+        stats = [jax.lax.stop_gradient(_moment(z, moment)) if alpha > 0.0 else 0.0 for z in zs or want]
+        kappa_a, nus = jax.grad(gamma_net, argnums=(0, 1))([p * p for p in leaves], stats)
         kappa = [k + a for k, a in zip(kappa, kappa_a, strict=False)]
-        nus = [nus[node_index[v]] for v in want]
     else:
         nus = [jnp.ones(jnp.shape(z)[1:], dtype) for z in zs]
 
@@ -391,14 +399,57 @@ def _kappa_jit(space, leaves, xs, key, alpha, moment, estimator, num_probes, pro
                     J = J - jnp.mean(J, axis=0, keepdims=True)
                 wj = weights.reshape((1, -1) + (1,) * (J.ndim - 2))
                 kappa[j] = kappa[j] + jnp.sum(wj * J * J, axis=(0, 1)) / n
+    if recurrent:  # the terms of the recurrent kernels that a feed-forward weight does not have
+        rec = [j for j, leaf in enumerate(space.leaves) if leaf.recurrent]
+        kappa = _recurrent_term(leaves, kappa, kappa_a, rec, zs, lin, stats, gamma_net, moment, estimator,
+                                num_probes, rec_key if estimator == "probes" else None)  # fmt: skip
+        if clamp:
+            kappa = [jnp.maximum(k, 0.0) for k in kappa]
     if estimator == "probes" and alpha > 0.0:
-        # δ · κ_path (the exact α = 0 κ, one VJP of the squared network): see `ddp_kappa`'s probe_damping
-        ones = _ones(xs, dtype)
+        # δ · κ_path (the exact α = 0 κ⁽¹⁾, one VJP of the squared network): see `ddp_kappa`'s probe_damping
         zero = [0.0] * len(prog.nodes)
         k_path = jax.grad(lambda w: _gamma_net(prog, w, ones, zero, 0.0))([p * p for p in leaves])
         kappa = [k + probe_damping * kp for k, kp in zip(kappa, k_path, strict=True)]
     kappa = [k.astype(p.dtype) for k, p in zip(kappa, leaves, strict=False)]
     return kappa, lg
+
+
+def _recurrent_term(leaves, kappa, kappa_a, rec, zs, lin, stats, gamma_net, moment, estimator, num_probes, key):
+    """Add K2 = ½ diag ∇²Γ₁ − ∂Γ₁/∂w² at the recurrent kernels ``rec`` (module docstring).
+
+    Γ₁(w') is γ²_net with the node statistics linearised to first order, S + ∂S/∂w·(w' − w): its Hessian
+    holds the second derivative of the squared recursion in the weights and the cross term ∂ν/∂w · ∂S/∂w;
+    ∂Γ₁/∂w² is the first term of κ (``kappa_a``). The diagonal is taken by Hessian-vector products in the
+    recurrent leaves: one per entry (``"exact"``), or Hutchinson's E[r ⊙ H r] over random signs r.
+    """
+
+    def gamma_1(u):
+        w = list(leaves)
+        for j, a in zip(rec, unravel(u), strict=True):
+            w[j] = a
+        dz = lin([a - b for a, b in zip(w, leaves, strict=True)])
+        ds = [jax.jvp(lambda z: _moment(z, moment), (z,), (d,))[1] for z, d in zip(zs, dz, strict=True)]
+        return gamma_net([a * a for a in w], [s + d for s, d in zip(stats, ds, strict=True)])
+
+    flat, unravel = jax.flatten_util.ravel_pytree([leaves[j] for j in rec])
+    grad = jax.grad(gamma_1)
+
+    def hvp(r):
+        return jax.jvp(grad, (flat,), (r,))[1]
+
+    if estimator == "exact":
+        diag = jax.lax.map(lambda k: hvp(jax.nn.one_hot(k, flat.size, dtype=flat.dtype))[k], jnp.arange(flat.size))
+    else:
+
+        def one(k):
+            r = jax.random.rademacher(k, flat.shape, flat.dtype)
+            return r * hvp(r)
+
+        diag = jnp.mean(jax.lax.map(one, jax.random.split(key, num_probes)), axis=0)
+    kappa = list(kappa)
+    for j, d in zip(rec, unravel(0.5 * diag), strict=True):
+        kappa[j] = kappa[j] + d - kappa_a[j]
+    return kappa
 
 
 def node_gamma2(space: PathSpace, params, inputs, *, alpha: float, moment: str = "second") -> list:

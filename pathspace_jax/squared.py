@@ -206,7 +206,7 @@ def _flatten(
     pinned.update(i for i, f in zip(in_ids, in_flags, strict=False) if f and kinds[i] == "act")
     out_ids = walk(top, closed.consts, in_ids, prefix)
     prog = Program(eqns, n_params, in_ids, out_ids, consts, kinds, [], [], who, err, pinned, lookups=lookups)
-    _find_boundary(prog, _find_nodes(prog))
+    _find_boundary(prog, _find_nodes(prog, body=in_kinds is not None))
     return prog
 
 
@@ -237,8 +237,9 @@ def _flatten_scan(e, ins, ks, kinds, counter, who, err, inline_custom, sites, ke
     return outs, _Eqn(e.primitive, dict(e.params), ins, outs, jx.where(e), scan=sc, body=bp)
 
 
-def _find_nodes(prog: Program) -> set[int]:
-    """Mark the node pre-activations (see the module docstring); returns the linear accumulations."""
+def _find_nodes(prog: Program, body: bool = False) -> set[int]:
+    """Mark the node pre-activations (see the module docstring); returns the linear accumulations. In a
+    scan ``body``, the nodes are its pre-activations at one step of the unrolled network."""
     kinds = prog.kinds
     uses: dict[int, list[_Eqn]] = {}
     for e in prog.eqns:
@@ -263,7 +264,7 @@ def _find_nodes(prog: Program) -> set[int]:
             if kinds[v] != "act":
                 continue
             us = uses.get(v, [])
-            if v in outs:
+            if v in outs and (not body or v in fresh):  # a body's outputs (carry, ys) are not nodes as such
                 nodes.append(v)
                 continue
             if v not in fresh:
@@ -275,7 +276,7 @@ def _find_nodes(prog: Program) -> set[int]:
             if not merged:
                 nodes.append(v)
     for i in prog.in_ids[prog.n_params :]:  # an input returned as it is
-        if i in outs:
+        if i in outs and not body:
             nodes.append(i)
     prog.nodes = nodes
     prog.outputs = list(dict.fromkeys(outs))
@@ -471,13 +472,16 @@ def evaluate(
     hooks: dict | None = None,
     record: dict | None = None,
     sinks: list | None = None,
+    scan_posts: dict | None = None,
 ):
     """Evaluate the |·|^power network on ``invals`` (params raised to ``power``, then inputs, as `V`s).
 
     Returns the values of ``prog.out_ids``; ``sinks`` receives the sums (scalar `V`s) of the paths that
     end at boundary nodes (`_find_boundary`), which `total` adds to the outputs. ``post(var, value)``
     replaces the value of every input and every non-constant var where it is produced (DDP mixes node
-    statistics in). For κ⁽²⁾: ``hooks`` maps
+    statistics in). ``scan_posts`` maps the index of a top-level scan equation to ``(data, make_post)``: at
+    every step, the body is evaluated with ``post=make_post(data_t)``, ``data_t`` the step's slice of the
+    pytree ``data`` (leading axis: the steps, in index order). For κ⁽²⁾: ``hooks`` maps
     the index of a top-level scan equation to a zero array (T, n) added to the carry it produces at every
     step (its gradient is the carry adjoint ν), and ``record`` receives, under that index, a `ScanRecord`
     and, under ``("entries", index)``, the recurrent entries found by `_recurrent_entries`.
@@ -501,7 +505,8 @@ def evaluate(
         if e.outs[0] in sink_set:  # only the paths of the homogeneous part end at a sink
             vals = [V(jnp.zeros_like(v.m), v.e) if x in boundary else v for x, v in zip(e.ins, vals, strict=True)]
         if e.prim.name == "scan":
-            outs = _eval_scan(e, vals, power, None if hooks is None else hooks.get(idx), record, idx, sinks)
+            pert = None if hooks is None else hooks.get(idx)
+            outs = _eval_scan(e, vals, power, pert, record, idx, sinks, (scan_posts or {}).get(idx))
         elif out_kind == "const":
             outs = bind(e, vals)
         elif e.outs[0] in prog.bnd:
@@ -605,7 +610,7 @@ def _to_v(x, power: float, stable: bool, dtype) -> V:
     return renorm(V(m, jnp.zeros((), jnp.int32) if stable else None))
 
 
-def _eval_scan(e: _Eqn, vals, power, pert, record, idx, sinks=None):
+def _eval_scan(e: _Eqn, vals, power, pert, record, idx, sinks=None, body_post=None):
     bp = e.body
     nc, ncar, length, reverse = e.scan.num_consts, e.scan.num_carry, e.scan.length, e.scan.reverse
     bk = [bp.kinds[i] for i in bp.in_ids]
@@ -635,18 +640,20 @@ def _eval_scan(e: _Eqn, vals, power, pert, record, idx, sinks=None):
 
     collect = sinks is not None and _collects(bp)
 
-    def body_out(carry_v, x_m, perturb_vec=None, found=None):
+    def body_out(carry_v, x_m, perturb_vec=None, found=None, post=None):
         x_v = [V(m, v.e) if isinstance(v, V) else m for m, v in zip(x_m, xs, strict=True)]
         perturb = None
         if perturb_vec is not None:
             perturb = dict(zip([carry_out_ids[j] for j in act_carry], unflat(perturb_vec), strict=True))
-        return _eval_body(bp, list(consts) + list(carry_v) + x_v, power, perturb, found)
+        return _eval_body(bp, list(consts) + list(carry_v) + x_v, power, perturb, found, post)
+
+    data, make_post = body_post if body_post is not None else (None, None)
 
     def step(carry, x):
-        x_m, p_t = x
+        x_m, p_t, d_t = x
         carry_v = [V(*c) if isinstance(c, tuple) else c for c in carry]
         found = [] if collect else None
-        outs = body_out(carry_v, x_m, p_t, found)
+        outs = body_out(carry_v, x_m, p_t, found, None if make_post is None else make_post(d_t))
         new = []
         for j in range(ncar):
             o = outs[j]
@@ -666,7 +673,7 @@ def _eval_scan(e: _Eqn, vals, power, pert, record, idx, sinks=None):
         return new, ys
 
     init_c = [tuple(v) if isinstance(v, V) else v for v in init]
-    carry, ys = jax.lax.scan(step, init_c, (xs_m, pert), length=length, reverse=reverse)
+    carry, ys = jax.lax.scan(step, init_c, (xs_m, pert, data), length=length, reverse=reverse)
     outs = [V(*c) if isinstance(c, tuple) else c for c in carry]
     if collect:  # the paths that end at boundary nodes inside the body, over every step
         s_m, s_e = ys.pop()
@@ -708,10 +715,13 @@ def _collects(prog: Program) -> bool:
     return bool(prog.sinks or prog.bnd) or any(e.body is not None and _collects(e.body) for e in prog.eqns)
 
 
-def _eval_body(bp: Program, invals: list, power: float, perturb: dict | None, sinks: list | None = None):
-    """`evaluate` for a scan body, adding ``perturb[v]`` to the value of var v where it is produced."""
+def _eval_body(bp: Program, invals: list, power: float, perturb: dict | None, sinks: list | None = None, post=None):
+    """`evaluate` for a scan body, adding ``perturb[v]`` to the value of var v where it is produced (or
+    applying ``post``: the two are not combined)."""
     if not perturb:
-        return evaluate(bp, invals, power, sinks=sinks)
+        return evaluate(bp, invals, power, sinks=sinks, post=post)
+    if post is not None:
+        raise NotImplementedError("a scan body with both a perturbation and a post hook")
     produced = {o for e in bp.eqns for o in e.outs}
     if set(perturb) - produced:
         raise bp.err(

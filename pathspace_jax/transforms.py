@@ -298,7 +298,7 @@ def _ddp_update(space, config, every_one, updates, state, params, xs, key, dampi
 
     def compute():
         leaves = [jnp.asarray(p) for p in space.leaves_of(params, "params")]
-        kappa, lg = _kappa_jit(space, leaves, xs, key, alpha, moment, estimator, num_probes, probe_damping)
+        kappa, lg = _kappa_jit(space, leaves, xs, key, alpha, moment, estimator, num_probes, probe_damping, True)
         return space.unflatten_like(params, kappa), lg
 
     kappa, lg = _current_kappa(compute, (state.kappa, state.log2_gauge), state.count, 1 if every_one else every)

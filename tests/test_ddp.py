@@ -587,19 +587,53 @@ def _rnn_fn(p, x, act=jax.nn.relu, cut=False):
     return jnp.concatenate([zs.swapaxes(0, 1).reshape(x.shape[0], -1), y], axis=1) if cut else y
 
 
-def test_recurrent_networks_at_alpha_zero_and_one():
-    """Recurrences: α = 1 is the diagonal Fisher (of the outputs, and of the boundary nodes of a pinned
-    recurrent group: every pre-activation of a tanh RNN, h_{t-1} held fixed), α = 0 is Path-SGD's κ with
-    its κ⁽²⁾; 0 < α < 1 is refused with a clear error."""
+def _rnn_gamma_gn(q, p, x, alpha, moment):
+    """γ²_net of the ReLU `_rnn_fn` written out step by step (γ² of the zero initial state is 0), with the node
+    statistics S taken on the pre-activations linearised in the weights at p (the Gauss–Newton recursion)."""
+
+    def pre_activations(r):
+        def step(h, xt):
+            z = xt @ r["wi"] + h @ r["wh"] + r["b"]
+            return jax.nn.relu(z), z
+
+        h, zs = jax.lax.scan(step, jnp.zeros((x.shape[0], 4), x.dtype), x.swapaxes(0, 1))
+        return zs, h @ r["wo"] + r["bo"]
+
+    dq = jax.tree_util.tree_map(jnp.subtract, q, p)
+    (zs, y), (dzs, dy) = jax.jvp(pre_activations, (p,), (dq,))
+    s = (lambda z: jnp.mean(z * z, 0)) if moment == "second" else (lambda z: jnp.var(z, 0))
+    g = jnp.zeros(4, x.dtype)
+    for t in range(x.shape[1]):
+        g = alpha * s(zs[t] + dzs[t]) + (1 - alpha) * (jnp.sum(q["wi"] ** 2, 0) + g @ q["wh"] ** 2 + q["b"] ** 2)
+    return jnp.sum(alpha * s(y + dy) + (1 - alpha) * (g @ q["wo"] ** 2 + q["bo"] ** 2))
+
+
+def _rnn_case():
     ks = jax.random.split(jax.random.key(0), 5)
     shapes = {"wi": (3, 4), "wh": (4, 4), "b": (4,), "wo": (4, 2), "bo": (2,)}
     p = {n: 0.6 * jax.random.normal(k, s, jnp.float64) for k, (n, s) in zip(ks, shapes.items(), strict=True)}
     x = jax.random.normal(jax.random.key(5), (6, 5, 3), jnp.float64)
-    relu_space = pj.trace(_rnn_fn, p, x)
+    return p, x, pj.trace(_rnn_fn, p, x)
+
+
+def test_recurrent_networks_at_every_alpha():
+    """Recurrences: α = 1 is the diagonal Fisher (of the outputs, and of the boundary nodes of a pinned
+    recurrent group: every pre-activation of a tanh RNN, h_{t-1} held fixed), α = 0 is Path-SGD's κ with
+    its κ⁽²⁾, and 0 < α < 1 is ½ diag ∇² of the Gauss–Newton recursion (jax.hessian of it written out by
+    hand), continuous at both ends."""
+    p, x, relu_space = _rnn_case()
     assert any(leaf.recurrent for leaf in relu_space.leaves)
     chex.assert_trees_all_close(pj.ddp_kappa(relu_space, p, x, alpha=1.0), _fisher(_rnn_fn, p, x, "second"),
                                 rtol=1e-10, atol=1e-12)  # fmt: skip
     chex.assert_trees_all_close(pj.ddp_kappa(relu_space, p, x, alpha=0.0), pj.path_kappa(relu_space, p), rtol=1e-12)
+    for alpha, moment in [(0.5, "second"), (0.3, "variance")]:
+        expected = _hessian_diag(lambda q, a=alpha, m=moment: _rnn_gamma_gn(q, p, x, a, m), p)
+        assert min(float(jnp.min(e)) for e in jax.tree_util.tree_leaves(expected)) > 0  # the clamp at 0 is idle
+        got = pj.ddp_kappa(relu_space, p, x, alpha=alpha, moment=moment)
+        chex.assert_trees_all_close(got, expected, rtol=1e-10, atol=1e-12)
+    for near, end in [(1e-9, 0.0), (1 - 1e-9, 1.0)]:
+        chex.assert_trees_all_close(pj.ddp_kappa(relu_space, p, x, alpha=near),
+                                    pj.ddp_kappa(relu_space, p, x, alpha=end), rtol=1e-7, atol=1e-7)  # fmt: skip
 
     def tanh_fn(q, x):
         return _rnn_fn(q, x, jnp.tanh)
@@ -608,15 +642,43 @@ def test_recurrent_networks_at_alpha_zero_and_one():
     boundary = _fisher(functools.partial(_rnn_fn, act=jnp.tanh, cut=True), p, x, "variance")
     got = pj.ddp_kappa(tanh_space, p, x, alpha=1.0, moment="variance")
     chex.assert_trees_all_close(got, boundary, rtol=1e-10, atol=1e-12)
-    with pytest.raises(pj.DDPUnsupportedError, match="alpha=1 .* and alpha=0"):
-        pj.ddp_kappa(relu_space, p, x, alpha=0.5)
+
+
+@pytest.mark.slow
+def test_recurrent_probes_are_unbiased_and_the_step_invariant():
+    p, x, space = _rnn_case()
+    exact = ravel_pytree(pj.ddp_kappa(space, p, x, alpha=0.5))[0]
+
+    def draw(k):
+        kappa = pj.ddp_kappa(space, p, x, alpha=0.5, estimator="probes", probe_damping=0.0, key=k)
+        return ravel_pytree(kappa)[0]
+
+    draws = jax.jit(jax.vmap(draw))(jax.random.split(jax.random.key(11), 2000))
+    mean, std = draws.mean(0), draws.std(0)
+    np.testing.assert_array_less(np.abs(mean - exact), 5 * std / np.sqrt(2000) + 1e-12)
+    assert float(jnp.max(std / exact)) > 0.05  # not vacuous
+    for name in ["linen_rnn"]:  # a Flax RNN: DDP-SGD's step at α = 0.5 is rescaling-invariant
+        fn, params, xf = _flax_model(name)
+        flax_space = pj.trace(fn, params, xf)
+        _assert_update_invariant(jax.jit(_ddp_step(flax_space, 0.5, "second", xf)), flax_space, params,
+                                 jax.random.key(5))  # fmt: skip
 
 
 def test_unsupported_models_raise():
-    fn, params, x = _flax_model("linen_rnn")
-    space = pj.trace(fn, params, x)
-    with pytest.raises(pj.DDPUnsupportedError, match="recurrent"):
-        pj.ddp_kappa(space, params, x, alpha=0.5)
+    def nested(p, x):  # a scan inside a scan body
+        def outer(h, xt):
+            h2, _ = jax.lax.scan(
+                lambda c, _: (jax.nn.relu(c @ p["wh"] + p["b"]), None), h + xt @ p["wi"], None, length=2
+            )
+            return h2, None
+
+        h, _ = jax.lax.scan(outer, jnp.zeros((x.shape[0], 4), x.dtype), x.swapaxes(0, 1))
+        return h @ p["wo"] + p["bo"]
+
+    p, x, _ = _rnn_case()
+    space = pj.trace(nested, p, x)
+    with pytest.raises(pj.DDPUnsupportedError, match="nested scan"):
+        pj.ddp_kappa(space, p, x, alpha=0.5)
 
 
 @pytest.mark.slow

@@ -77,9 +77,10 @@ def _path_tx(space, name):
         "g_adam": lambda: pj.g_adam(space, 3e-3),
         # Path-SGD and DDP-SGD: the pinned group (the second RNN layer, normalised by the LayerNorm) is a
         # boundary, cut at every step; the token ids are a one-hot input. DDP at α = 0 is Path-SGD's κ (with
-        # κ⁽²⁾), at α = 1 the diagonal Fisher; 0 < α < 1 is not implemented for recurrences.
+        # κ⁽²⁾), at α = 1 the diagonal Fisher, in between the Gauss–Newton recursion (one damped probe).
         "path_sgd": lambda: pj.path_sgd(space, 1.0),
         "ddp_sgd_0": lambda: pj.ddp_sgd(space, 1.0, alpha=0.0),
+        "ddp_sgd_05": lambda: pj.ddp_sgd(space, 1.0, alpha=0.5),
         "ddp_sgd_1": lambda: pj.ddp_sgd(space, 1.0, alpha=1.0),
     }[name]()
 
@@ -88,15 +89,15 @@ def _partitioned(space, params, name):
     """The path optimiser on the edges, Adam on the rest. DDP-SGD at α > 0 runs the whole network (its node
     statistics need the LayerNorm's scale), so it scales the whole tree and the split comes after it."""
     labels = pj.path_labels(space, params)
-    if name == "ddp_sgd_1":
+    if name in ("ddp_sgd_05", "ddp_sgd_1"):
         return optax.chain(
-            pj.scale_by_ddp(space, alpha=1.0),
+            pj.scale_by_ddp(space, alpha=0.5 if name == "ddp_sgd_05" else 1.0),
             optax.partition({"path": optax.sgd(1.0), "other": optax.adam(3e-3)}, labels),
         )
     return optax.partition({"path": _path_tx(space, name), "other": optax.adam(3e-3)}, labels)
 
 
-@pytest.mark.parametrize("name", ["g_sgd", "g_adam", "path_sgd", "ddp_sgd_0", "ddp_sgd_1"])
+@pytest.mark.parametrize("name", ["g_sgd", "g_adam", "path_sgd", "ddp_sgd_0", "ddp_sgd_05", "ddp_sgd_1"])
 @pytest.mark.slow
 def test_language_model_trains_in_a_partition(name):
     space, params, data, loss = _lm()
