@@ -54,11 +54,23 @@ in every weight. Parameters that are not edges (a LayerNorm's scale) get κ = 0 
 transformations. The inputs' leading axis is the batch axis, and the function is applied to each
 example as a batch of one (``jax.vmap``), so functions that mix examples are not supported.
 Token ids (integer inputs) are a one-hot input times the embedding table, as in
-`pathspace_jax.path_kappa`. **Recurrences** (``scan``): at α = 1, κ is the diagonal Fisher above, of
-the outputs and the boundary nodes of the unrolled network (evaluated step by step); at α = 0 it is
-Path-SGD's κ with its κ⁽²⁾; for 0 < α < 1 they raise an error, since a path through a recurrent
-kernel uses it at every time step, so γ²_net is no longer quadratic in that weight and the closed
-form above does not hold. ``while`` loops, weight tying and other inputs raise an error that says why.
+`pathspace_jax.path_kappa`.
+
+**Recurrences** (``scan``). The recursion runs on the unrolled network (a node is a pre-activation at
+one step, with its own S over the batch; the scan is evaluated step by step). A path uses a recurrent
+kernel at every step, so z is not linear in it and ½ ∂²S/∂w² gains mean_i z ∂²z/∂w², of either sign.
+Here the statistics enter through their Gauss–Newton part:
+
+    κ = ½ diag ∇²_{w'} γ²_GN(w') at w' = w,      γ²_GN: the recursion with z(w') ↦ z(w) + J_z (w' − w).
+
+On feed-forward networks this is κ above exactly; at α = 1 it is the diagonal Fisher (of the outputs
+and the boundary nodes of the unrolled network), at α = 0 Path-SGD's κ with its κ⁽²⁾, and it is
+continuous in α. For 0 < α < 1 a recurrent kernel adds to the terms above K2 = ½ ∂²Γ₁/∂w² − ∂Γ₁/∂w²
+(Γ₁: γ²_net with S linearised to first order), the second derivative of the squared recursion in w and
+the cross term ∂ν/∂w · ∂S/∂w, from Hessian-vector products in the recurrent leaves: one per entry
+(``"exact"``) or Hutchinson's E[r ⊙ H r] over random signs r (``"probes"``, one HVP per probe,
+unbiased). K2 can be negative; `ddp_kappa` returns it as it is and DDP-SGD clamps κ at 0 before the
+probe damping. Nested scans, ``while`` loops, weight tying and other inputs raise an error that says why.
 
 References:
   Neyshabur, Salakhutdinov, Tomioka, Srebro, "Data-dependent path normalization in neural networks",
@@ -272,7 +284,9 @@ def ddp_kappa(
       alpha: α in [0, 1] (a Python float: it selects which terms are computed).
       moment: ``"second"`` (uncentred) or ``"variance"``.
       estimator: ``"exact"`` (per-example Jacobians: one backward pass per output at α = 1, per
-        unrolled node for 0 < α < 1) or ``"probes"`` (``num_probes`` random-sign VJPs; unbiased).
+        unrolled node for 0 < α < 1, plus one Hessian-vector product per recurrent-kernel entry on a
+        recurrence) or ``"probes"`` (``num_probes`` random-sign VJPs, and as many HVPs on a recurrence;
+        unbiased).
       num_probes: number of probes for ``estimator="probes"`` (each costs one more backward pass of the
         batch). One probe's estimate is heavy-tailed: for an output bias it is exactly 0 whenever the
         batch's random signs sum to 0 (≈ 7% of draws at batch 64), and dividing a gradient by it blows the
@@ -286,7 +300,8 @@ def ddp_kappa(
 
     Returns:
       κ, a pytree like ``params`` with the params' dtypes; entries are ≥ 0 (exactly 0 for a weight
-      that no output depends on, e.g. into a dead unit at α = 1).
+      that no output depends on, e.g. into a dead unit at α = 1), except at a recurrent kernel for
+      0 < α < 1, where the cross term (module docstring) or a probe's draw can make one negative.
 
     Example:
       >>> space = pj.trace(fn, params, x)
