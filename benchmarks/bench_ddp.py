@@ -2,7 +2,8 @@
 
 Rows: α = 1 with one probe (the target: ≤ 2× SGD), α = 0.5 with one probe, α = 1 exact (its cost
 grows with the number of outputs: one backward pass per output), and α = 1 with one probe
-recomputed every 10 steps. Run: ``python benchmarks/bench_ddp.py``.
+recomputed every 10 steps; on the ReLU RNN, α = 1 and α = 0.5 (the recurrent kernels' Hessian-vector
+product on top) with one probe. Run: ``python benchmarks/bench_ddp.py``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import pathspace_jax as pj  # noqa: E402
 def main() -> None:
     rows = {}
     all_setups = setups()
-    for name in ("mlp_784_512_512_10_b128", "small_cnn_b64"):
+    for name in ("mlp_784_512_512_10_b128", "small_cnn_b64", "relu_rnn_h100_t28_b64"):
         model, x, y = all_setups[name]
         params = model.init(jax.random.key(0), x[:1])["params"]
         fn = lambda p, x, model=model: model.apply({"params": p}, x)  # noqa: E731
@@ -37,6 +38,8 @@ def main() -> None:
             "alpha1_probes4": dict(alpha=1.0, estimator="probes", num_probes=4),
             "alpha1_probes4_every10": dict(alpha=1.0, estimator="probes", num_probes=4, every=10),
         }
+        if name == "relu_rnn_h100_t28_b64":
+            variants = {k: v for k, v in variants.items() if k in ("alpha1_probes1", "alpha0.5_probes1")}
         if name == "small_cnn_b64":  # on the MLP (m = 670k, 10 outputs, b128) it is ~900x: not worth the time
             variants["alpha1_exact"] = dict(alpha=1.0, estimator="exact")
         out = {}

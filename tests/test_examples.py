@@ -1,0 +1,28 @@
+"""Smoke tests of the examples: each runs in its ``--quick`` mode and its result says what it claims."""
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_unbalanced_quick(tmp_path):
+    results = _load("unbalanced").main(["--quick", "--out", str(tmp_path)])
+    assert (tmp_path / "unbalanced.png").stat().st_size > 0 and (tmp_path / "unbalanced.json").exists()
+    # the rescaled copies are different starting points for SGD and Adam...
+    assert results["SGD"]["spread"] > 1.0 and results["Adam"]["spread"] > 0.1
+    # ...and the same one for the path-space optimisers, up to float32 rounding
+    for name in ["Path-SGD", "DDP-SGD (α=0.5)", "G-SGD", "G-Adam"]:
+        assert results[name]["spread"] < 1e-2, (name, results[name]["spread"])
+        assert np.all(np.isfinite(results[name]["loss"]))
