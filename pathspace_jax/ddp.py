@@ -140,7 +140,7 @@ def _scan_nodes(prog: squared.Program, which: str = "sinks") -> list:
     for i, e in enumerate(prog.eqns):
         if e.body is None:
             continue
-        if any(x.body is not None and (x.body.sinks if which == "sinks" else True) for x in e.body.eqns):
+        if any(x.body is not None and (which == "nodes" or x.body.sinks or _scan_nodes(x.body)) for x in e.body.eqns):
             raise DDPUnsupportedError(f"ddp_kappa: a nested scan at {e.where} (one level of recurrence is supported)")
         out += [(i, v) for v in getattr(e.body, which)]
     return out
