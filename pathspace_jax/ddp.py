@@ -34,9 +34,13 @@ network is piecewise linear in it):
 The first term is one VJP of the γ² recursion with respect to the squared weights (S held fixed),
 like Path-SGD's κ⁽¹⁾; ν comes out of the same VJP. The second term ("second-order terms", eq. 30) is
 
-* ``estimator="exact"``: per-example Jacobians of every node with ν ≠ 0: at α = 1 only the outputs
-  (one backward pass per output entry and example, vectorised), for 0 < α < 1 every non-input node
-  of the unrolled network (one backward pass per node). Memory O(batch · nodes · m): small nets only.
+* ``estimator="exact"``: one batched backward pass per node entry t (at α = 1 only the outputs and
+  the boundary nodes, for 0 < α < 1 every node of the unrolled network). A dense kernel or a bias used
+  once per example has the per-example gradient a_i ⊗ δ_i (δ: the backward signal at its output), so
+  Σ_i (a_i ⊗ δ_i)² = (a²)ᵀ (δ²) needs no per-example gradient (the identity BackPACK uses for the exact
+  diagonal Gauss–Newton: Dangel, Kunstner, Hennig, "BackPACK: Packing more into backprop", ICLR 2020);
+  the other leaves (convolutions, shared and recurrent weights, embeddings) take per-example gradients,
+  memory O(batch · their size). Cost: about (1 + entries)× a backward pass at α = 1.
 * ``estimator="probes"``: random signs r over (example, node) pairs, one ordinary batched VJP per
   probe with cotangent r_{i,t} √ν_t at node t of example i: E[(Σ r a)²] = Σ a² makes it unbiased
   (for the variance the signs are centred over the batch, E[(Σ (r_i − r̄) a_i)²] = Σ (a_i − ā)²). Cost
@@ -126,7 +130,7 @@ def _run(prog: squared.Program, invals: list, want: Sequence, post=None) -> tupl
         else:
             outs = squared.bind(e, vals)
         for o, v in zip(e.outs, outs, strict=False):
-            env[o] = v if post is None else post(o, v, e)
+            env[o] = v = v if post is None else post(o, v, e)
             if o in boundary:  # a boundary value: downstream, an input of the homogeneous part
                 kept[o], env[o] = v, jax.lax.stop_gradient(v)
     outs = [jnp.asarray(x[1]) if isinstance(x, tuple) else env[x] for x in prog.out_ids]
@@ -283,8 +287,8 @@ def ddp_kappa(
         array, or a tuple for several); the leading axis of every input is the batch axis.
       alpha: α in [0, 1] (a Python float: it selects which terms are computed).
       moment: ``"second"`` (uncentred) or ``"variance"``.
-      estimator: ``"exact"`` (per-example Jacobians: one backward pass per output at α = 1, per
-        unrolled node for 0 < α < 1, plus one Hessian-vector product per recurrent-kernel entry on a
+      estimator: ``"exact"`` (one batched backward pass per output entry at α = 1, per unrolled node
+        entry for 0 < α < 1: see the module docstring; plus one Hessian-vector product per recurrent-kernel entry on a
         recurrence) or ``"probes"`` (``num_probes`` random-sign VJPs, and as many HVPs on a recurrence;
         unbiased).
       num_probes: number of probes for ``estimator="probes"`` (each costs one more backward pass of the
@@ -398,22 +402,8 @@ def _kappa_jit(space, leaves, xs, key, alpha, moment, estimator, num_probes, pro
                 sqs = jax.vmap(one)(jax.random.split(key, int(num_probes)))
             kappa = [k + jnp.mean(s, axis=0) / n for k, s in zip(kappa, sqs, strict=False)]
         else:
-
-            def per_example(*x):
-                def flat(ps):
-                    return jnp.concatenate([z.ravel() for z in _forward(prog, ps, [xi[None] for xi in x], want)])
-
-                return jax.jacrev(flat)(leaves)
-
-            jac = jax.vmap(per_example)(*xs)  # per leaf: (n, N, *leaf)
-            weights = jnp.concatenate(
-                [jnp.broadcast_to(nu, jnp.shape(z)[1:]).ravel() for nu, z in zip(nus, zs, strict=False)]
-            )
-            for j, J in enumerate(jac):
-                if moment == "variance":
-                    J = J - jnp.mean(J, axis=0, keepdims=True)
-                wj = weights.reshape((1, -1) + (1,) * (J.ndim - 2))
-                kappa[j] = kappa[j] + jnp.sum(wj * J * J, axis=(0, 1)) / n
+            second = _second_order_exact(prog, leaves, xs, want, zs, nus, moment)
+            kappa = [k + a for k, a in zip(kappa, second, strict=True)]
     if recurrent:  # the terms of the recurrent kernels that a feed-forward weight does not have
         rec = [j for j, leaf in enumerate(space.leaves) if leaf.recurrent]
         kappa = _recurrent_term(leaves, kappa, kappa_a, rec, zs, lin, stats, gamma_net, moment, estimator,
@@ -427,6 +417,111 @@ def _kappa_jit(space, leaves, xs, key, alpha, moment, estimator, num_probes, pro
         kappa = [k + probe_damping * kp for k, kp in zip(kappa, k_path, strict=True)]
     kappa = [k.astype(p.dtype) for k, p in zip(kappa, leaves, strict=False)]
     return kappa, lg
+
+
+_RELABEL = {"reshape", "broadcast_in_dim", "convert_element_type", "squeeze", "expand_dims"}
+
+
+def _outer_product_leaves(prog: squared.Program, shapes: dict) -> dict:
+    """The leaves whose per-example gradient is an outer product, as ``{leaf: (tap var, activation var or
+    None)}``: a dense kernel W used once, in ``a @ W`` with a (1, k) per example (gradient a ⊗ δ, δ the
+    cotangent of the product: the tap), and a bias used once (after a reshape) in ``z + b`` with z of
+    b's size per example (gradient δ at the sum). ``shapes``: the per-example shape of every value."""
+    uses: dict[int, list] = {}
+    for e in prog.eqns:
+        for x in e.ins:
+            if not isinstance(x, tuple):
+                uses.setdefault(x, []).append(e)
+    out = {}
+    for j, p in enumerate(prog.in_ids[: prog.n_params]):
+        v, size = p, int(np.prod(shapes[p], dtype=np.int64))
+        while len(uses.get(v, [])) == 1 and uses[v][0].prim.name in _RELABEL and len(uses[v][0].outs) == 1:
+            v = uses[v][0].outs[0]  # a relabelling of the same entries (a bias reshaped to (1, m))
+        if len(uses.get(v, [])) != 1 or int(np.prod(shapes[v], dtype=np.int64)) != size:
+            continue
+        e = uses[v][0]
+        other = [x for x in e.ins if x != v]
+        if len(e.ins) != 2 or len(other) != 1 or isinstance(other[0], tuple):
+            continue
+        a = other[0]
+        if e.prim.name == "dot_general" and e.ins[1] == v and shapes[v] == shapes[p] and len(shapes[p]) == 2:
+            if e.params["dimension_numbers"] == (((1,), (0,)), ((), ())) and shapes[a] == (1, shapes[p][0]):
+                out[j] = (e.outs[0], a)
+        elif e.prim.name in ("add", "add_any") and shapes[a] == shapes[v] == (1, size):
+            out[j] = (e.outs[0], None)
+    return out
+
+
+def _second_order_exact(prog, leaves, xs, want, zs, nus, moment) -> list:
+    """Σ_t ν_t mean_i (∂z_t(x_i)/∂w)² (centred over i for the variance), exactly: one batched backward pass
+    per entry t of the per-example nodes ``want``, without per-example gradients where they are outer
+    products (`_outer_product_leaves`): there Σ_i (a_i ⊗ δ_i)² = (a²)ᵀ δ², one product per layer (the
+    per-example squared-gradient identity used for the exact diagonal Gauss–Newton in BackPACK; Dangel,
+    Kunstner, Hennig, ICLR 2020). Other leaves (convolutions, shared and recurrent weights, embeddings)
+    take per-example gradients."""
+    n, dtype = int(jnp.shape(xs[0])[0]), jnp.result_type(*leaves)
+    shapes = {i: (1, *jnp.shape(x)[1:]) for i, x in zip(prog.in_ids[prog.n_params :], xs, strict=True)}
+    shapes.update({i: tuple(jnp.shape(p)) for i, p in zip(prog.in_ids, leaves, strict=False)})
+
+    def record(o, v, e):
+        shapes[o] = tuple(jnp.shape(v))
+        return v
+
+    jax.eval_shape(lambda ps, *x: _run(prog, list(ps) + [xi[:1] for xi in x], [], post=record), leaves, *xs)
+    outer = _outer_product_leaves(prog, shapes)
+    taps = list(dict.fromkeys(t for t, _ in outer.values()))
+    acts = list(dict.fromkeys(a for _, a in outer.values() if a is not None))
+    rest = [j for j in range(len(leaves)) if j not in outer]
+
+    def one(eps, w_rest, *x):  # one example; eps is added at the taps
+        ps = list(leaves)
+        for j, w in zip(rest, w_rest, strict=True):
+            ps[j] = w
+        add = dict(zip(taps, eps, strict=True))
+
+        def tap(o, v, e):
+            return v + add[o] if o in add else v
+
+        vals = _run(prog, ps + [xi[None] for xi in x], list(want) + acts, post=tap)[1]
+        return vals[: len(want)], vals[len(want) :]
+
+    eps0 = [jnp.zeros((n, *shapes[t]), dtype) for t in taps]
+    per_example = [jnp.broadcast_to(leaves[j], (n, *jnp.shape(leaves[j]))) for j in rest]
+    _, vjp, act_vals = jax.vjp(lambda e, w: jax.vmap(one)(e, w, *xs), eps0, per_example, has_aux=True)
+    act_of = {a: v.reshape(n, -1) for a, v in zip(acts, act_vals, strict=True)}
+    weights = jnp.concatenate([jnp.broadcast_to(nu, jnp.shape(z)[1:]).ravel() for nu, z in zip(nus, zs, strict=True)])
+    sizes = [int(np.prod(jnp.shape(z)[1:], dtype=np.int64)) for z in zs]
+
+    def mean_grad(j, d_eps):  # ḡ = mean_i a_i ⊗ δ_i (a kernel) or mean_i δ_i (a bias), shaped like the leaf
+        t, a = outer[j]
+        d = d_eps[taps.index(t)].reshape(n, -1)
+        return (act_of[a].T @ d / n if a is not None else jnp.mean(d, axis=0)).reshape(jnp.shape(leaves[j]))
+
+    def body(acc, o):
+        parts = jnp.split(jax.nn.one_hot(o, weights.size, dtype=dtype), np.cumsum(sizes)[:-1])
+        cot = [jnp.broadcast_to(c.reshape(jnp.shape(z)[1:]), jnp.shape(z)) for c, z in zip(parts, zs, strict=True)]
+        d_eps, d_rest = vjp(cot)
+        nu = weights[o]
+        sq, mean_sq, g_rest = acc
+        sq = [s + nu * d.reshape(n, -1) ** 2 for s, d in zip(sq, d_eps, strict=True)]
+        g_rest = [s + nu * jnp.sum(g * g, axis=0) for s, g in zip(g_rest, d_rest, strict=True)]
+        if moment == "variance":  # Σ_i (g_i − ḡ)² = Σ_i g_i² − n ḡ²
+            mean_sq = {j: m + nu * n * mean_grad(j, d_eps) ** 2 for j, m in mean_sq.items()}
+            g_rest = [s - nu * n * jnp.mean(g, axis=0) ** 2 for s, g in zip(g_rest, d_rest, strict=True)]
+        return (sq, mean_sq, g_rest), None
+
+    init_mean = {j: jnp.zeros(jnp.shape(leaves[j]), dtype) for j in outer} if moment == "variance" else {}
+    init = ([jnp.zeros((n, int(np.prod(shapes[t], dtype=np.int64))), dtype) for t in taps], init_mean,
+            [jnp.zeros(jnp.shape(leaves[j]), dtype) for j in rest])  # fmt: skip
+    (sq, mean_sq, g_rest), _ = jax.lax.scan(body, init, jnp.arange(weights.size))
+    out = [None] * len(leaves)
+    for j, (t, a) in outer.items():
+        d2 = sq[taps.index(t)]
+        k = ((act_of[a] ** 2).T @ d2 if a is not None else jnp.sum(d2, axis=0)).reshape(jnp.shape(leaves[j]))
+        out[j] = (k - mean_sq[j] if moment == "variance" else k) / n
+    for j, g in zip(rest, g_rest, strict=True):
+        out[j] = g / n
+    return out
 
 
 def _recurrent_term(leaves, kappa, kappa_a, rec, zs, lin, stats, gamma_net, moment, estimator, num_probes, key):

@@ -232,9 +232,9 @@ def scale_by_ddp(
     Args:
       space: the `PathSpace` of the network (``pathspace_jax.trace``).
       alpha, moment, estimator, num_probes, probe_damping: as in `pathspace_jax.ddp_kappa`. Here the
-        default estimator is ``"probes"`` (one damped probe: about 2× SGD's step on an MLP, where the
-        exact per-example Jacobians cost up to several hundred times SGD's); pass ``estimator="exact"``
-        for the exact κ.
+        default estimator is ``"probes"`` (one damped probe: about 2× SGD's step); pass
+        ``estimator="exact"`` for the exact κ (one backward pass per output entry at α = 1: cheap for a few
+        outputs, per node entry for 0 < α < 1).
       damping: added to κ in the canonical frame (≥ 0; rescaling invariant).
       eps: added to κ in the params' frame (≥ 0; breaks the invariance, default 0).
       every: recompute κ every ``every`` steps (steps 0, k, 2k, ...), reusing the stored κ between
