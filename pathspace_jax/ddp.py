@@ -473,7 +473,7 @@ def _second_order_exact(prog, leaves, xs, want, zs, nus, moment) -> list:
     acts = list(dict.fromkeys(a for _, a in outer.values() if a is not None))
     rest = [j for j in range(len(leaves)) if j not in outer]
 
-    def one(eps, w_rest, *x):  # one example; eps is added at the taps
+    def one(eps, w_rest, *x):  # one example; eps (zero) is added at the taps
         ps = list(leaves)
         for j, w in zip(rest, w_rest, strict=True):
             ps[j] = w
@@ -485,42 +485,47 @@ def _second_order_exact(prog, leaves, xs, want, zs, nus, moment) -> list:
         vals = _run(prog, ps + [xi[None] for xi in x], list(want) + acts, post=tap)[1]
         return vals[: len(want)], vals[len(want) :]
 
-    eps0 = [jnp.zeros((n, *shapes[t]), dtype) for t in taps]
-    per_example = [jnp.broadcast_to(leaves[j], (n, *jnp.shape(leaves[j]))) for j in rest]
-    _, vjp, act_vals = jax.vjp(lambda e, w: jax.vmap(one)(e, w, *xs), eps0, per_example, has_aux=True)
-    act_of = {a: v.reshape(n, -1) for a, v in zip(acts, act_vals, strict=True)}
     weights = jnp.concatenate([jnp.broadcast_to(nu, jnp.shape(z)[1:]).ravel() for nu, z in zip(nus, zs, strict=True)])
-    sizes = [int(np.prod(jnp.shape(z)[1:], dtype=np.int64)) for z in zs]
-
-    def mean_grad(j, d_eps):  # ḡ = mean_i a_i ⊗ δ_i (a kernel) or mean_i δ_i (a bias), shaped like the leaf
-        t, a = outer[j]
-        d = d_eps[taps.index(t)].reshape(n, -1)
-        return (act_of[a].T @ d / n if a is not None else jnp.mean(d, axis=0)).reshape(jnp.shape(leaves[j]))
-
-    def body(acc, o):
-        parts = jnp.split(jax.nn.one_hot(o, weights.size, dtype=dtype), np.cumsum(sizes)[:-1])
-        cot = [jnp.broadcast_to(c.reshape(jnp.shape(z)[1:]), jnp.shape(z)) for c, z in zip(parts, zs, strict=True)]
-        d_eps, d_rest = vjp(cot)
-        nu = weights[o]
-        sq, mean_sq, g_rest = acc
-        sq = [s + nu * d.reshape(n, -1) ** 2 for s, d in zip(sq, d_eps, strict=True)]
-        g_rest = [s + nu * jnp.sum(g * g, axis=0) for s, g in zip(g_rest, d_rest, strict=True)]
-        if moment == "variance":  # Σ_i (g_i − ḡ)² = Σ_i g_i² − n ḡ²
-            mean_sq = {j: m + nu * n * mean_grad(j, d_eps) ** 2 for j, m in mean_sq.items()}
-            g_rest = [s - nu * n * jnp.mean(g, axis=0) ** 2 for s, g in zip(g_rest, d_rest, strict=True)]
-        return (sq, mean_sq, g_rest), None
-
-    init_mean = {j: jnp.zeros(jnp.shape(leaves[j]), dtype) for j in outer} if moment == "variance" else {}
-    init = ([jnp.zeros((n, int(np.prod(shapes[t], dtype=np.int64))), dtype) for t in taps], init_mean,
-            [jnp.zeros(jnp.shape(leaves[j]), dtype) for j in rest])  # fmt: skip
-    (sq, mean_sq, g_rest), _ = jax.lax.scan(body, init, jnp.arange(weights.size))
     out = [None] * len(leaves)
-    for j, (t, a) in outer.items():
-        d2 = sq[taps.index(t)]
-        k = ((act_of[a] ** 2).T @ d2 if a is not None else jnp.sum(d2, axis=0)).reshape(jnp.shape(leaves[j]))
-        out[j] = (k - mean_sq[j] if moment == "variance" else k) / n
-    for j, g in zip(rest, g_rest, strict=True):
-        out[j] = g / n
+    w_rest = [leaves[j] for j in rest]
+    if outer:  # one batched backward pass per entry o, to the taps only: Σ_o ν_o δ_o², then (a²)ᵀ(·) per layer
+        eps0 = [jnp.zeros((n, *shapes[t]), dtype) for t in taps]
+        _, vjp, act_vals = jax.vjp(lambda e: jax.vmap(lambda ei, *x: one(ei, w_rest, *x))(e, *xs), eps0, has_aux=True)
+        act_of = {a: v.reshape(n, -1) for a, v in zip(acts, act_vals, strict=True)}
+        sizes = [int(np.prod(jnp.shape(z)[1:], dtype=np.int64)) for z in zs]
+
+        def mean_grad(j, d_eps):  # ḡ = mean_i a_i ⊗ δ_i (a kernel) or mean_i δ_i (a bias), shaped like the leaf
+            t, a = outer[j]
+            d = d_eps[taps.index(t)].reshape(n, -1)
+            return (act_of[a].T @ d / n if a is not None else jnp.mean(d, axis=0)).reshape(jnp.shape(leaves[j]))
+
+        def body(acc, o):
+            parts = jnp.split(jax.nn.one_hot(o, weights.size, dtype=dtype), np.cumsum(sizes)[:-1])
+            (d_eps,) = vjp([jnp.broadcast_to(c.reshape(z.shape[1:]), z.shape) for c, z in zip(parts, zs, strict=True)])
+            sq, mean_sq = acc
+            sq = [s + weights[o] * d.reshape(n, -1) ** 2 for s, d in zip(sq, d_eps, strict=True)]
+            if moment == "variance":  # Σ_i (g_i − ḡ)² = Σ_i g_i² − n ḡ²
+                mean_sq = {j: m + weights[o] * n * mean_grad(j, d_eps) ** 2 for j, m in mean_sq.items()}
+            return (sq, mean_sq), None
+
+        init = ([jnp.zeros((n, int(np.prod(shapes[t], dtype=np.int64))), dtype) for t in taps],
+                {j: jnp.zeros(jnp.shape(leaves[j]), dtype) for j in outer} if moment == "variance" else {})  # fmt: skip
+        (sq, mean_sq), _ = jax.lax.scan(body, init, jnp.arange(weights.size))
+        for j, (t, a) in outer.items():
+            d2 = sq[taps.index(t)]
+            k = ((act_of[a] ** 2).T @ d2 if a is not None else jnp.sum(d2, axis=0)).reshape(jnp.shape(leaves[j]))
+            out[j] = (k - mean_sq[j] if moment == "variance" else k) / n
+    if rest:  # per-example Jacobians of every entry, for these leaves only: (n, entries, *leaf)
+        zero = [jnp.zeros(shapes[t], dtype) for t in taps]
+
+        def flat(w, *x):
+            return jnp.concatenate([z.ravel() for z in one(zero, w, *x)[0]])
+
+        jac = jax.vmap(lambda *x: jax.jacrev(flat)(w_rest, *x))(*xs)
+        for j, J in zip(rest, jac, strict=True):
+            if moment == "variance":
+                J = J - jnp.mean(J, axis=0, keepdims=True)
+            out[j] = jnp.sum(weights.reshape((1, -1) + (1,) * (J.ndim - 2)) * J * J, axis=(0, 1)) / n
     return out
 
 
