@@ -91,6 +91,7 @@ import jax.flatten_util
 import jax.numpy as jnp
 import numpy as np
 
+from pathspace_jax import jaxpr as jx
 from pathspace_jax import squared
 from pathspace_jax.coords import kappa_from_frame, to_canonical_frame
 from pathspace_jax.graph import PathSpace, check_path_space, compute_dtype
@@ -445,7 +446,7 @@ def _outer_product_leaves(prog: squared.Program, shapes: dict) -> dict:
             continue
         a = other[0]
         if e.prim.name == "dot_general" and e.ins[1] == v and shapes[v] == shapes[p] and len(shapes[p]) == 2:
-            if e.params["dimension_numbers"] == (((1,), (0,)), ((), ())) and shapes[a] == (1, shapes[p][0]):
+            if jx.is_plain_matmul(e.params) and shapes[a] == (1, shapes[p][0]):
                 out[j] = (e.outs[0], a)
         elif e.prim.name in ("add", "add_any") and shapes[a] == shapes[v] == (1, size):
             out[j] = (e.outs[0], None)

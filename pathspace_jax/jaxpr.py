@@ -263,3 +263,10 @@ def is_row_lookup(params: dict, operand_ndim: int, slice_sizes_tail: tuple, out_
         and tuple(params["slice_sizes"]) == (1, *slice_sizes_tail)
         and tuple(dn.offset_dims) == tuple(range(out_ndim - operand_ndim + 1, out_ndim))
     )
+
+
+def is_plain_matmul(params: dict) -> bool:
+    """Whether a ``dot_general`` with these params is ``a @ b`` of two matrices: the last axis of ``a``
+    contracted with the first of ``b``, no batch axes."""
+    (lhs_c, rhs_c), (lhs_b, rhs_b) = params["dimension_numbers"]
+    return tuple(lhs_c) == (1,) and tuple(rhs_c) == (0,) and not tuple(lhs_b) and not tuple(rhs_b)
