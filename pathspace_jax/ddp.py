@@ -337,18 +337,19 @@ def _kappa_jit(space, leaves, xs, key, alpha, moment, estimator, num_probes, pro
     param_key = tuple((tuple(p.shape), str(p.dtype)) for p in leaves)
     input_key = tuple(((1, *jnp.shape(x)[1:]), str(jnp.result_type(x))) for x in xs)
     prog = squared.program(space, param_key, input_key, who="ddp_kappa", err=DDPUnsupportedError, allow_scan=True)
-    scans = [(i, e) for i, e in enumerate(prog.eqns) if e.body is not None]
+    scans = any(e.body is not None for e in prog.eqns)
     if scans and alpha == 0.0:  # Path-SGD's κ, with the κ⁽²⁾ of the recurrent kernels
         from pathspace_jax.kappa import _kappa_jit as path_kappa_jit
 
         return path_kappa_jit(space, leaves, True)
-    recurrent = bool(scans) and alpha < 1.0  # 0 < α < 1 through a recurrence: the recurrent term below
+    recurrent = scans and alpha < 1.0  # 0 < α < 1 through a recurrence: the recurrent term below
     if recurrent and estimator == "probes":
         key, rec_key = jax.random.split(key)
     frame, lg = to_canonical_frame(space, leaves, compute_dtype(leaves))
     leaves = [c.astype(p.dtype) for c, p in zip(frame, leaves, strict=True)]
     n = int(jnp.shape(xs[0])[0])
     dtype = jnp.result_type(*leaves)
+    ones = _ones(xs, dtype)
 
     # -- the real forward pass, per example, keeping every node's pre-activation
     # (the nodes inside a scan body: stacked over the steps)
@@ -373,9 +374,8 @@ def _kappa_jit(space, leaves, xs, key, alpha, moment, estimator, num_probes, pro
         zs, vjp = jax.vjp(zs_of, leaves)
 
     # -- the γ² recursion: term (1 − α) λ_v γ_u² and ν = ∂γ²_net/∂S
-    ones = _ones(xs, dtype)
     if alpha < 1.0:
-        stats = [jax.lax.stop_gradient(_moment(z, moment)) if alpha > 0.0 else 0.0 for z in zs or want]
+        stats = [jax.lax.stop_gradient(_moment(z, moment)) for z in zs] if alpha > 0.0 else [0.0] * len(want)
         kappa_a, nus = jax.grad(gamma_net, argnums=(0, 1))([p * p for p in leaves], stats)
         kappa = [k + a for k, a in zip(kappa, kappa_a, strict=False)]
     else:

@@ -716,12 +716,10 @@ def _collects(prog: Program) -> bool:
 
 
 def _eval_body(bp: Program, invals: list, power: float, perturb: dict | None, sinks: list | None = None, post=None):
-    """`evaluate` for a scan body, adding ``perturb[v]`` to the value of var v where it is produced (or
-    applying ``post``: the two are not combined)."""
+    """`evaluate` for a scan body, adding ``perturb[v]`` to the value of var v where it is produced (then
+    applying ``post``, if given)."""
     if not perturb:
         return evaluate(bp, invals, power, sinks=sinks, post=post)
-    if post is not None:
-        raise NotImplementedError("a scan body with both a perturbation and a post hook")
     produced = {o for e in bp.eqns for o in e.outs}
     if set(perturb) - produced:
         raise bp.err(
@@ -730,7 +728,8 @@ def _eval_body(bp: Program, invals: list, power: float, perturb: dict | None, si
         )
 
     def add(o, v):
-        return V(v.m + perturb[o].astype(v.m.dtype), v.e) if o in perturb else v
+        v = V(v.m + perturb[o].astype(v.m.dtype), v.e) if o in perturb else v
+        return v if post is None else post(o, v)
 
     return evaluate(bp, invals, power, post=add, sinks=sinks)
 
