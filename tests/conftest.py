@@ -8,11 +8,26 @@ them alone and ``-m "slow or not slow"`` runs everything (what CI runs).
 """
 
 import gc
+import os
+import tempfile
 
 import jax
 import pytest
 
 jax.config.update("jax_enable_x64", True)
+# JAX's persistent compilation cache, shared by the pytest workers and the subprocesses some tests start (they
+# inherit the environment): every program compiled twice in a run (the same model in several tests, again after
+# the per-module clearing below) is compiled once. The full run takes 14.6 minutes with it from an empty cache,
+# 16.9 without. PJ_TEST_CACHE=0 turns it off.
+if os.environ.get("PJ_TEST_CACHE", "1") != "0":
+    _CACHE = {
+        "jax_compilation_cache_dir": os.path.join(tempfile.gettempdir(), f"pathspace_jax_test_cache_{os.getuid()}"),
+        "jax_persistent_cache_min_compile_time_secs": 0.0,
+        "jax_persistent_cache_min_entry_size_bytes": 0,
+    }
+    for _name, _value in _CACHE.items():
+        jax.config.update(_name, _value)
+        os.environ[_name.upper()] = str(_value)
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest's own -m selection

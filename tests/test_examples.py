@@ -28,3 +28,24 @@ def test_unbalanced_quick(tmp_path):
     for name in ["Path-SGD", "DDP-SGD (α=0.5)", "G-SGD", "G-Adam"]:
         assert results[name]["spread"] < 1e-6, (name, results[name]["spread"])
         assert np.all(np.isfinite(results[name]["loss"]))
+
+
+@pytest.mark.slow
+def test_sequential_digits_quick(tmp_path):
+    results = _load("sequential_digits").main(["--quick", "--out", str(tmp_path)])
+    assert (tmp_path / "sequential_digits.png").stat().st_size > 0 and (tmp_path / "sequential_digits.json").exists()
+    runs = results["rows"]
+    assert set(runs) == {"SGD", "Path-SGD", "G-SGD", "DDP-SGD", "Adam", "G-Adam"}
+    for name, run in runs.items():
+        assert np.all(np.isfinite(run["loss"])), name
+        # a few epochs on the rows task already leave chance (90% error) far behind
+        assert np.mean(run["test_error"]) < 0.6, (name, run["test_error"])
+        # the training loss falls from its first epoch to its last
+        assert np.all(np.asarray(run["loss"])[-1] < np.asarray(run["loss"])[0]), name
+
+
+def test_quickstart_nnx_runs(capsys):
+    _load("quickstart_nnx").main()
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 10
+    assert float(lines[-1].rsplit(" ", 1)[-1]) > 0.9  # test accuracy after 10 epochs of G-Adam
