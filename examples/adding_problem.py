@@ -43,6 +43,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 SGD_GRID = (0.03, 0.01, 0.003)
+PATH_GRID = (0.3, 0.1, 0.03)
 ADAM_GRID = (3e-3, 1e-3, 3e-4)
 
 
@@ -68,10 +69,11 @@ def adding_batch(key, batch: int, length: int):
 def optimisers(space):
     """name -> (transformation with an injected learning rate, learning-rate grid)."""
     inject = optax.inject_hyperparams
+    first_order = inject(pj.path_sgd, static_args=("second_order",))(space, 0.0, second_order=False)
     return {
         "SGD": (inject(optax.sgd)(learning_rate=0.0), SGD_GRID),
-        "Path-SGD κ⁽¹⁾": (inject(pj.path_sgd, static_args=("second_order",))(space, 0.0, second_order=False), SGD_GRID),
-        "Path-SGD κ⁽¹⁾+κ⁽²⁾": (inject(pj.path_sgd)(space, learning_rate=0.0), SGD_GRID),
+        "Path-SGD κ⁽¹⁾": (first_order, PATH_GRID),
+        "Path-SGD κ⁽¹⁾+κ⁽²⁾": (inject(pj.path_sgd)(space, learning_rate=0.0), PATH_GRID),
         "G-SGD": (inject(pj.g_sgd)(space, learning_rate=0.0), SGD_GRID),
         "Adam": (inject(optax.adam)(learning_rate=0.0), ADAM_GRID),
         "G-Adam": (inject(pj.g_adam)(space, learning_rate=0.0), ADAM_GRID),
@@ -118,7 +120,7 @@ def train(model, tx, lrs, seeds, *, length, steps, batch, evals, bar):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", type=int, nargs="+", default=[50, 100, 200])
-    ap.add_argument("--steps", type=int, default=1500)
+    ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--batch", type=int, default=50)
     ap.add_argument("--seeds", type=int, default=2)

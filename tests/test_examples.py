@@ -49,3 +49,25 @@ def test_quickstart_nnx_runs(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 10
     assert float(lines[-1].rsplit(" ", 1)[-1]) > 0.9  # test accuracy after 10 epochs of G-Adam
+
+
+@pytest.mark.slow
+def test_char_lm_quick(tmp_path):
+    results = _load("char_lm").main(["--quick", "--out", str(tmp_path)])
+    assert (tmp_path / "char_lm.png").stat().st_size > 0 and (tmp_path / "char_lm.json").exists()
+    assert set(results) == {"SGD", "Path-SGD", "G-SGD", "Adam", "G-Adam"}
+    for name, r in results.items():
+        assert np.all(np.isfinite(r["loss"])), name
+        # below a uniform guess over the 103 characters (6.7 bits) after 60 steps
+        assert r["held_out_bpc"][-1] < 6.0, (name, r["held_out_bpc"])
+
+
+@pytest.mark.slow
+def test_adding_problem_quick(tmp_path):
+    results = _load("adding_problem").main(["--quick", "--out", str(tmp_path)])
+    assert (tmp_path / "adding_problem.png").stat().st_size > 0 and (tmp_path / "adding_problem.json").exists()
+    runs = results[20]
+    assert set(runs) == {"SGD", "Path-SGD κ⁽¹⁾", "Path-SGD κ⁽¹⁾+κ⁽²⁾", "G-SGD", "Adam", "G-Adam"}
+    for name, r in runs.items():
+        # from an output near 0 (error ≈ 1.2) to below 0.5 in 150 steps; the task is solved below 1/6 ≈ 0.167
+        assert np.all(np.isfinite(r["test_mse"])) and np.max(r["test_mse"]) < 0.5, (name, r["test_mse"])
