@@ -71,3 +71,16 @@ def test_adding_problem_quick(tmp_path):
     for name, r in runs.items():
         # from an output near 0 (error ≈ 1.2) to below 0.5 in 150 steps; the task is solved below 1/6 ≈ 0.167
         assert np.all(np.isfinite(r["test_mse"])) and np.max(r["test_mse"]) < 0.5, (name, r["test_mse"])
+
+
+@pytest.mark.slow
+def test_digits_mlp_cnn_quick(tmp_path):
+    results = _load("digits_mlp_cnn").main(["--quick", "--out", str(tmp_path)])
+    assert (tmp_path / "digits_mlp_cnn.png").stat().st_size > 0 and (tmp_path / "digits_mlp_cnn.json").exists()
+    runs = results["MLP"]
+    assert len(runs) == 12 and {"BatchNorm", "DDP-SGD α=0.5", "DDP-Norm α=0.5"} <= set(runs)
+    for name, r in runs.items():
+        assert np.all(np.isfinite(r["loss"])), name
+        assert np.mean(r["test_error"]) < 0.5, (name, r["test_error"])  # chance is 90%
+    # DDP-SGD at α = 0 is Path-SGD (its κ is the path-norm κ): the same steps, up to rounding
+    np.testing.assert_allclose(runs["DDP-SGD α=0"]["loss"], runs["Path-SGD"]["loss"], rtol=1e-4)
