@@ -59,10 +59,10 @@ class ReluRNN(nn.Module):
 def adding_batch(key, batch: int, length: int):
     """A batch of the adding problem: inputs (batch, length, 2) and targets (batch,)."""
     kv, k1, k2 = jax.random.split(key, 3)
-    values = jax.random.uniform(kv, (batch, length))
+    values = jax.random.uniform(kv, (batch, length), jnp.float32)
     first = jax.random.randint(k1, (batch,), 0, length // 2)
     second = jax.random.randint(k2, (batch,), length // 2, length)
-    markers = jax.nn.one_hot(first, length) + jax.nn.one_hot(second, length)
+    markers = jax.nn.one_hot(first, length, dtype=jnp.float32) + jax.nn.one_hot(second, length, dtype=jnp.float32)
     return jnp.stack([values, markers], axis=-1), jnp.sum(values * markers, axis=1)
 
 

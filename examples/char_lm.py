@@ -154,7 +154,7 @@ def main(argv=None):
     model = CharLM(vocab, args.embed, args.hidden, args.layers)
     params = model.init(jax.random.key(0), held_out[:1, :8])["params"]
     rnn = StackedReluRNN(args.hidden, args.layers)
-    emb = jnp.zeros((1, 8, args.embed))
+    emb = jnp.zeros((1, 8, args.embed), jnp.float32)
     space = pj.trace(lambda p, e: rnn.apply({"params": p}, e), params["rnn"], emb)  # the RNN alone
     print(pj.describe(space).splitlines()[0])
 
