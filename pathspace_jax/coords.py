@@ -550,15 +550,24 @@ def _skeleton_share(space: PathSpace, w_leaves, factors, ct):
     return jnp.where(jnp.asarray(sk.hidden & ~sk.in_is_gauge), jnp.abs(a) * _safe_inv(jnp.sqrt(s2)), 0)
 
 
+# Recurrent kernels (edges within one node group) count in the path norms along every path through up to
+# this many of them: the path norm of the network unrolled over that many steps plus one. Kept short: the
+# longer the unroll, the more the frame depends on powers of the recurrent kernels (exponentially in their
+# spectral radii); with 16, G-Adam diverged on a stacked ReLU RNN that it trains with 2 (and with none).
+RECURRENT_STEPS = 2
+
+
 @functools.lru_cache(maxsize=64)
 def _sweep_plan(space: PathSpace, forward: bool):
-    """Static plan of `path_norms`: per level d, ``(nodes at d, ((leaf index, mask or None), …))``.
+    """Static plan of `path_norms`: per level d, ``(nodes at d, parts, lateral)``, each of ``parts`` and
+    ``lateral`` a tuple of ``(leaf index, mask or None)``.
 
-    Forward (levels: BFS depth from the inputs): the edges into a hidden node v at depth d that count are
+    Forward (levels: BFS depth from the inputs): the edges into a hidden node v at depth d in ``parts`` are
     its bias edge and its weight edges from nodes of smaller depth. Backward (levels: BFS distance to the
     outputs): the weight edges out of v to nodes closer to the outputs. These are the admissible skeleton
-    edges (`pathspace_jax.skeleton`): never an edge within one node group, so recurrent kernels and
-    residual self-loops are left out. ``mask`` selects them where a leaf holds other edges too.
+    edges (`pathspace_jax.skeleton`): never an edge within one node group. ``lateral`` holds the edges
+    between hidden nodes of level d themselves (recurrent kernels). ``mask`` selects a part's edges where
+    a leaf holds other edges too.
     """
     from pathspace_jax.graph import BIAS_NODE
     from pathspace_jax.skeleton import _candidates
@@ -568,7 +577,7 @@ def _sweep_plan(space: PathSpace, forward: bool):
     levels = []
     for d in range(1, int(level[hidden].max(initial=0)) + 1):
         at = hidden & (level == d)
-        parts = []
+        parts, lateral = [], []
         for li, leaf in enumerate(space.leaves):
             if leaf.kind == "other":
                 continue
@@ -577,10 +586,12 @@ def _sweep_plan(space: PathSpace, forward: bool):
                 ok = at[dst] & ((src == BIAS_NODE) | ((level[src] >= 0) & (level[src] < d)))
             else:
                 ok = at[src] & (level[dst] >= 0) & (level[dst] < d)
-            if ok.any():
-                parts.append((li, None if ok.all() else ok))
-        if parts:
-            levels.append((at, tuple(parts)))
+            lat = at[src] & at[dst] if leaf.kind == "weight" else np.zeros(leaf.shape, bool)
+            for out, sel in ((parts, ok), (lateral, lat)):
+                if sel.any():
+                    out.append((li, None if sel.all() else sel))
+        if parts or lateral:
+            levels.append((at, tuple(parts), tuple(lateral)))
     return tuple(levels)
 
 
@@ -589,28 +600,48 @@ def path_norms(space: PathSpace, leaves, dtype):
 
     ``q_in,v = Σ_u w²_{u->v} q_in,u`` over v's bias edge and its weight edges from shallower nodes, and
     ``q_out,v = Σ_y w²_{v->y} q_out,y`` over its weight edges to nodes closer to the outputs (see
-    `_sweep_plan`); both are 1 at non-hidden nodes. Under a node-wise rescaling β, ``q_in ↦ β² q_in`` and
-    ``q_out ↦ q_out / β²`` exactly (for powers of two, bit for bit). One pass over each edge leaf per
-    direction (per level it feeds).
+    `_sweep_plan`); both are 1 at non-hidden nodes. A recurrent kernel U (edges within one node group)
+    adds the paths through it, as the path norm of the unrolled network does (Neyshabur, Wu, Salakhutdinov
+    and Srebro, "Path-Normalized Optimization of Recurrent Neural Networks with ReLU Activations", NeurIPS
+    2016): ``q_in ← q_in⁰ + (U∘U)ᵀ q_in`` (and ``q_out ← q_out⁰ + (U∘U) q_out``) iterated `RECURRENT_STEPS`
+    times, every path through up to that many recurrent edges. Without it a ReLU RNN's frame would
+    ignore its recurrent weights, and SGD in that frame (G-SGD's normalised chart) distorts the recurrence
+    on long sequences.
+
+    Under a node-wise rescaling β, ``q_in ↦ β² q_in`` and ``q_out ↦ q_out / β²`` exactly (for powers of
+    two, bit for bit). One pass over each edge leaf per direction (per level it feeds), and
+    `RECURRENT_STEPS` passes over each recurrent kernel.
     """
     sk = skeleton(space)
+
+    def terms(parts, q, forward):
+        vals = []
+        for li, mask in parts:
+            idx = sk.leaves[li]
+            read, write, axes = (
+                (idx.src_r, idx.dst_r, idx.dst_sum_axes) if forward else (idx.dst_r, idx.src_r, idx.sum_axes)
+            )
+            t = jnp.square(jnp.asarray(leaves[li], dtype)) * _take(q, read)
+            if mask is None:
+                vals.append((write, jnp.sum(t, axis=axes, keepdims=True)))
+            else:
+                leaf = space.leaves[li]
+                vals.append((np.asarray(leaf.dst if forward else leaf.src), jnp.where(mask, t, 0)))
+        return _node_sum(space.num_nodes, vals, dtype)
+
     out = []
     for forward in (True, False):
         q = jnp.ones((space.num_nodes,), dtype)
-        for at, parts in _sweep_plan(space, forward):
-            vals = []
-            for li, mask in parts:
-                idx = sk.leaves[li]
-                read, write, axes = (
-                    (idx.src_r, idx.dst_r, idx.dst_sum_axes) if forward else (idx.dst_r, idx.src_r, idx.sum_axes)
-                )
-                t = jnp.square(jnp.asarray(leaves[li], dtype)) * _take(q, read)
-                if mask is None:
-                    vals.append((write, jnp.sum(t, axis=axes, keepdims=True)))
-                else:
-                    leaf = space.leaves[li]
-                    vals.append((np.asarray(leaf.dst if forward else leaf.src), jnp.where(mask, t, 0)))
-            q = jnp.where(jnp.asarray(at), _node_sum(space.num_nodes, vals, dtype), q)
+        for at, parts, lateral in _sweep_plan(space, forward):
+            at = jnp.asarray(at)
+            base = terms(parts, q, forward)
+            q = jnp.where(at, base, q)
+            if lateral:
+
+                def relax(_, q, at=at, base=base, lateral=lateral, forward=forward):
+                    return jnp.where(at, base + terms(lateral, q, forward), q)
+
+                q = jax.lax.fori_loop(0, RECURRENT_STEPS, relax, q)
         out.append(q)
     return tuple(out)
 

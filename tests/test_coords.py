@@ -564,13 +564,6 @@ class _RNN(nn.Module):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=False,
-    reason="known gap: at lr 0.05 G-SGD on this ReLU RNN sits at its edge of stability, and whether it diverges "
-    "within 10,000 steps depends on the CPU's rounding (it passed on one CI machine and fails on another). The "
-    "balanced frame of the normalised chart ignores recurrent kernels (path_norms skips edges within a node "
-    "group); SGD in that frame distorts the recurrence (the spectral radius of the recurrent kernel jumps)",
-)
 def test_10000_g_sgd_steps_on_relu_rnn_stay_finite():
     model = _RNN()
     key = jax.random.key(0)
@@ -696,3 +689,38 @@ def test_coord_scales_match_the_balanced_frame_computed_by_hand(spaces):
     np.testing.assert_allclose(got, want, rtol=1e-12)
     rescaled = pj.coord_scales(space, pj.random_rescale(space, case.params, jax.random.key(2)))
     np.testing.assert_allclose(np.asarray(ravel_pytree(rescaled)[0]), want, rtol=1e-12)
+
+
+def test_path_norms_of_a_relu_rnn_count_paths_through_the_recurrent_kernel_by_enumeration():
+    """q_in,v: Σ over every path from an input or the bias into v through up to RECURRENT_STEPS recurrent edges
+    of the product of its squared weights (the unrolled network's paths); q_out,v likewise from v to the outputs.
+    Enumerated path by path in float64."""
+    import itertools
+
+    from pathspace_jax.coords import RECURRENT_STEPS, path_norms
+
+    model = _RNN()  # 4 inputs, 8 hidden ReLU units with a recurrent kernel, 3 outputs
+    x = jnp.ones((2, 5, 4), jnp.float32)
+    p = jax.tree.map(lambda a: a + 0.1, model.init(jax.random.key(3), x)["params"])  # nonzero biases too
+    space = pj.trace(lambda p, x: model.apply({"params": p}, x), p, x)
+    w_in = np.asarray(p["SimpleCell_0"]["i"]["kernel"], np.float64)  # (4, 8): input i -> unit j
+    b = np.asarray(p["SimpleCell_0"]["i"]["bias"], np.float64)
+    u = np.asarray(p["SimpleCell_0"]["h"]["kernel"], np.float64)  # (8, 8): unit i -> unit j
+    w_out = np.asarray(p["Dense_0"]["kernel"], np.float64)  # (8, 3)
+    h = u.shape[0]
+
+    def chains(k):  # every sequence of k + 1 hidden units: a path through k recurrent edges
+        return itertools.product(range(h), repeat=k + 1)
+
+    q_in, q_out = np.zeros(h), np.zeros(h)
+    for k in range(RECURRENT_STEPS + 1):
+        for chain in chains(k):
+            through = np.prod([u[a, c] ** 2 for a, c in itertools.pairwise(chain)])
+            q_in[chain[-1]] += through * (np.sum(w_in[:, chain[0]] ** 2) + b[chain[0]] ** 2)
+            q_out[chain[0]] += through * np.sum(w_out[chain[-1]] ** 2)
+
+    assert np.all(q_in > 1.5 * (np.sum(w_in**2, 0) + b**2))  # not vacuous: the recurrent paths count
+    got_in, got_out = path_norms(space, space.leaves_of(p), jnp.float64)
+    hidden = next(g for g in space.groups if g.size == h)
+    np.testing.assert_allclose(np.asarray(got_in)[hidden.offset : hidden.offset + h], q_in, rtol=1e-12)
+    np.testing.assert_allclose(np.asarray(got_out)[hidden.offset : hidden.offset + h], q_out, rtol=1e-12)
