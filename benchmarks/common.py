@@ -6,16 +6,20 @@ process (same model, batch, jit), never an absolute time in a test.
 
 from __future__ import annotations
 
+import datetime
 import json
+import os
 import platform
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import jaxlib
 import optax
 
 RESULTS = Path(__file__).parent / "results"
@@ -96,19 +100,21 @@ def make_step(
 
 
 def time_steps(step, params, opt_state, x, y, *, repeats: int = 50, warmup: int = 3) -> float:
-    """Median seconds per step of a jitted step (compile excluded); works on copies (the step donates)."""
+    """Seconds per step of a jitted step over a block of ``repeats`` consecutive steps (compile excluded).
+
+    The block is timed whole, as a training loop runs it, so a transform that recomputes something every
+    k steps is charged its amortised cost when ``repeats`` is a multiple of k (the median of single steps
+    would hide it). Works on copies (the step donates its params and state).
+    """
     params, opt_state = jax.tree_util.tree_map(jnp.copy, (params, opt_state))
     for _ in range(warmup):
         params, opt_state, loss = step(params, opt_state, x, y)
-    jax.block_until_ready(loss)
-    times = []
+    jax.block_until_ready((params, opt_state, loss))
+    t0 = time.perf_counter()
     for _ in range(repeats):
-        t0 = time.perf_counter()
         params, opt_state, loss = step(params, opt_state, x, y)
-        jax.block_until_ready(loss)
-        times.append(time.perf_counter() - t0)
-    times.sort()
-    return times[len(times) // 2]
+    jax.block_until_ready((params, opt_state, loss))
+    return (time.perf_counter() - t0) / repeats
 
 
 def interleaved_ratio(
@@ -125,17 +131,25 @@ def interleaved_ratio(
     return ratios[len(ratios) // 2]
 
 
-def write_results(name: str, rows: dict[str, Any]) -> Path:
-    """Write ``results/<backend>-jax<version>/<name>.json`` (one folder per platform and JAX release)."""
+def results_folder() -> Path:
+    """``results/<backend>-jax<version>/`` (one folder per platform and JAX release), created if missing."""
     folder = RESULTS / f"{jax.default_backend()}-jax{jax.__version__}"
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{name}.json"
+    return folder
+
+
+def write_results(name: str, rows: dict[str, Any]) -> Path:
+    """Write ``results/<backend>-jax<version>/<name>.json`` with the backend and versions it was taken on."""
+    path = results_folder() / f"{name}.json"
     meta = {
         "backend": jax.default_backend(),
         "devices": [str(d) for d in jax.devices()],
         "jax": jax.__version__,
         "python": platform.python_version(),
         "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "date": datetime.date.today().isoformat(),
+        **{m.__name__: m.__version__ for m in (jaxlib, optax, flax)},
     }
     path.write_text(json.dumps({"meta": meta, "results": rows}, indent=2) + "\n")
     return path

@@ -1,0 +1,123 @@
+"""Write the tables of ``benchmarks/README.md`` (and the cost table of the top-level README) from the JSON.
+
+Every ``results/<backend>-jax<version>/`` folder becomes one generated section of ``benchmarks/README.md``,
+between ``<!-- BEGIN generated ... -->`` and ``<!-- END generated ... -->`` lines (appended at the end the
+first time); the top-level README's cost table comes from ``--readme-from`` (default: the CPU folder of the
+installed JAX). Each table is the JSON it came from, key for key. Run: ``python benchmarks/report.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+import jax
+
+HERE = Path(__file__).parent
+RESULTS = HERE / "results"
+ORDER = ("scale", "gsgd", "path_sgd", "ddp", "ddp_norm", "trace")
+CAPTIONS = {
+    "scale": "Every optimiser on the shapes users train (`bench_scale.py`): step time as a ratio to `optax.sgd` "
+    "and to `optax.adam` in the same rounds, optimizer state, and the compiled step's peak memory as a ratio "
+    "to SGD's.",
+    "gsgd": "G-SGD and G-Adam against plain optax (`bench_gsgd.py`), and the update alone in ns per parameter.",
+    "path_sgd": "Path-SGD step time as a ratio to `optax.sgd` (`bench_path_sgd.py`).",
+    "ddp": "DDP-SGD step time as a ratio to `optax.sgd` (`bench_ddp.py`).",
+    "ddp_norm": "An SGD step on the DDP-normalised network against the plain one and against BatchNorm "
+    "(`bench_ddp_norm.py`).",
+    "trace": "`pj.trace` in seconds (`bench_trace.py`).",
+}
+
+
+def cell(v) -> str:
+    if v is None:
+        return "—"
+    if isinstance(v, float):
+        return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.2f}" if abs(v) >= 0.1 else f"{v:.3g}"
+    if isinstance(v, int):
+        return f"{v:,}"
+    return str(v)
+
+
+def table(rows: dict[str, dict], first: str) -> str:
+    cols = list(dict.fromkeys(k for r in rows.values() for k in r))
+    out = [f"| {first} | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
+    out += [f"| {name} | " + " | ".join(cell(r.get(c)) for c in cols) + " |" for name, r in rows.items()]
+    return "\n".join(out)
+
+
+def render(name: str, results: dict) -> str:
+    """Setups whose values are all numbers form one table; a setup holding dicts gets a table of its own."""
+    flat = {k: v for k, v in results.items() if not any(isinstance(x, dict) for x in v.values())}
+    parts = [f"**{name}** — {CAPTIONS.get(name, '')}"]
+    if flat:
+        parts.append(table(flat, "setup"))
+    for setup, v in results.items():
+        if setup in flat:
+            continue
+        scalars = {k: x for k, x in v.items() if not isinstance(x, dict)}
+        caption = ", ".join(f"{k} {cell(x)}" for k, x in scalars.items())
+        parts.append(f"*{setup}*" + (f" ({caption})" if caption else ""))
+        parts.append(table({k: x for k, x in v.items() if isinstance(x, dict)}, "row"))
+    return "\n\n".join(parts)
+
+
+def section(folder: Path) -> str:
+    files = sorted(folder.glob("*.json"), key=lambda p: ORDER.index(p.stem) if p.stem in ORDER else len(ORDER))
+    blocks, metas = [], {}
+    for path in files:
+        data = json.loads(path.read_text())
+        meta = data["meta"]
+        metas[path.stem] = (
+            f"{meta.get('date', 'date not recorded')}, {meta['backend']} ({meta['devices'][0]}"
+            + (f", {meta['cpu_count']} cores" if meta.get("cpu_count") and meta["backend"] == "cpu" else "")
+            + f"), jax {meta['jax']}, Python {meta['python']}"
+        )
+        blocks.append(render(path.stem, data["results"]) + f"\n\n<sub>{path.name}: {metas[path.stem]}</sub>")
+    png = folder / "scale.png"
+    if png.exists():
+        blocks.append(f"![step time against batch and width]({png.relative_to(HERE).as_posix()})")
+    return f"### `{folder.name}`\n\n" + "\n\n".join(blocks)
+
+
+def replace_between(text: str, tag: str, body: str) -> str:
+    begin, end = f"<!-- BEGIN generated {tag} -->", f"<!-- END generated {tag} -->"
+    block = f"{begin}\n{body}\n{end}"
+    pattern = re.compile(re.escape(begin) + ".*?" + re.escape(end), re.S)
+    return pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip("\n") + f"\n\n{block}\n"
+
+
+def cost_table(folder: Path) -> str:
+    """The top-level README's table: each optimiser's step as a multiple of SGD's (and Adam's), per model."""
+    data = json.loads((folder / "scale.json").read_text())
+    models = {k: v for k, v in data["results"].items() if "sgd" in v}
+    opts = list(dict.fromkeys(o for v in models.values() for o in v if isinstance(v[o], dict)))
+    head = "| optimiser | " + " | ".join(f"{m} (SGD {v['sgd_step_ms']:.3g} ms)" for m, v in models.items()) + " |"
+    rows = [head, "|---|" + "---:|" * len(models)]
+    for o in opts:
+        cells = [f"{v[o]['vs_sgd']:.2f}× SGD, {v[o]['vs_adam']:.2f}× Adam" if o in v else "—" for v in models.values()]
+        rows.append(f"| `{o}` | " + " | ".join(cells) + " |")
+    meta = data["meta"]
+    return "\n".join(rows) + f"\n\n<sub>benchmarks/results/{folder.name}/scale.json, {meta.get('date', '')}</sub>"
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--readme-from", default=f"cpu-jax{jax.__version__}", help="results folder of the README table")
+    args = ap.parse_args(argv)
+    bench_readme = HERE / "README.md"
+    text = bench_readme.read_text()
+    for folder in sorted(p for p in RESULTS.iterdir() if p.is_dir()):
+        text = replace_between(text, folder.name, section(folder))
+    bench_readme.write_text(text)
+    source = RESULTS / args.readme_from
+    if (source / "scale.json").exists():
+        top = HERE.parent / "README.md"
+        top.write_text(replace_between(top.read_text(), "cost", cost_table(source)))
+    print("wrote", bench_readme)
+
+
+if __name__ == "__main__":
+    main()
