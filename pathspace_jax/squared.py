@@ -755,9 +755,13 @@ def _check_linear_body(bp: Program) -> None:
 def _recurrent_entries(e, bp, consts, xs_m, act_carry, carry_map, n, fdt) -> list:
     """For each parameter const of the scan that maps carry to carry: (const position, src, dst, mask).
 
-    Probes the squared body with concrete all-ones parameters: ∂c_out/∂p̃_e with the carry set to 1 and
-    to (1, 2, …, n), minus its value at carry 0, must be one unit entry at row dst_e, equal to src_e + 1
-    (an entry that adds p̃_e · c[src_e] to c_out[dst_e]); any other pattern is refused for κ⁽²⁾.
+    Probes the squared body with concrete all-ones parameters. For an entry e, let d1_e = ∂c_out/∂p̃_e with
+    the carry set to 1, and d2_e the same with the carry (1, 2, …, n), each minus its value at carry 0; both
+    must be one unit entry at row dst_e, d1 equal to 1 there and d2 to src_e + 1 (an entry that adds
+    p̃_e · c[src_e] to c_out[dst_e]); any other pattern is refused for κ⁽²⁾. The columns d1_e, d2_e are
+    never formed (n × size(p) numbers: 15 GB for a 1550-unit kernel): each is contracted with weights w over
+    its n rows, one VJP per w: with w = 1 and w = (1, …, n) a unit entry at dst_e gives 1 and dst_e + 1,
+    and a random positive w must then give w[dst_e] (times src_e + 1 for d2), which any other column fails.
     """
     nc = e.scan.num_consts
     bk = [bp.kinds[i] for i in bp.in_ids]
@@ -765,29 +769,33 @@ def _recurrent_entries(e, bp, consts, xs_m, act_carry, carry_map, n, fdt) -> lis
     with jax.ensure_compile_time_eval():
         cs = [jnp.ones(jnp.shape(c.m if isinstance(c, V) else c), fdt) for c in consts]
         x0 = [jnp.ones(jnp.shape(m)[1:], jnp.result_type(m)) for m in xs_m]
+        ramp = np.arange(1, n + 1, dtype=np.float64)
+        rand = np.random.default_rng(0).uniform(1.0, 2.0, n)
+        ws = jnp.asarray(np.stack([np.ones(n), ramp, rand]), fdt)
         for j in range(nc):
             if bk[j] != "param":
                 continue
 
-            def jac(carry, j=j):
+            def contracted(carry, j=j):
                 def f(pj):
                     c2 = list(cs)
                     c2[j] = pj
                     return carry_map(carry, c2, x0)
 
-                return np.asarray(jax.jacrev(f)(cs[j])).reshape(n, -1)
+                out, vjp = jax.vjp(f, cs[j])
+                return np.stack([np.asarray(vjp(w.astype(out.dtype))[0], np.float64).reshape(-1) for w in ws])
 
-            d0 = jac(jnp.zeros((n,), fdt))
-            d1 = jac(jnp.ones((n,), fdt)) - d0
-            d2 = jac(jnp.arange(1, n + 1, dtype=fdt)) - d0
-            if not np.any(d1):
+            d0 = contracted(jnp.zeros((n,), fdt))
+            s1, m1, r1 = contracted(jnp.ones((n,), fdt)) - d0
+            s2, _, r2 = contracted(jnp.asarray(ramp, fdt)) - d0
+            cols = (s1 != 0) | (r1 != 0)
+            if not cols.any():
                 continue
-            nz = d1 != 0
-            cols = nz.any(axis=0)
-            dst = np.argmax(nz, axis=0)
-            src = np.rint(d2[dst, np.arange(d2.shape[1])]).astype(np.int64) - 1
-            ok = (nz.sum(axis=0) <= 1) & (~cols | (d1[dst, np.arange(d1.shape[1])] == 1.0))
-            ok &= ~cols | ((src >= 0) & (src < n) & (np.count_nonzero(d2, axis=0) <= 1))
+            dst = np.clip(np.rint(m1).astype(np.int64) - 1, 0, n - 1)
+            src = np.rint(s2).astype(np.int64) - 1
+            w_dst = rand[dst]
+            ok = ~cols | ((s1 == 1.0) & np.isclose(r1, w_dst, rtol=1e-5, atol=0.0) & (src >= 0) & (src < n))
+            ok &= ~cols | np.isclose(r2, w_dst * (src + 1), rtol=1e-5, atol=0.0)
             if not ok.all():
                 raise bp.err(
                     f"{bp.who}(second_order=True): the scan at {e.where} uses a parameter (its const #{j}) for carry-"

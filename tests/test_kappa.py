@@ -618,3 +618,27 @@ def test_weight_tying_refused_for_second_order_only():
     # κ⁽¹⁾ = ∂G/∂p̃ with G(p̃) the model on squared params and an all-ones input
     g_tilde = jax.grad(lambda q: jnp.sum(tied_fn(q, jnp.ones((1, 3), F64))))(_squared(p))
     chex.assert_trees_all_close(pj.path_kappa(space, p, second_order=False), g_tilde, rtol=1e-10)
+
+
+def test_recurrence_other_than_single_entries_refused_for_second_order_only():
+    """A two-layer recurrence (a kernel entry joins a carry unit to every next carry unit, through the middle
+    layer) has no exact κ⁽²⁾ here: refused, while κ⁽¹⁾ still equals ∂G/∂p̃ (the model on squared params and
+    an all-ones input)."""
+
+    def deep_rnn(p, x):  # h_t = relu(relu(h_{t-1} W1) W2 + x_t U)
+        def cell(h, xt):
+            h = jax.nn.relu(jax.nn.relu(h @ p["w1"]) @ p["w2"] + xt @ p["u"])
+            return h, h
+
+        h, _ = jax.lax.scan(cell, jnp.zeros((x.shape[0], 5), x.dtype), jnp.swapaxes(x, 0, 1))
+        return h @ p["v"]
+
+    ks = jax.random.split(jax.random.key(0), 4)
+    p = {"w1": _normal(ks[0], (5, 4)), "w2": _normal(ks[1], (4, 5)), "u": _normal(ks[2], (2, 5)),
+         "v": _normal(ks[3], (5, 2))}  # fmt: skip
+    x = jnp.ones((2, 4, 2), F64)
+    space = pj.trace(deep_rnn, p, x)
+    with pytest.raises(pj.PathKappaUnsupportedError, match="other than single entries"):
+        pj.path_kappa(space, p)
+    g_tilde = jax.grad(lambda q: jnp.sum(deep_rnn(q, jnp.ones((1, 4, 2), F64))))(_squared(p))
+    chex.assert_trees_all_close(pj.path_kappa(space, p, second_order=False), g_tilde, rtol=1e-10)

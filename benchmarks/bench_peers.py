@@ -1,0 +1,132 @@
+"""The public PyTorch G-SGD against ours, on the same machine, in the same process.
+
+The peer is the G-SGD code of Meng et al. ("G-SGD: Optimizing ReLU neural networks in its positively
+scale-invariant space", ICLR 2019), published at github.com/MSRA-COLT/gsgd (its ``gsgd_mlp/opt/
+gopt_general_mlp.py``, eager PyTorch, bias-free MLPs only). It is not a dependency and is not vendored:
+clone it anywhere and pass the folder. PyTorch is needed for this script only.
+
+The model is the 784-512-512-10 ReLU MLP of the other benchmarks without biases (the peer supports none),
+batch 128, softmax cross-entropy on fixed random inputs. Each train step (forward, backward, update) is timed
+over blocks of consecutive steps in interleaved rounds: PyTorch's own ``torch.optim.SGD``, the peer's
+``gSGD`` (``opt='ec'``, its G-SGD step), and ours: ``optax.sgd`` and ``pj.g_sgd`` in jitted, donated steps.
+Reported: milliseconds per step (median over rounds) and each G-SGD's step as a multiple of its own
+framework's SGD. Run: ``python benchmarks/bench_peers.py --msra-gsgd PATH/TO/gsgd``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import make_step, time_steps, write_results  # noqa: E402
+
+import pathspace_jax as pj  # noqa: E402
+
+WIDTHS, BATCH = (512, 512), 128
+
+
+def torch_timer(torch, model, step_fn, x, y):
+    """Seconds per step over a block of ``n`` torch train steps (forward, backward, update)."""
+    loss_fn = torch.nn.CrossEntropyLoss()
+
+    def run(n: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            model.zero_grad(set_to_none=False)
+            loss_fn(model(x), y).backward()
+            step_fn()
+        return (time.perf_counter() - t0) / n
+
+    return run
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--msra-gsgd", type=Path, required=True, help="a clone of github.com/MSRA-COLT/gsgd")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--repeats", type=int, default=50, help="steps per timed block")
+    args = ap.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(os.cpu_count())
+    sys.path.insert(0, str(args.msra_gsgd / "gsgd_mlp"))
+    from opt.gopt_general_mlp import gSGD  # the peer
+
+    commit = subprocess.run(["git", "-C", str(args.msra_gsgd), "rev-parse", "HEAD"], capture_output=True, text=True)
+    rng = np.random.default_rng(0)
+    x_np = rng.standard_normal((BATCH, 784)).astype(np.float32)
+    y_np = (np.arange(BATCH) % 10).astype(np.int64)
+
+    # PyTorch: the same bias-free MLP for torch.optim.SGD and for the peer's G-SGD
+    def torch_mlp():
+        torch.manual_seed(0)
+        sizes = (784, *WIDTHS, 10)
+        layers = []
+        for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
+            layers += [torch.nn.Linear(a, b, bias=False)] + ([torch.nn.ReLU()] if i < len(WIDTHS) else [])
+        return torch.nn.Sequential(*layers)
+
+    xt, yt = torch.from_numpy(x_np), torch.from_numpy(y_np)
+    m_sgd, m_gsgd = torch_mlp(), torch_mlp()
+    opt_sgd = torch.optim.SGD(m_sgd.parameters(), lr=0.01)
+    opt_gsgd = gSGD(m_gsgd, lr=0.01, args=SimpleNamespace(device="cpu", opt="ec"))
+    timers = {
+        "torch_sgd": torch_timer(torch, m_sgd, opt_sgd.step, xt, yt),
+        "msra_gsgd": torch_timer(torch, m_gsgd, opt_gsgd.step, xt, yt),
+    }
+
+    # ours: optax.sgd and pj.g_sgd on the same shapes
+    dense_free = BiasFreeMLP(widths=WIDTHS)
+    x, y = jnp.asarray(x_np), jnp.asarray(y_np)
+    params = dense_free.init(jax.random.key(0), x[:1])["params"]
+    space = pj.trace(lambda p, x: dense_free.apply({"params": p}, x), params, x)
+    for k, tx in {"optax_sgd": optax.sgd(0.01), "pj_g_sgd": pj.g_sgd(space, 0.01)}.items():
+        step, state = make_step(dense_free, tx), tx.init(params)
+        timers[k] = lambda n, step=step, state=state: time_steps(step, params, state, x, y, repeats=n, warmup=0)
+
+    for run in timers.values():  # warm up (compiles ours)
+        run(3)
+    times = {k: [] for k in timers}
+    for _ in range(args.rounds):
+        for k, run in timers.items():
+            times[k].append(run(args.repeats))
+    ms = {k: 1e3 * float(np.median(v)) for k, v in times.items()}
+    row = {k: round(v, 4) for k, v in ms.items()}
+    row["msra_gsgd_vs_torch_sgd"] = round(float(np.median(np.divide(times["msra_gsgd"], times["torch_sgd"]))), 2)
+    row["pj_g_sgd_vs_optax_sgd"] = round(float(np.median(np.divide(times["pj_g_sgd"], times["optax_sgd"]))), 2)
+    row["msra_gsgd_vs_pj_g_sgd"] = round(ms["msra_gsgd"] / ms["pj_g_sgd"], 1)
+    rows = {
+        f"mlp_784_512_512_10_nobias_b{BATCH}_ms": row,
+        "versions": {"torch": torch.__version__, "msra_gsgd_commit": commit.stdout.strip() or "unknown"},
+    }
+    for k, v in row.items():
+        print(f"{k:28s} {v}")
+    print("wrote", write_results("peers", rows))
+
+
+class BiasFreeMLP(nn.Module):
+    """The MLP of `common.MLP` without biases (the peer's G-SGD supports none)."""
+
+    widths: tuple[int, ...] = WIDTHS
+
+    @nn.compact
+    def __call__(self, x):
+        for w in self.widths:
+            x = nn.relu(nn.Dense(w, use_bias=False)(x))
+        return nn.Dense(10, use_bias=False)(x)
+
+
+if __name__ == "__main__":
+    main()
