@@ -94,7 +94,7 @@ def main(argv=None) -> None:
     space = pj.trace(lambda p, x: dense_free.apply({"params": p}, x), params, x)
     for k, tx in {"optax_sgd": optax.sgd(0.01), "pj_g_sgd": pj.g_sgd(space, 0.01)}.items():
         step, state = make_step(dense_free, tx), tx.init(params)
-        timers[k] = lambda n, step=step, state=state: time_steps(step, params, state, x, y, repeats=n, warmup=0)
+        timers[k] = lambda n, step=step, state=state: time_steps(step, params, state, x, y, repeats=n, warmup=1)
 
     for run in timers.values():  # warm up (compiles ours)
         run(3)
