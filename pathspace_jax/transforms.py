@@ -426,7 +426,9 @@ def in_path_space(
 
     def init_fn(params):
         _coords.check_chart(space, params, "in_path_space")
-        phi = chart(params, params)[4]  # the gradient slot is unused here
+        # jitted: run eagerly, the chart dispatches (and compiles) each of its many small operations alone,
+        # seconds for a small RNN; the gradient slot is unused here
+        phi = jax.jit(lambda p: chart(p, p)[4])(params)
         return InPathSpaceState(inner_state=inner.init(phi))
 
     def update_fn(updates, state, params=None, **extra_args):
