@@ -120,9 +120,9 @@ def measure(name, model, x, y, *, rounds: int, budget: float) -> dict:
         t0 = time.perf_counter()
         steps[k] = make_step(model, tx, extra)
         states[k] = tx.init(params)
-        mem[k] = (nbytes(states[k]), peak_bytes(steps[k], params, states[k], x, y))
         one = time_steps(steps[k], params, states[k], x, y, repeats=1, warmup=1)  # the first call compiles
         compile_s[k] = time.perf_counter() - t0
+        mem[k] = (nbytes(states[k]), peak_bytes(steps[k], params, states[k], x, y))  # compiles again: not timed
         # blocks of 10 steps charge `every=10` its amortised cost; a slow step gets short blocks
         reps[k] = 10 if "every10" in k else int(np.clip(round(budget / one), 2, 10))
     times = {k: [] for k in steps}

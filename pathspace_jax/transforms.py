@@ -424,12 +424,13 @@ def in_path_space(
         phi_tree = space.unflatten_like(params, [x.astype(jnp.result_type(y)) for x, y in zip(phi, w)])
         return w, g, ct, gphi, phi_tree, s, factors, alpha
 
+    # jitted once per transformation: run eagerly, the chart dispatches (and compiles) each of its many small
+    # operations alone, seconds for a small RNN; the gradient slot is unused here
+    coords_of = jax.jit(lambda p: chart(p, p)[4])
+
     def init_fn(params):
         _coords.check_chart(space, params, "in_path_space")
-        # jitted: run eagerly, the chart dispatches (and compiles) each of its many small operations alone,
-        # seconds for a small RNN; the gradient slot is unused here
-        phi = jax.jit(lambda p: chart(p, p)[4])(params)
-        return InPathSpaceState(inner_state=inner.init(phi))
+        return InPathSpaceState(inner_state=inner.init(coords_of(params)))
 
     def update_fn(updates, state, params=None, **extra_args):
         if params is None:
