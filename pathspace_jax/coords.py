@@ -39,6 +39,7 @@ References:
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -485,55 +486,30 @@ def skeleton_init(space: PathSpace, params):
 # ---------------------------------------------------------------------------- G-SGD kernels (O(m))
 
 
-def _coord_grads(space: PathSpace, w_leaves, g_leaves, ct):
-    """∂L/∂c from ∂L/∂w (the inverse chain rule, i.e. the VJP of `from_coords` with the gauge fixed).
+def _in_skeleton_correction(space: PathSpace, w_leaves, g_leaves, ct, ia, ib):
+    """Per node x, the term ``t_x / (A_x B_x)`` that ∂L/∂c adds at x's incoming skeleton entry.
 
-    For a non-gauge entry ``e = u -> v``: ``∂L/∂c_e = g_e / (A_u B_v)``, plus, at the incoming skeleton
-    entry of a node x, ``t_x / (A_x B_x)`` with ``t_x = −Σ_{e non-gauge, src(e)=x} g_e w_e + Σ_y t_y``
-    over the children y whose incoming skeleton edge is x's gauge edge. Zero at gauge entries.
-
-    Returns ``(coordinate gradient leaves, coordinate leaves, (a, b, inv_a, inv_b))``, in ``ct``.
-    Per leaf this is elementwise code with broadcast node factors and iota masks (fused by XLA).
+    ∂L/∂c is the inverse chain rule (the VJP of `from_coords` with the gauge fixed): ``g_e / (A_u B_v)`` at a
+    non-gauge entry ``e = u -> v``, plus, at the incoming skeleton entry of a node x, ``t_x / (A_x B_x)`` with
+    ``t_x = −Σ_{e non-gauge, src(e)=x} g_e w_e + Σ_y t_y`` over the children y whose incoming skeleton edge is
+    x's gauge edge; 0 at the gauge entries.
     """
     sk = skeleton(space)
-    a, b = _node_factors(space, w_leaves, ct)
-    ia, ib = _safe_inv(a), _safe_inv(b)
     parts = []
     for w, g, li in zip(w_leaves, g_leaves, sk.leaves):
         if li.kind != "weight":
             continue
-        gw = jnp.asarray(g, ct) * jnp.asarray(w, ct)
-        gm = li.gauge_mask(jnp.shape(w))
-        if gm is not None:
-            gw = jnp.where(gm, 0, gw)
-        parts.append((li.src_r, jnp.sum(gw, axis=li.sum_axes, keepdims=True)))
+        w, g = jnp.asarray(w, ct), jnp.asarray(g, ct)
+        parts.append((li.src_r, jnp.sum(g * w, axis=li.sum_axes, keepdims=True)))
+        if li.gauge_flat.size:  # less the gauge entries: a gather, so that XLA fuses the sum with its product
+            parts.append((li.gauge_node, -_get_flat(g, li.gauge_flat) * _get_flat(w, li.gauge_flat)))
     p = _node_sum(space.num_nodes, parts, ct)  # Σ g_e w_e over the non-gauge entries leaving each node
     t = -p
     if sk.in_is_gauge.any():
         gate = jnp.asarray(sk.in_is_gauge)
         for _ in range(sk.depth_in):
             t = -p + jnp.zeros_like(p).at[sk.parent].add(jnp.where(gate, t, 0))
-    corr = t * _finite(ia * ib)
-    gcs, cs = [], []
-    for w, g, li in zip(w_leaves, g_leaves, sk.leaves):
-        if li.kind == "other":
-            gcs.append(jnp.asarray(g, ct))
-            cs.append(w)
-            continue
-        w = jnp.asarray(w, ct)
-        g = jnp.asarray(g, ct)
-        shape = jnp.shape(w)
-        gc = g * _finite(_take(ia, li.src_r) * _take(ib, li.dst_r))
-        c = w * (_take(a, li.src_r) * _take(b, li.dst_r))
-        im, gm = li.inskel_mask(shape), li.gauge_mask(shape)
-        if im is not None:
-            gc = jnp.where(im, gc + _take(corr, li.dst_r), gc)
-        if gm is not None:
-            gc = jnp.where(gm, 0, gc)
-            c = jnp.where(gm, w, c)
-        gcs.append(gc)
-        cs.append(c)
-    return gcs, cs, (a, b, ia, ib)
+    return t * _finite(ia * ib)
 
 
 def _skeleton_share(space: PathSpace, w_leaves, factors, ct):
@@ -621,7 +597,8 @@ def path_norms(space: PathSpace, leaves, dtype):
             read, write, axes = (
                 (idx.src_r, idx.dst_r, idx.dst_sum_axes) if forward else (idx.dst_r, idx.src_r, idx.sum_axes)
             )
-            t = jnp.square(jnp.asarray(leaves[li], dtype)) * _take(q, read)
+            w = jnp.asarray(leaves[li], dtype)
+            t = w * (w * _take(q, read))  # not square(w) · q: a W² shared by both sweeps would be materialised
             if mask is None:
                 vals.append((write, jnp.sum(t, axis=axes, keepdims=True)))
             else:
@@ -654,29 +631,39 @@ def balanced_frame(space: PathSpace, leaves, dtype):
     return jnp.sqrt(jnp.sqrt(q_out / q_in))
 
 
+def _inv_v_norms(space: PathSpace, w_leaves, ct, alpha):
+    """Per node x, ``1 / ‖v_x‖`` in the balanced frame ``alpha`` (0 where ‖v_x‖ = 0).
+
+    v_x is the direction in which x's incoming skeleton coordinate moves the weights: its own incoming
+    skeleton weight up, x's outgoing non-gauge weights down; ``‖v_x‖²`` is the sum of their squares.
+    """
+    sk = skeleton(space)
+    rows, own = [], []
+    for w, li in zip(w_leaves, sk.leaves):
+        if li.kind != "weight":
+            continue
+        w = jnp.asarray(w, ct)
+        wf = w * (_take(alpha, li.dst_r) / _take(alpha, li.src_r))
+        rows.append((li.src_r, jnp.sum(jnp.square(wf), li.sum_axes, keepdims=True)))
+        if li.gauge_flat.size:  # less the gauge entries (a gather, as in `_in_skeleton_correction`)
+            node = li.gauge_node
+            rows.append((node, -jnp.square(_get_flat(w, li.gauge_flat) * (alpha[sk.child[node]] / alpha[node]))))
+        if li.inskel_flat.size:  # x's own incoming skeleton weight: a gather, not a pass over the leaf
+            node = li.inskel_node
+            own.append((node, jnp.square(_get_flat(w, li.inskel_flat) * (alpha[node] / alpha[sk.parent[node]]))))
+    # ≥ 0 although the gauge entry is subtracted from its row's sum (rounding could leave it below 0)
+    v2 = jnp.maximum(_node_sum(space.num_nodes, rows, ct), 0) + _node_sum(space.num_nodes, own, ct)
+    return _finite(jax.lax.rsqrt(v2))
+
+
 def _scales(space: PathSpace, w_leaves, c_leaves, factors, ct, alpha):
     """Per leaf, σ of `coord_scales` (None for leaves of kind "other"); ``alpha``: `balanced_frame`."""
     a, b = factors[:2]
     s_src = _finite(jnp.abs(a) * alpha)  # |A_u| in the balanced frame
     s_dst = _finite(jnp.abs(b) / alpha)  # |B_v| in the balanced frame
-    sk = skeleton(space)
-    # ‖v_x‖² in the balanced frame: v_x, the direction in which x's incoming skeleton coordinate moves the
-    # weights (its own weight up, x's outgoing non-gauge weights down), per node x
-    parts = []
-    for w, li in zip(w_leaves, sk.leaves):
-        if li.kind != "weight":
-            continue
-        shape = jnp.shape(w)
-        wf2 = jnp.square(jnp.asarray(w, ct) * (_take(alpha, li.dst_r) / _take(alpha, li.src_r)))
-        gm = li.gauge_mask(shape)
-        parts.append((li.src_r, jnp.sum(wf2 if gm is None else jnp.where(gm, 0, wf2), li.sum_axes, keepdims=True)))
-        if li.inskel_flat.size:  # x's own incoming skeleton weight: a gather, not a pass over the leaf
-            node = li.inskel_node
-            w_in = _get_flat(jnp.asarray(w, ct), li.inskel_flat) * (alpha[node] / alpha[sk.parent[node]])
-            parts.append((node, jnp.square(w_in)))
-    inv_v = _finite(jax.lax.rsqrt(_node_sum(space.num_nodes, parts, ct)))
+    inv_v = _inv_v_norms(space, w_leaves, ct, alpha)
     out = []
-    for w, c, li in zip(w_leaves, c_leaves, sk.leaves):
+    for w, c, li in zip(w_leaves, c_leaves, skeleton(space).leaves):
         if li.kind == "other":
             out.append(None)
             continue
@@ -760,20 +747,70 @@ def check_chart(space: PathSpace, params, who: str = "check_chart") -> None:
         )
 
 
-def _chart(space: PathSpace, w_leaves, g_leaves, ct, alpha):
-    """G-SGD's view of one point: ``(∂L/∂φ, φ, σ, factors)`` with ``φ = c / σ``.
+class _Chart(NamedTuple):
+    """Node vectors of G-SGD's chart at one point (`_chart`), in the compute dtype.
 
-    ``alpha``: `balanced_frame` of the point, or None for the raw coordinates (σ = 1). ``σ`` is a list with
-    None for leaves of kind "other" (and everywhere when ``alpha`` is None); an entry with ``σ = 0`` (a
-    singular chart) has ``φ = 0`` and ``∂L/∂φ = 0``.
+    On a coordinate entry ``e = u -> v`` (neither gauge nor incoming skeleton), ``∂L/∂φ_e = g_e k_src[u] k_dst[v]``,
+    ``φ_e = w_e p_src[u] p_dst[v]`` and a coordinate update ``dφ_e`` moves ``w_e`` by ``dφ_e k_src[u] k_dst[v]``
+    before the in-skeleton ratios: ``k = σ / (A_u B_v)`` and ``p = 1 / k``, products of two node factors, so that
+    every per-entry quantity is one elementwise product of broadcast node vectors, fused by XLA into the
+    passes over the weights that read g and w anyway. The incoming skeleton entry of x has σ = ``s_in[x]``.
     """
-    gc, c, factors = _coord_grads(space, w_leaves, g_leaves, ct)
+
+    factors: tuple  # (A, B, 1/A, 1/B)
+    k: tuple  # (k_src, k_dst)
+    p: tuple  # (p_src, p_dst)
+    guard: bool  # the raw chart (σ = 1): k and p are products that can overflow, so each entry is made finite
+    s_in: jax.Array  # σ at each node's incoming skeleton entry
+    corr: jax.Array  # σ times the in-skeleton correction of ∂L/∂c (`_in_skeleton_correction`)
+
+
+def _pair(vecs, li, guard):
+    f = _take(vecs[0], li.src_r) * _take(vecs[1], li.dst_r)
+    return _finite(f) if guard else f
+
+
+def _chart(space: PathSpace, w_leaves, g_leaves, ct, alpha):
+    """G-SGD's view of one point: ``(∂L/∂φ, φ, chart)`` with ``φ = c / σ`` (`coord_scales`), leaves in ``ct``.
+
+    ``alpha``: `balanced_frame` of the point, or None for the raw coordinates (σ = 1). On a coordinate entry
+    ``σ_e / (A_u B_v) = sgn(A_u B_v) α_u / α_v``, so ∂L/∂φ = σ ∂L/∂c is the gradient in the balanced frame, up to
+    sign. An entry with ``σ = 0`` (a singular chart) has ``φ = 0`` and ``∂L/∂φ = 0``.
+    """
+    sk = skeleton(space)
+    a, b = _node_factors(space, w_leaves, ct)
+    ia, ib = _safe_inv(a), _safe_inv(b)
     if alpha is None:
-        return gc, c, [None] * len(c), factors
-    s = _scales(space, w_leaves, c, factors, ct, alpha)
-    phi = [x if si is None else x * _safe_inv(si) for x, si in zip(c, s)]
-    gphi = [x if si is None else x * si for x, si in zip(gc, s)]
-    return gphi, phi, s, factors
+        k, p, s_in = (ia, ib), (a, b), jnp.ones_like(a)
+    else:
+        sa, sb = jnp.sign(a), jnp.sign(b)
+        k = (_finite(sa * alpha), _finite(sb / alpha))
+        p = (_finite(sa / alpha), _finite(sb * alpha))
+        s_in = _finite(jnp.abs(a * b)) * _inv_v_norms(space, w_leaves, ct, alpha)  # |c_x| / ‖v_x‖
+    corr = _in_skeleton_correction(space, w_leaves, g_leaves, ct, ia, ib) * s_in
+    chart = _Chart((a, b, ia, ib), k, p, alpha is None, s_in, corr)
+    k_in = (ia, ib * s_in)  # at x's incoming skeleton entry, ∂L/∂φ = g s_in / (A_parent B_x) + corr
+    phi_in = _finite(a * b) * _safe_inv(s_in)  # φ there: c_x / σ_x
+    gphis, phis = [], []
+    for w, g, li in zip(w_leaves, g_leaves, sk.leaves):
+        w, g = jnp.asarray(w, ct), jnp.asarray(g, ct)
+        if li.kind == "other":
+            gphis.append(g)
+            phis.append(w)
+            continue
+        shape = jnp.shape(w)
+        gphi = g * _pair(k, li, chart.guard)
+        phi = w * _pair(p, li, chart.guard)
+        im, gm = li.inskel_mask(shape), li.gauge_mask(shape)
+        if im is not None:
+            gphi = jnp.where(im, g * _pair(k_in, li, True) + _take(corr, li.dst_r), gphi)
+            phi = jnp.where(im, _take(phi_in, li.dst_r), phi)
+        if gm is not None:
+            gphi = jnp.where(gm, 0, gphi)
+            phi = jnp.where(gm, w, phi)
+        gphis.append(gphi)
+        phis.append(phi)
+    return gphis, phis, chart
 
 
 def balancing_factors(space: PathSpace, alpha):
@@ -790,8 +827,8 @@ def balancing_factors(space: PathSpace, alpha):
     return _edge_pow2(space, _frame_k(jnp.where(ok, k, 0)))
 
 
-def _allocate(space: PathSpace, w_leaves, dc_leaves, factors, ct, min_ratio: float, min_share: float = 0.0):
-    """Weight updates realising coordinates ``c + dc`` with the gauge fixed (weight allocation).
+def _allocate(space: PathSpace, w_leaves, dphi_leaves, chart: _Chart, ct, min_ratio: float, min_share: float = 0.0):
+    """Weight updates realising coordinates ``c + σ dφ`` with the gauge fixed (weight allocation).
 
     The in-skeleton rule (see `pathspace_jax.in_path_space`): each incoming skeleton coordinate
     ``c_x = A_x B_x`` moves by the ratio ``ρ_x = max(1 + dc_x / c_x, lo_x)`` with
@@ -800,20 +837,20 @@ def _allocate(space: PathSpace, w_leaves, dc_leaves, factors, ct, min_ratio: flo
     (inherited along gauge in-edges), ``w'_e = (c_e + dc_e) / (A'_u B_v)``; the gauge does not move.
     """
     sk = skeleton(space)
-    a, b, ia, ib = factors
+    a, b, ia, ib = chart.factors
     n = space.num_nodes
     parts = [
-        (li.inskel_node, _get_flat(jnp.asarray(dc, ct), li.inskel_flat))
-        for dc, li in zip(dc_leaves, sk.leaves)
+        (li.inskel_node, _get_flat(jnp.asarray(d, ct), li.inskel_flat))
+        for d, li in zip(dphi_leaves, sk.leaves)
         if li.inskel_flat.size
     ]
-    d_in = _node_sum(n, parts, ct)  # the update of each node's incoming skeleton coordinate
+    d_in = _node_sum(n, parts, ct) * chart.s_in  # the update of each node's incoming skeleton coordinate
     free = jnp.asarray(sk.hidden & ~sk.in_is_gauge)
     lo = jnp.full((n,), min_ratio, ct)
     # the share |c_x| / s_x may not drop below min_share (nor shrink at all if already below); min_share
     # may be a tracer (optax.inject_hyperparams)
     if isinstance(min_share, jax.core.Tracer) or min_share > 0:
-        share = _skeleton_share(space, w_leaves, factors, ct)
+        share = _skeleton_share(space, w_leaves, chart.factors, ct)
         lo = jnp.maximum(lo, jnp.minimum(min_share * _safe_inv(share), 1))
     rho = jnp.maximum(1 + d_in * _finite(ia * ib), lo)
     r0 = jnp.where(free, rho, 1)
@@ -826,14 +863,14 @@ def _allocate(space: PathSpace, w_leaves, dc_leaves, factors, ct, min_ratio: flo
     # at the in-skeleton entry of x (from its parent): w' = w · ρ_x / R_parent(x)
     ratio_in = rho * ir[sk.parent]
     out = []
-    for w, dc, li in zip(w_leaves, dc_leaves, sk.leaves):
+    for w, d, li in zip(w_leaves, dphi_leaves, sk.leaves):
+        d = jnp.asarray(d, ct)
         if li.kind == "other":
-            out.append(jnp.asarray(dc, ct))
+            out.append(d)
             continue
         w = jnp.asarray(w, ct)
-        dc = jnp.asarray(dc, ct)
         shape = jnp.shape(w)
-        u = (w + dc * _finite(_take(ia, li.src_r) * _take(ib, li.dst_r))) * _take(ir, li.src_r) - w
+        u = (w + d * _pair(chart.k, li, chart.guard)) * _take(ir, li.src_r) - w
         im, gm = li.inskel_mask(shape), li.gauge_mask(shape)
         if im is not None:
             u = jnp.where(im, w * (_take(ratio_in, li.dst_r) - 1), u)

@@ -71,7 +71,7 @@ class LeafIndex:
         ``(1, 1, c_in, 1)``), so that node vectors are gathered with O(nodes) work, not O(m).
       sum_axes: the axes along which ``src`` is constant (summing over them gives per-src sums);
         ``dst_sum_axes`` likewise for ``dst``.
-      gauge_flat: flat indices (in the leaf) of its gauge entries.
+      gauge_flat, gauge_node: flat indices (in the leaf) of its gauge entries and their source nodes.
       inskel_flat, inskel_node: flat indices of its (incoming) skeleton entries and their target nodes.
     """
 
@@ -86,6 +86,7 @@ class LeafIndex:
     dst_sum_axes: tuple[int, ...] = ()
     gauge_key: np.ndarray | None = None
     inskel_key: np.ndarray | None = None
+    gauge_node: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
 
     def flat_iota(self, shape):
         """``arange(size).reshape(shape)`` as an XLA iota: fuses into elementwise code, no memory."""
@@ -419,6 +420,7 @@ def skeleton(space: PathSpace) -> Skeleton:
                 dst_sum_axes,
                 _key(n, g_nodes, out_flat[g_nodes], src_r),
                 _key(n, i_nodes, in_flat[i_nodes], dst_r),
+                g_nodes,
             )
         leaf_idx.append(li_obj)
         offset += leaf.size

@@ -415,14 +415,14 @@ def in_path_space(
     normalize, rebalance = bool(normalize), bool(rebalance)
 
     def chart(params, grads):
-        """(w, g, compute dtype, ∂L/∂φ, φ as a tree like params, σ, chain factors, balanced frame α)."""
+        """(w, g, compute dtype, ∂L/∂φ, φ as a tree like params, the chart's node vectors, balanced frame α)."""
         w = space.leaves_of(params, "params")
         g = space.leaves_of(grads, "updates")
         ct = compute_dtype(list(w) + list(g))
         alpha = _coords.balanced_frame(space, w, ct) if normalize or rebalance else None
-        gphi, phi, s, factors = _coords._chart(space, w, g, ct, alpha if normalize else None)
+        gphi, phi, nodes = _coords._chart(space, w, g, ct, alpha if normalize else None)
         phi_tree = space.unflatten_like(params, [x.astype(jnp.result_type(y)) for x, y in zip(phi, w)])
-        return w, g, ct, gphi, phi_tree, s, factors, alpha
+        return w, g, ct, gphi, phi_tree, nodes, alpha
 
     # jitted once per transformation: run eagerly, the chart dispatches (and compiles) each of its many small
     # operations alone, seconds for a small RNN; the gradient slot is unused here
@@ -435,11 +435,10 @@ def in_path_space(
     def update_fn(updates, state, params=None, **extra_args):
         if params is None:
             raise ValueError("in_path_space needs params: call tx.update(grads, state, params)")
-        w, g, ct, gphi, phi, s, factors, alpha = chart(params, updates)
+        w, g, ct, gphi, phi, nodes, alpha = chart(params, updates)
         gphi = space.unflatten_like(updates, [x.astype(jnp.result_type(y)) for x, y in zip(gphi, g)])
         dphi, inner_state = inner.update(gphi, state.inner_state, phi, **extra_args)
-        dc = [x if si is None else jnp.asarray(x, ct) * si for x, si in zip(space.leaves_of(dphi, "inner updates"), s)]
-        u = _coords._allocate(space, w, dc, factors, ct, min_ratio, min_share)
+        u = _coords._allocate(space, w, space.leaves_of(dphi, "inner updates"), nodes, ct, min_ratio, min_share)
         if rebalance:
             fs = _coords.balancing_factors(space, alpha)
             u = [x if f is None else (jnp.asarray(p, ct) + x) * f - jnp.asarray(p, ct) for x, p, f in zip(u, w, fs)]
