@@ -625,26 +625,27 @@ def path_norms(space: PathSpace, leaves, dtype):
 
 
 @functools.lru_cache(maxsize=64)
-def frame_level(space: PathSpace) -> float:
-    """The level λ of the balanced frame (`balanced_frame`), a constant of the structure.
+def frame_level(space: PathSpace) -> np.ndarray:
+    """Per node, the level λ_v of the balanced frame (`balanced_frame`), a constant of the structure.
 
-    The balance condition fixes each hidden node's α only up to one common factor. λ is chosen so that a
-    network at a standard initialisation is, on average over its hidden nodes, its own balanced frame:
-    ``log2 λ = mean_v ¼ log2(q̄_in,v / q̄_out,v)`` over the hidden nodes, with q̄ the path norms
-    (`path_norms`) of the network whose squared weights are their expectation under LeCun's
-    initialisation (the default of Flax's ``Dense``, ``Conv`` and ``SimpleCell`` kernels; an orthogonal
-    recurrent kernel has the same row norms): ``w² = 1 / fan_in`` per entry, fan_in the number of the
-    leaf's edges into the entry's destination node, and biases 0. An embedding table counts as a dense
-    kernel from its one-hot inputs.
+    The balance condition fixes the α of a group of hidden nodes (a layer's units or channels) only up to
+    one common factor. λ is chosen so that a network at a standard initialisation is, on average over
+    each hidden group, its own balanced frame: ``log2 λ_v = mean_u ¼ log2(q̄_in,u / q̄_out,u)`` over the
+    nodes u of v's group, with q̄ the path norms (`path_norms`) of the network whose squared weights are
+    their expectation under LeCun's initialisation (the default of Flax's ``Dense``, ``Conv`` and
+    ``SimpleCell`` kernels; an orthogonal recurrent kernel has the same row norms): ``w² = 1 / fan_in``
+    per entry, fan_in the number of the leaf's edges into the entry's destination node, and biases 0.
+    An embedding table counts as a dense kernel from its one-hot inputs. 1 at non-hidden nodes.
 
     Without it (λ = 1) every hidden node's incoming path norm equals its outgoing one, while at a
     standard initialisation the outgoing ones are smaller wherever the layers narrow towards the outputs:
     on a ReLU RNN with 64 units and 10 classes the balanced α averages 2^-0.68, so G-SGD's steps were 2.6
     times SGD's on the input kernel and the biases and 0.38 times on the readout, and at SGD's largest
-    stable learning rate it diverged where SGD trains. λ depends on the space only, so the frame stays a
+    stable learning rate it diverged where SGD trains. Per group, because layers differ: on a two-layer
+    ReLU RNN the levels are 2^0.27 and 2^1.07. λ depends on the space only, so the frame stays a
     function of the params' rescaling orbit (and exact under power-of-two rescalings). Computed once per
-    space (cached), outside any trace, in float32 whatever the params' dtype and JAX's x64 setting, so
-    that it is the same constant in every process.
+    space (cached, read-only), outside any trace, in float32 whatever the params' dtype and JAX's x64
+    setting, so that it is the same constant in every process.
     """
     ref = []
     for leaf in space.leaves:
@@ -656,22 +657,27 @@ def frame_level(space: PathSpace) -> float:
         ref.append(np.reshape(1 / np.sqrt(fan_in), leaf.shape).astype(np.float32))
     with jax.ensure_compile_time_eval():
         q_in, q_out = (np.asarray(q, np.float64) for q in path_norms(space, ref, jnp.float32))
-    hidden = space.hidden_mask() & (q_in > 0) & (q_out > 0) & np.isfinite(q_in * q_out)
-    return float(2 ** (np.mean(np.log2(q_in[hidden] / q_out[hidden])) / 4)) if hidden.any() else 1.0
+    log2_ratio = np.log2(q_in / q_out, where=(q_in > 0) & (q_out > 0), out=np.full(space.num_nodes, np.nan))
+    level = np.ones(space.num_nodes, np.float32)
+    for g in (space.groups[i] for i in space.hidden_groups):
+        r = log2_ratio[g.offset : g.offset + g.size]
+        if np.isfinite(r).any():
+            level[g.offset : g.offset + g.size] = 2 ** (np.mean(r[np.isfinite(r)]) / 4)
+    level.setflags(write=False)
+    return level
 
 
 def balanced_frame(space: PathSpace, leaves, dtype):
-    """Per node, ``α_v = λ (q_out,v / q_in,v)^¼`` (`path_norms`; 1 at non-hidden nodes).
+    """Per node, ``α_v = λ_v (q_out,v / q_in,v)^¼`` (`path_norms`; 1 at non-hidden nodes).
 
     Rescaling every hidden node v by ``(q_out,v / q_in,v)^¼`` makes its incoming and outgoing path norms
-    equal; the constant level λ (`frame_level`) then rescales all hidden nodes alike, so that a network at
-    a standard initialisation is, on average, its own frame. In the frame every hidden node has
-    ``q_out / q_in = λ^-4``. Two square roots and a constant, so α scales exactly (``α ↦ α / β``) under
-    power-of-two rescalings β; 0 or ``inf`` where a path norm is 0.
+    equal; the constant level λ (`frame_level`, one per hidden group) then rescales each group's nodes
+    alike, so that a network at a standard initialisation is, on average over each group, its own frame.
+    In the frame every node of a group has ``q_out / q_in = λ^-4``. Two square roots and a constant, so
+    α scales exactly (``α ↦ α / β``) under power-of-two rescalings β; 0 or ``inf`` where a path norm is 0.
     """
     q_in, q_out = path_norms(space, leaves, dtype)
-    level = np.where(space.hidden_mask(), frame_level(space), 1.0)
-    return jnp.sqrt(jnp.sqrt(q_out / q_in)) * jnp.asarray(level, dtype)
+    return jnp.sqrt(jnp.sqrt(q_out / q_in)) * jnp.asarray(frame_level(space), dtype)
 
 
 def _inv_v_norms(space: PathSpace, w_leaves, ct, alpha):
@@ -728,10 +734,11 @@ def coord_scales(space: PathSpace, params):
     that of many weights multiplied: SGD on raw coordinates moves ``w_e`` by ``η g_e / (A_u B_v)²``,
     10²–10⁴ times SGD's step at a standard initialisation. The normalised coordinates divide each one by
     a rescaling-invariant scale taken at the current params, in the **balanced frame**: every hidden
-    node v rescaled by ``α_v = λ (q_out,v / q_in,v)^¼`` (`balanced_frame`), so that the ratio of its
-    outgoing to its incoming path norm is the same for all hidden nodes, at the level λ (`frame_level`)
-    where a network at a standard initialisation is, on average, its own frame. That frame is a function
-    of the params' rescaling orbit and grows with the network as SGD's iterates do.
+    node v rescaled by ``α_v = λ_v (q_out,v / q_in,v)^¼`` (`balanced_frame`), so that the ratio of its
+    outgoing to its incoming path norm is the same for all nodes of its group (a layer's units), at the
+    level λ (`frame_level`) where a network at a standard initialisation is, on average, its own frame.
+    That frame is a function of the params' rescaling orbit and grows with the network as SGD's iterates
+    do.
 
     * a coordinate entry ``e = u -> v``: ``σ_e = |A_u B_v|`` in the balanced frame, ``|A_u B_v| α_u / α_v``.
       Then ``φ_e`` is ±(the weight in the balanced frame), and SGD on φ moves it as SGD would there;

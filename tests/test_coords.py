@@ -650,8 +650,8 @@ def test_zero_skeleton_weight_is_a_clear_error_at_init_and_a_zero_update_inside_
 
 
 def test_coord_scales_match_the_balanced_frame_computed_by_hand(spaces):
-    """σ of the zoo MLP (4-7-6-3) against numpy: path norms layer by layer, α = λ (q_out / q_in)^¼ (λ from the
-    path norms of LeCun's expected squared weights, written out for these widths), σ_e =
+    """σ of the zoo MLP (4-7-6-3) against numpy: path norms layer by layer, α = λ (q_out / q_in)^¼ (λ per layer,
+    from the path norms of LeCun's expected squared weights, written out for these widths), σ_e =
     |product of the basis path without e| α_u / α_v at coordinate entries, |c_x| / ‖v_x‖ at in-skeleton ones;
     1 at the gauge; and the same σ for a rescaled copy of the params."""
     case, space = ZOO["mlp"], spaces["mlp"]
@@ -664,13 +664,15 @@ def test_coord_scales_match_the_balanced_frame_computed_by_hand(spaces):
     q_out = [np.ones(3)]
     for w in ws[:0:-1]:
         q_out.insert(0, (w**2) @ q_out[0])
-    # the level λ: the same path norms with every squared weight 1 / fan_in (LeCun's expectation) and biases 0:
-    # q_in = 4 × 1/4 = 1 on layer 1 and 7 × 1/7 = 1 on layer 2; q_out = 3 × 1/6 = 1/2 on layer 2 and
-    # 6 × 1/7 × 1/2 = 3/7 on layer 1; log2 λ = ¼ mean over the 13 hidden nodes of log2(q_in / q_out)
-    # (computed in float32 whatever the params' dtype, so that it is the same constant in every process)
-    level = pj.coords.frame_level(space)
-    np.testing.assert_allclose(level, 2 ** ((7 * np.log2(7 / 3) + 6 * np.log2(2)) / 13 / 4), rtol=1e-6)
-    alpha = [np.ones(4), *(level * (qo / qi) ** 0.25 for qo, qi in zip(q_out[:2], q_in[1:])), np.ones(3)]
+    # the level λ, per layer: the same path norms with every squared weight 1 / fan_in (LeCun's expectation) and
+    # biases 0: q_in = 4 × 1/4 = 1 on layer 1 and 7 × 1/7 = 1 on layer 2; q_out = 3 × 1/6 = 1/2 on layer 2 and
+    # 6 × 1/7 × 1/2 = 3/7 on layer 1; log2 λ = ¼ log2(q_in / q_out) (computed in float32 whatever the params'
+    # dtype, so that it is the same constant in every process)
+    levels = [2 ** (np.log2(7 / 3) / 4), 2 ** (np.log2(2) / 4)]
+    got = pj.coords.frame_level(space)
+    np.testing.assert_allclose(got, np.concatenate([np.ones(5), np.repeat(levels, [7, 6]), np.ones(3)]), rtol=1e-6)
+    levels = [got[5], got[12]]
+    alpha = [np.ones(4), *(lv * (qo / qi) ** 0.25 for lv, qo, qi in zip(levels, q_out[:2], q_in[1:])), np.ones(3)]
     # per entry, in ravel order (per layer: bias, then kernel), the α of its source and target nodes
     a_src, a_dst = [], []
     for i in range(3):
@@ -714,16 +716,18 @@ class _RowRNN(nn.Module):
 )
 def test_a_standard_flax_init_is_on_average_its_own_balanced_frame(model, shape):
     """The level λ (`frame_level`) puts the balanced frame where Flax's standard initialisation is: the geometric
-    mean of α over the hidden nodes is within 2^±0.15 of 1 (without the level it is 2^-0.87 on this MLP and
-    2^-0.68 on this RNN, so the normalised chart's steps on the first layer were 3.3 and 2.6 times SGD's)."""
+    mean of α over each layer's units is within 2^±0.15 of 1 (without the level it is 2^-0.92 and 2^-0.67 on this
+    MLP's layers and 2^-0.68 on this RNN, so the normalised chart's first-layer steps were 3.6 and 2.6 times SGD's)."""
     x = jnp.ones(shape, jnp.float32)
     for seed in range(3):
         params = model.init(jax.random.key(seed), x)["params"]
         space = pj.trace(lambda p, x: model.apply({"params": p}, x), params, x)
         alpha = np.asarray(pj.coords.balanced_frame(space, space.leaves_of(params), jnp.float32))
-        log2_alpha = np.log2(alpha[space.hidden_mask()])
-        assert abs(log2_alpha.mean()) < 0.15, log2_alpha.mean()
-        assert abs(log2_alpha.mean() - np.log2(pj.coords.frame_level(space))) > 0.5  # the level is what moved it
+        level = pj.coords.frame_level(space)
+        for g in (space.groups[i] for i in space.hidden_groups):
+            units = slice(g.offset, g.offset + g.size)
+            assert abs(np.log2(alpha[units]).mean()) < 0.15, (g.name, np.log2(alpha[units]).mean())
+            assert np.all(np.log2(level[units]) > 0.5)  # the level is what moved it
 
 
 def test_path_norms_of_a_relu_rnn_count_paths_through_the_recurrent_kernel_by_enumeration():
