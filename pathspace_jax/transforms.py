@@ -354,8 +354,8 @@ def in_path_space(
     10²–10⁴ times SGD's and G-SGD diverges at SGD's learning rates unless the skeleton weights are ±1
     (`pathspace_jax.skeleton_init`, the initialisation of Meng et al.). With σ, a coordinate entry moves
     as SGD (or ``inner``) would move its weight in the *balanced frame* of the current params (every
-    hidden node rescaled so that its outgoing and incoming path norms are in the same ratio, at the
-    level where a standard initialisation is its own frame: `pathspace_jax.coords.frame_level`), and a
+    hidden node rescaled so that its outgoing and incoming path norms are in the same ratio across its
+    layer, at the level where a standard initialisation is its own frame: `pathspace_jax.coords.frame_level`), and a
     node's incoming skeleton coordinate, which sets the node's scale, moves multiplicatively, as SGD in
     that frame would move along the direction it changes the weights in (`pathspace_jax.coord_scales`).
     The learning rates of ``optax.sgd`` / ``optax.adam`` carry over. The cost is three more reduction passes over the
