@@ -20,7 +20,7 @@ jax.config.update("jax_enable_x64", True)
 # the per-module clearing below) is compiled once. The full run took 14.6 minutes with it from an empty cache,
 # 16.9 without (2026-11-23); on 2026-11-25, 11.0 minutes from an empty cache and 3.4 with a warm one (a second
 # run on the same machine); 9.4 minutes from an empty cache after the fused G-SGD chart (commit d1118d1), then
-# 8.3 and 7.4 minutes in two later CI dry runs on a clean clone (390 tests).
+# 8.3 (387 tests) and 7.4 minutes (390 tests) in two later CI dry runs on a clean clone.
 # PJ_TEST_CACHE=0 turns it off.
 if os.environ.get("PJ_TEST_CACHE", "1") != "0":
     _CACHE = {
