@@ -355,11 +355,12 @@ def in_path_space(
     (`pathspace_jax.skeleton_init`, the initialisation of Meng et al.). With σ, a coordinate entry moves
     as SGD (or ``inner``) would move its weight in the *balanced frame* of the current params (every
     hidden node rescaled so that its outgoing and incoming path norms are in the same ratio across its
-    layer, at the level where a standard initialisation is its own frame: `pathspace_jax.coords.frame_level`), and a
-    node's incoming skeleton coordinate, which sets the node's scale, moves multiplicatively, as SGD in
-    that frame would move along the direction it changes the weights in (`pathspace_jax.coord_scales`).
-    The learning rates of ``optax.sgd`` / ``optax.adam`` carry over. The cost is three more reduction passes over the
-    weights per step (`pathspace_jax.coords.path_norms` and ‖v_x‖).
+    layer, at the level where a standard initialisation is its own frame:
+    `pathspace_jax.coords.frame_level`), and a node's incoming skeleton coordinate, which sets the
+    node's scale, moves multiplicatively, as SGD in that frame would move along the direction it
+    changes the weights in (`pathspace_jax.coord_scales`). The learning rates of ``optax.sgd`` /
+    ``optax.adam`` carry over. The cost is three more reduction passes over the weights per step
+    (`pathspace_jax.coords.path_norms` and ‖v_x‖).
 
     **Rebalancing.** The step fixes every path value but not where the weights sit on their rescaling
     orbit: with the gauge held, the weights can drift far from balanced (entries of 70 where SGD's stay
