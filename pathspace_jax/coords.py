@@ -657,12 +657,12 @@ def frame_level(space: PathSpace) -> np.ndarray:
         ref.append(np.reshape(1 / np.sqrt(fan_in), leaf.shape).astype(np.float32))
     with jax.ensure_compile_time_eval():
         q_in, q_out = (np.asarray(q, np.float64) for q in path_norms(space, ref, jnp.float32))
-    log2_ratio = np.log2(q_in / q_out, where=(q_in > 0) & (q_out > 0), out=np.full(space.num_nodes, np.nan))
+    ok = (q_in > 0) & (q_out > 0) & np.isfinite(q_in) & np.isfinite(q_out)  # nodes on at least one path each way
     level = np.ones(space.num_nodes, np.float32)
     for g in (space.groups[i] for i in space.hidden_groups):
-        r = log2_ratio[g.offset : g.offset + g.size]
-        if np.isfinite(r).any():
-            level[g.offset : g.offset + g.size] = 2 ** (np.mean(r[np.isfinite(r)]) / 4)
+        units = np.arange(g.offset, g.offset + g.size)[ok[g.offset : g.offset + g.size]]
+        if units.size:
+            level[g.offset : g.offset + g.size] = 2 ** (np.mean(np.log2(q_in[units] / q_out[units])) / 4)
     level.setflags(write=False)
     return level
 
