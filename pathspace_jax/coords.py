@@ -47,6 +47,7 @@ import numpy as np
 
 from pathspace_jax.graph import PathSpace, compute_dtype
 from pathspace_jax.skeleton import Skeleton, skeleton
+from pathspace_jax.squared import pow2
 
 __all__ = [
     "to_coords",
@@ -237,15 +238,15 @@ def edge_factors(space: PathSpace, lg, sign: float = 1.0):
     """Per leaf, ``2^(sign · (k_dst − k_src))`` (k: `gauge_log2` rounded to integers, |k| ≤ 60), exact powers of
     two broadcastable to the leaf (None for leaves of kind "other").
 
-    Built from two node vectors (one ``exp2`` per node, one product per entry), so applying it costs what an
-    elementwise product costs. ``sign=1`` takes the params to the canonical frame, ``sign=-1`` back.
+    Built from two node vectors (one power of two per node, one product per entry), so applying it costs what
+    an elementwise product costs. ``sign=1`` takes the params to the canonical frame, ``sign=-1`` back.
     """
-    return _edge_pow2(space, sign * _frame_k(lg))
+    k = sign * _frame_k(lg)
+    return _edge_products(space, pow2(k, k.dtype), pow2(-k, k.dtype))
 
 
-def _edge_pow2(space: PathSpace, e):
-    """Per leaf, ``2^(e_dst − e_src)`` from a node vector e: one exp2 per node, one product per entry."""
-    up, down = jnp.exp2(e), jnp.exp2(-e)
+def _edge_products(space: PathSpace, up, down):
+    """Per leaf, ``up_dst · down_src`` from two node vectors: one product per entry."""
     return [
         None if li.kind == "other" else _take(up, li.dst_r) * _take(down, li.src_r) for li in skeleton(space).leaves
     ]
@@ -254,7 +255,8 @@ def _edge_pow2(space: PathSpace, e):
 def damping_factors(space: PathSpace, lg):
     """Per leaf, ``2^(2((l − k)_dst − (l − k)_src))``: with `edge_factors`, a constant added to κ in the canonical
     frame times this is exactly ``constant · (B_v / B_u)²`` in the params' frame (in [1/4, 4] unless |l| > 60)."""
-    return _edge_pow2(space, 2.0 * (lg - _frame_k(lg)))
+    f = 2.0 * (lg - _frame_k(lg))  # unchanged by power-of-two rescalings, so exp2's rounding is too
+    return _edge_products(space, jnp.exp2(f), jnp.exp2(-f))
 
 
 def to_canonical_frame(space: PathSpace, leaves, dtype):
@@ -875,7 +877,8 @@ def balancing_factors(space: PathSpace, alpha):
     m, e = jnp.frexp(alpha)  # α = m 2^e, m in [½, 1): exact, so k shifts exactly under power-of-two rescalings
     k = jnp.where(m < 2**-0.5, e - 1, e).astype(alpha.dtype)
     ok = jnp.isfinite(alpha) & (alpha > 0)
-    return _edge_pow2(space, _frame_k(jnp.where(ok, k, 0)))
+    k = _frame_k(jnp.where(ok, k, 0))
+    return _edge_products(space, pow2(k, k.dtype), pow2(-k, k.dtype))
 
 
 def _allocate(space: PathSpace, w_leaves, dphi_leaves, chart: _Chart, ct, min_ratio: float, min_share: float = 0.0):

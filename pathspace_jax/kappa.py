@@ -332,7 +332,7 @@ def _power_v(w, p: float) -> V:
     _, k = jnp.frexp(jnp.max(jnp.abs(w)))
     pk = p * k.astype(w.dtype)
     e = jnp.floor(pk)
-    return renorm(V(raise_power(jnp.ldexp(w, -k), p) * jnp.exp2(pk - e), e.astype(jnp.int32)))
+    return renorm(V(raise_power(squared.ldexp(w, -k), p) * jnp.exp2(pk - e), e.astype(jnp.int32)))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 2))
@@ -347,4 +347,4 @@ def _norm_jit(space, leaves, p):
     top = zero if top is None else top
     a = jnp.floor(top.astype(dt) / p).astype(jnp.int32)
     b = (top - a).astype(dt) / p if p == 1.0 else (top.astype(dt) - a.astype(dt) * p) / p
-    return jnp.ldexp(total ** (1.0 / p) * jnp.exp2(b), a)
+    return squared.ldexp(total ** (1.0 / p) * jnp.exp2(b), a)

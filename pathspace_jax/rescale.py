@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pathspace_jax.graph import PathSpace
+from pathspace_jax.squared import pow2
 
 __all__ = ["rescale", "random_alphas", "random_rescale", "describe", "node_vector"]
 
@@ -79,7 +80,7 @@ def random_alphas(space: PathSpace, key, *, max_exponent: int = 4) -> list[jax.A
     """Power-of-two factors 2^k, k uniform in [-max_exponent, max_exponent], per hidden node."""
     keys = jax.random.split(key, max(len(space.hidden_groups), 1))
     return [
-        jnp.exp2(jax.random.randint(k, (space.groups[i].size,), -max_exponent, max_exponent + 1).astype(jnp.float32))
+        pow2(jax.random.randint(k, (space.groups[i].size,), -max_exponent, max_exponent + 1), jnp.float32)
         for k, i in zip(keys, space.hidden_groups)
     ]
 

@@ -421,12 +421,39 @@ def is_float(x) -> bool:
     return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
 
 
+def pow2(k, dtype) -> jax.Array:
+    """Exactly ``2^k`` in ``dtype`` for integer-valued ``k`` in the dtype's normal range (clipped to it).
+
+    Built from the float's exponent bits. ``jnp.exp2`` is not exact at integers (on CPU, float32
+    ``exp2(13.0)`` is off by an ulp; on GPU more often), and exactness is what makes power-of-two
+    rescalings commute bit for bit with the library's frames.
+    """
+    info = jnp.finfo(dtype)
+    bias = info.maxexp - 1
+    ity = jnp.dtype(f"int{info.bits}")
+    k = jnp.clip(jnp.asarray(k), 1 - bias, bias).astype(ity)
+    return jax.lax.bitcast_convert_type((k + bias) << info.nmant, dtype)
+
+
+def ldexp(x, k) -> jax.Array:
+    """``x · 2^k``, exact wherever the result is a normal float (XLA flushes subnormal results to zero).
+
+    As `jnp.ldexp`, but with `pow2`'s exact powers: `jnp.ldexp` raises 2 to a float power, which GPUs
+    round in float64 (2^k off by an ulp at about one k in seven).
+    """
+    x = jnp.asarray(x)
+    m, e = jnp.frexp(x)
+    t = e + jnp.asarray(k, jnp.int32)
+    h = t // 2  # two exact factors, each within the normal range wherever the result is representable
+    return m * pow2(h, x.dtype) * pow2(t - h, x.dtype)
+
+
 def renorm(v: V) -> V:
     if v.e is None or not is_float(v.m) or jnp.size(v.m) == 0:
         return v
     _, k = jnp.frexp(jax.lax.stop_gradient(jnp.max(jnp.abs(v.m))))
     k = k.astype(jnp.int32)
-    return V(jnp.ldexp(v.m, -k), v.e + k)
+    return V(ldexp(v.m, -k), v.e + k)
 
 
 def align(vals: list) -> tuple[list, Any]:
@@ -438,7 +465,7 @@ def align(vals: list) -> tuple[list, Any]:
     out = []
     for v in vals:
         if isinstance(v, V):
-            out.append(jnp.ldexp(v.m, v.e - top) if v.e is not None and is_float(v.m) else v.m)
+            out.append(ldexp(v.m, v.e - top) if v.e is not None and is_float(v.m) else v.m)
         else:
             out.append(v)
     return out, top
@@ -681,7 +708,7 @@ def _eval_scan(e: _Eqn, vals, power, pert, record, idx, sinks=None, body_post=No
             sinks.append(V(jnp.sum(s_m), None))
         else:
             top = jnp.max(s_e)
-            sinks.append(renorm(V(jnp.sum(jnp.ldexp(s_m, s_e - top)), top)))
+            sinks.append(renorm(V(jnp.sum(ldexp(s_m, s_e - top)), top)))
     if pert is not None:
         cin = ys.pop()[0]
         cv = list(init)
@@ -706,7 +733,7 @@ def _eval_scan(e: _Eqn, vals, power, pert, record, idx, sinks=None, body_post=No
             continue
         top = jnp.max(y_e)
         shift = (y_e - top).reshape((-1,) + (1,) * (jnp.ndim(y_m) - 1))
-        outs.append(renorm(V(jnp.ldexp(y_m, shift), top)))
+        outs.append(renorm(V(ldexp(y_m, shift), top)))
     return outs
 
 

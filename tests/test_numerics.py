@@ -15,6 +15,7 @@ import optax
 import pytest
 
 import pathspace_jax as pj
+from pathspace_jax.squared import ldexp, pow2
 from pathspace_jax.testing import assert_update_invariant
 
 F32, F64 = jnp.float32, jnp.float64
@@ -166,28 +167,33 @@ def test_kappa_of_exact_rescalings_is_equivariant(name, k):
 
 
 def test_unbalanced_layers_train_like_the_balanced_network():
-    """A layer ×1e30 and the next ×1e-30 (the same function): Path-SGD trains both alike."""
-    fn, params, x, y, space = _setup("mlp")
-    unbalanced = jax.tree_util.tree_map(lambda a: a, params)
-    unbalanced["Dense_0"] = jax.tree_util.tree_map(lambda a: a * 1e30, params["Dense_0"])
-    unbalanced["Dense_1"] = {"kernel": params["Dense_1"]["kernel"] * 1e-30, "bias": params["Dense_1"]["bias"]}
-    np.testing.assert_allclose(fn(unbalanced, x), fn(params, x), rtol=1e-4, atol=1e-5)
-    loss = _mse(fn)
-    tx = pj.path_sgd(space, 0.02)
+    """A layer ×1e30 and the next ×1e-30 (the same function): Path-SGD trains both alike.
 
-    @jax.jit
-    def step(p, s):
-        u, s = tx.update(jax.grad(loss)(p, (x, y)), s, p)
-        return optax.apply_updates(p, u), s
+    In full float32 matmul precision: JAX's default on GPU is TF32, whose rounding differs between the two
+    networks by 1e-3 (factors that are powers of two would be exact in any precision).
+    """
+    with jax.default_matmul_precision("float32"):
+        fn, params, x, y, space = _setup("mlp")
+        unbalanced = jax.tree_util.tree_map(lambda a: a, params)
+        unbalanced["Dense_0"] = jax.tree_util.tree_map(lambda a: a * 1e30, params["Dense_0"])
+        unbalanced["Dense_1"] = {"kernel": params["Dense_1"]["kernel"] * 1e-30, "bias": params["Dense_1"]["bias"]}
+        np.testing.assert_allclose(fn(unbalanced, x), fn(params, x), rtol=1e-4, atol=1e-5)
+        loss = _mse(fn)
+        tx = pj.path_sgd(space, 0.02)
 
-    finals = []
-    for p in (params, unbalanced):
-        s = tx.init(p)
-        for _ in range(200):
-            p, s = step(p, s)
-        finals.append(float(loss(p, (x, y))))
-    assert finals[0] < 0.9 * float(loss(params, (x, y)))
-    np.testing.assert_allclose(finals[1], finals[0], rtol=1e-2)
+        @jax.jit
+        def step(p, s):
+            u, s = tx.update(jax.grad(loss)(p, (x, y)), s, p)
+            return optax.apply_updates(p, u), s
+
+        finals = []
+        for p in (params, unbalanced):
+            s = tx.init(p)
+            for _ in range(200):
+                p, s = step(p, s)
+            finals.append(float(loss(p, (x, y))))
+        assert finals[0] < 0.9 * float(loss(params, (x, y)))
+        np.testing.assert_allclose(finals[1], finals[0], rtol=1e-2)
 
 
 @pytest.mark.slow
@@ -198,6 +204,39 @@ def test_tiny_weights_give_no_nan_in_g_sgd():
     tx = pj.g_sgd(space, 0.01)
     u, _ = tx.update(jax.grad(_mse(fn))(tiny, (x, y)), tx.init(tiny), tiny)
     assert all(np.all(np.isfinite(np.asarray(a))) for a in jax.tree_util.tree_leaves(u))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, F32, F64])
+def test_pow2_is_exact_over_the_normal_range(dtype):
+    """`jnp.exp2` is off by an ulp at some integers (float32 ``exp2(13.0)`` on CPU, more on GPU): the frames'
+    powers of two are built from exponent bits instead, exact wherever the dtype has a normal 2^k; and so is
+    ldexp, rounded once."""
+    info = jnp.finfo(dtype)
+    k = np.arange(int(info.minexp), int(info.maxexp))
+    got = jax.jit(pow2, static_argnums=1)(jnp.asarray(k, F32), dtype)
+    np.testing.assert_array_equal(np.asarray(got, np.float64), np.ldexp(1.0, k))
+    if dtype in (F32, F64):  # ldexp (JAX's raises 2 to a float power: off by an ulp on GPU in float64)
+        x = np.random.default_rng(0).normal(size=4 * k.size).astype(dtype)
+        # results from overflow down through the subnormals to 0
+        shift = np.linspace(info.minexp - info.nmant - 8, info.maxexp + 8, x.size).astype(np.int32)
+        with np.errstate(over="ignore"):
+            want = np.ldexp(x, shift)
+        got = np.asarray(jax.jit(ldexp)(jnp.asarray(x), jnp.asarray(shift)))
+        sub = np.abs(want) < info.tiny  # XLA flushes subnormal results to zero
+        assert np.isinf(want).any() and (want == 0).any() and (sub & (want != 0)).any()
+        np.testing.assert_array_equal(got[~sub], want[~sub])
+        assert np.all((got[sub] == 0) | (got[sub] == want[sub]))
+
+
+def test_large_power_of_two_rescalings_are_bit_for_bit():
+    """Factors up to 2^±40 per node: the function and Path-SGD's canonical frame do not change in any bit."""
+    fn, params, x, y, space = _setup("mlp", dtype=F64)
+    scaled = pj.random_rescale(space, params, jax.random.key(5), max_exponent=40)
+    assert max(float(jnp.max(jnp.abs(a))) for a in jax.tree_util.tree_leaves(scaled)) > 2.0**20
+    np.testing.assert_array_equal(fn(scaled, x), fn(params, x))
+    frames = [pj.coords.to_canonical_frame(space, space.leaves_of(p), F64)[0] for p in (params, scaled)]
+    for a, b in zip(*frames):
+        np.testing.assert_array_equal(a, b)
 
 
 # ----------------------------------------------------------------------------- bad input
