@@ -40,13 +40,16 @@ WIDTHS, BATCH = (512, 512), 128
 def torch_timer(torch, model, step_fn, x, y):  # torch is imported in main() only
     """Seconds per step over a block of ``n`` torch train steps (forward, backward, update)."""
     loss_fn = torch.nn.CrossEntropyLoss()
+    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
 
     def run(n: int) -> float:
+        sync()
         t0 = time.perf_counter()
         for _ in range(n):
             model.zero_grad(set_to_none=False)
             loss_fn(model(x), y).backward()
             step_fn()
+        sync()
         return (time.perf_counter() - t0) / n
 
     return run
@@ -57,6 +60,7 @@ def main(argv=None) -> None:
     ap.add_argument("--msra-gsgd", type=Path, required=True, help="a clone of github.com/MSRA-COLT/gsgd")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--repeats", type=int, default=50, help="steps per timed block")
+    ap.add_argument("--commit", help="the clone's commit, where the folder is not a git checkout of its own")
     args = ap.parse_args(argv)
     import torch
 
@@ -64,7 +68,12 @@ def main(argv=None) -> None:
     sys.path.insert(0, str(args.msra_gsgd / "gsgd_mlp"))
     from opt.gopt_general_mlp import gSGD  # the peer
 
-    commit = subprocess.run(["git", "-C", str(args.msra_gsgd), "rev-parse", "HEAD"], capture_output=True, text=True)
+    git = ["git", "-C", str(args.msra_gsgd), "rev-parse"]
+    top = subprocess.run([*git, "--show-toplevel"], capture_output=True, text=True).stdout.strip()
+    own = top and Path(top).resolve() == args.msra_gsgd.resolve()  # not the enclosing repository's commit
+    commit = args.commit or (subprocess.run([*git, "HEAD"], capture_output=True, text=True).stdout if own else "")
+    # PyTorch on the device JAX runs on: CUDA when JAX has a GPU
+    device = "cuda" if jax.default_backend() == "gpu" and torch.cuda.is_available() else "cpu"
     rng = np.random.default_rng(0)
     x_np = rng.standard_normal((BATCH, 784)).astype(np.float32)
     y_np = (np.arange(BATCH) % 10).astype(np.int64)
@@ -78,10 +87,10 @@ def main(argv=None) -> None:
             layers += [torch.nn.Linear(a, b, bias=False)] + ([torch.nn.ReLU()] if i < len(WIDTHS) else [])
         return torch.nn.Sequential(*layers)
 
-    xt, yt = torch.from_numpy(x_np), torch.from_numpy(y_np)
-    m_sgd, m_gsgd = torch_mlp(), torch_mlp()
+    xt, yt = torch.from_numpy(x_np).to(device), torch.from_numpy(y_np).to(device)
+    m_sgd, m_gsgd = torch_mlp().to(device), torch_mlp().to(device)
     opt_sgd = torch.optim.SGD(m_sgd.parameters(), lr=0.01)
-    opt_gsgd = gSGD(m_gsgd, lr=0.01, args=SimpleNamespace(device="cpu", opt="ec"))
+    opt_gsgd = gSGD(m_gsgd, lr=0.01, args=SimpleNamespace(device=device, opt="ec"))
     timers = {
         "torch_sgd": torch_timer(torch, m_sgd, opt_sgd.step, xt, yt),
         "msra_gsgd": torch_timer(torch, m_gsgd, opt_gsgd.step, xt, yt),
@@ -107,8 +116,8 @@ def main(argv=None) -> None:
     row["msra_gsgd_vs_torch_sgd"] = round(float(np.median(np.divide(times["msra_gsgd"], times["torch_sgd"]))), 2)
     row["pj_g_sgd_vs_optax_sgd"] = round(float(np.median(np.divide(times["pj_g_sgd"], times["optax_sgd"]))), 2)
     row["msra_gsgd_vs_pj_g_sgd"] = round(ms["msra_gsgd"] / ms["pj_g_sgd"], 1)
-    row["torch"] = torch.__version__
-    row["msra_gsgd_commit"] = commit.stdout.strip()[:12] or "unknown"
+    row["torch"] = f"{torch.__version__} ({device})"
+    row["msra_gsgd_commit"] = commit.strip()[:12] or "unknown"
     for k, v in row.items():
         print(f"{k:28s} {v}")
     print("wrote", write_results("peers", {f"mlp_784_512_512_10_nobias_b{BATCH}_ms": row}))
