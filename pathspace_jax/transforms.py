@@ -134,19 +134,30 @@ def _check_static(where: str, **hyperparams) -> None:
         )
 
 
-def _kappa_state(space, params):
-    """Initial (κ, log2 gauge): zeros like params, and a zero node vector in the compute dtype."""
+def _every_step(every) -> bool:
+    """``every`` is the Python int 1: κ is computed at each step and not kept (inject_hyperparams passes arrays)."""
+    return isinstance(every, int | np.integer) and every == 1
+
+
+def _kappa_state(space, params, every):
+    """Initial (κ, log2 gauge): zeros like params, and a zero node vector in the compute dtype; (None, None)
+    when κ is computed at each step (`_every_step`)."""
+    if _every_step(every):
+        return None, None
     leaves = space.leaves_of(params, "params")
     kappa = space.unflatten_like(params, [jnp.zeros(jnp.shape(p), jnp.result_type(p)) for p in leaves])
     return kappa, jnp.zeros((space.num_nodes,), compute_dtype(leaves))
 
 
-def _current_kappa(compute, kappa, count, every: int):
-    """κ = ``compute()`` at steps 0, every, 2·every, …, the stored ``kappa`` in between (one ``lax.cond``).
+def _current_kappa(compute, kappa, count, every):
+    """κ = ``compute()`` at steps 0, every, 2·every, …, the stored ``kappa`` in between (one ``lax.cond``);
+    ``compute()`` alone when ``kappa`` is None (`_every_step`: nothing kept, so XLA fuses κ into the division).
 
     κ travels as raveled leaves: on XLA:CPU a 2-D κ (an outer product for a dense kernel) otherwise gets a
     column-major layout and is transposed into the state on every step (benchmarks/README.md).
     """
+    if kappa[0] is None:
+        return compute()
 
     def flat(tree):
         return [jnp.ravel(a) for a in jax.tree_util.tree_leaves(tree)]
@@ -154,10 +165,7 @@ def _current_kappa(compute, kappa, count, every: int):
     def fresh():
         return flat(jax.tree_util.tree_map(lambda a, b: a.astype(b.dtype), compute(), kappa))
 
-    if not _traced(every) and every == 1:
-        ks = jax.lax.optimization_barrier(fresh())
-    else:
-        ks = jax.lax.cond(count % every == 0, fresh, lambda: flat(kappa))
+    ks = jax.lax.cond(count % every == 0, fresh, lambda: flat(kappa))
     leaves, treedef = jax.tree_util.tree_flatten(kappa)
     return jax.tree_util.tree_unflatten(treedef, [k.reshape(jnp.shape(a)) for k, a in zip(ks, leaves, strict=True)])
 
@@ -197,12 +205,13 @@ class ScaleByDDPState(NamedTuple):
     """State of `scale_by_ddp`: the step count and the κ last computed (recomputed every ``every`` steps).
 
     As in `ScaleByPathSGDState`, ``kappa`` is κ in the canonical frame and ``log2_gauge`` the frame's
-    per-node log2|B_v|; `pathspace_jax.coords.kappa_from_frame` gives κ of the params.
+    per-node log2|B_v|; `pathspace_jax.coords.kappa_from_frame` gives κ of the params. Both are None with
+    ``every=1`` (the default): κ is computed at each step and not kept.
     """
 
     count: jax.Array
     kappa: Any
-    log2_gauge: jax.Array
+    log2_gauge: jax.Array | None
 
 
 def scale_by_ddp(
@@ -265,7 +274,7 @@ def scale_by_ddp(
     config = (alpha, moment, estimator, num_probes)
 
     def init_fn(params):
-        kappa, log2_gauge = _kappa_state(space, params)
+        kappa, log2_gauge = _kappa_state(space, params, every)
         return ScaleByDDPState(count=jnp.zeros([], jnp.int32), kappa=kappa, log2_gauge=log2_gauge)
 
     def update_fn(updates, state, params=None, *, inputs=None, key=None, **extra_args):
@@ -280,17 +289,14 @@ def scale_by_ddp(
         xs = check_inputs(space, inputs)
         if key is None:
             key = jax.random.fold_in(jax.random.key(0), state.count)
-        every_one = not _traced(every) and every == 1
-        return _ddp_update(
-            space, config, every_one, updates, state, params, xs, key, damping, eps, every, probe_damping
-        )
+        return _ddp_update(space, config, updates, state, params, xs, key, damping, eps, every, probe_damping)
 
     tx = optax.GradientTransformationExtraArgs(init_fn, update_fn)
     return _accept_masked(space, "scale_by_ddp", tx, runs_network=alpha > 0.0)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _ddp_update(space, config, every_one, updates, state, params, xs, key, damping, eps, every, probe_damping):
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _ddp_update(space, config, updates, state, params, xs, key, damping, eps, every, probe_damping):
     """One `scale_by_ddp` step (jitted, so that calls outside ``jit`` compile once); ``xs``: the batch's leaves."""
     from pathspace_jax.ddp import _kappa_jit
 
@@ -301,9 +307,10 @@ def _ddp_update(space, config, every_one, updates, state, params, xs, key, dampi
         kappa, lg = _kappa_jit(space, leaves, xs, key, alpha, moment, estimator, num_probes, probe_damping, True)
         return space.unflatten_like(params, kappa), lg
 
-    kappa, lg = _current_kappa(compute, (state.kappa, state.log2_gauge), state.count, 1 if every_one else every)
+    kappa, lg = _current_kappa(compute, (state.kappa, state.log2_gauge), state.count, every)
     new = _divide_by_kappa(space, updates, kappa, lg, damping, eps)
-    return new, ScaleByDDPState(count=optax.safe_int32_increment(state.count), kappa=kappa, log2_gauge=lg)
+    kept = (None, None) if state.kappa is None else (kappa, lg)
+    return new, ScaleByDDPState(optax.safe_int32_increment(state.count), *kept)
 
 
 # ---------------------------------------------------------------------------- G-SGD: in_path_space
@@ -460,12 +467,13 @@ class ScaleByPathSGDState(NamedTuple):
     ``log2_gauge`` the frame's per-node log2|B_v| (`pathspace_jax.coords.gauge_log2`) at that step:
     `pathspace_jax.coords.kappa_from_frame` gives κ of the params (``kappa · 2^(2(k_v − k_u))`` on each
     edge ``u -> v``, k the rounded log-gauge). Both stay in range whatever node-wise rescaling the params
-    carry.
+    carry. Both are None with ``every=1`` (the default, a Python int): κ is computed at each step and the
+    state keeps nothing of the params' size.
     """
 
     count: jax.Array
     kappa: Any
-    log2_gauge: jax.Array
+    log2_gauge: jax.Array | None
 
 
 def scale_by_path_sgd(
@@ -519,21 +527,20 @@ def scale_by_path_sgd(
     second_order = bool(second_order)
 
     def init_fn(params):
-        kappa, log2_gauge = _kappa_state(space, params)
+        kappa, log2_gauge = _kappa_state(space, params, every)
         return ScaleByPathSGDState(count=jnp.zeros([], jnp.int32), kappa=kappa, log2_gauge=log2_gauge)
 
     def update_fn(updates, state, params=None, **extra_args):
         del extra_args
         if params is None:
             raise ValueError("scale_by_path_sgd needs params: call tx.update(updates, state, params)")
-        every_one = not _traced(every) and every == 1
-        return _path_sgd_update(space, second_order, every_one, updates, state, params, damping, eps, every)
+        return _path_sgd_update(space, second_order, updates, state, params, damping, eps, every)
 
     return _accept_masked(space, "scale_by_path_sgd", optax.GradientTransformation(init_fn, update_fn))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _path_sgd_update(space, second_order, every_one, updates, state, params, damping, eps, every):
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _path_sgd_update(space, second_order, updates, state, params, damping, eps, every):
     """One `scale_by_path_sgd` step (jitted, so that calls outside ``jit`` compile once)."""
     from pathspace_jax.kappa import _kappa_jit
 
@@ -541,6 +548,7 @@ def _path_sgd_update(space, second_order, every_one, updates, state, params, dam
         kappa, lg = _kappa_jit(space, space.leaves_of(params, "params"), second_order)
         return space.unflatten_like(params, kappa), lg
 
-    kappa, lg = _current_kappa(compute, (state.kappa, state.log2_gauge), state.count, 1 if every_one else every)
+    kappa, lg = _current_kappa(compute, (state.kappa, state.log2_gauge), state.count, every)
     new = _divide_by_kappa(space, updates, kappa, lg, damping, eps)
-    return new, ScaleByPathSGDState(count=optax.safe_int32_increment(state.count), kappa=kappa, log2_gauge=lg)
+    kept = (None, None) if state.kappa is None else (kappa, lg)
+    return new, ScaleByPathSGDState(optax.safe_int32_increment(state.count), *kept)

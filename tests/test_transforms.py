@@ -8,6 +8,8 @@ state.
 
 from __future__ import annotations
 
+import functools
+
 import chex
 import flax.linen as nn
 import jax
@@ -160,3 +162,24 @@ def test_flax_train_state_apply_gradients_passes_the_batch():
     chex.assert_trees_all_close(state.params, p, rtol=1e-5, atol=1e-6)
     with pytest.raises(TypeError, match="inputs=x"):  # what TrainState.apply_gradients cannot do
         state.apply_gradients(grads=jax.grad(loss)(state.params, _X))
+
+
+@pytest.mark.parametrize("name", ["path_sgd", "ddp_sgd"])
+def test_kappa_kept_in_the_state_only_when_reused(name):
+    """``every=1`` (a Python int, the default) keeps nothing of the params' size in the state; the step is the
+    one of the same transform that stores κ (``every`` given as an array, as ``inject_hyperparams`` does)."""
+    model = nn.Sequential([nn.Dense(8), nn.relu, nn.Dense(3)])
+    params = jax.tree_util.tree_map(lambda a: a.astype(jnp.float64), model.init(jax.random.key(0), _X)["params"])
+    space = pj.trace(lambda p, x: model.apply({"params": p}, x), params, _X)
+    make = {"path_sgd": pj.path_sgd, "ddp_sgd": functools.partial(pj.ddp_sgd, alpha=0.5)}[name]
+    kw = {"inputs": _X} if name == "ddp_sgd" else {}
+    grads = jax.tree_util.tree_map(jnp.ones_like, params)
+    steps = []
+    for every in (1, jnp.asarray(1)):
+        tx = make(space, 0.05, every=every)
+        state = tx.init(params)
+        u, new = jax.jit(lambda g, s, p, tx=tx: tx.update(g, s, p, **kw))(grads, state, params)
+        kept = jax.tree_util.tree_leaves((state[0].kappa, new[0].kappa))
+        assert len(kept) == (0 if isinstance(every, int) else 2 * len(jax.tree_util.tree_leaves(params)))
+        steps.append(u)
+    chex.assert_trees_all_close(*steps, rtol=1e-12)
