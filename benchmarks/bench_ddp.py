@@ -1,8 +1,9 @@
 """DDP-SGD step cost against the same jitted `optax.sgd` step, in one process.
 
 Rows: α = 1 with one probe (the target: ≤ 2× SGD), α = 0.5 with one probe, α = 1 exact (its cost
-grows with the number of outputs: one backward pass per output), and α = 1 with one probe
-recomputed every 10 steps; on the ReLU RNN, α = 1 and α = 0.5 (the recurrent kernels' Hessian-vector
+grows with the number of outputs: one backward pass per output), α = 1 with one probe
+recomputed every 10 steps, and α = 1 with one probe on a random quarter of the batch
+(``probe_batch_size``, also on the RNN); on the ReLU RNN, α = 1 and α = 0.5 (the recurrent kernels' Hessian-vector
 product on top) with one probe, and α = 1 exact. Run: ``python benchmarks/bench_ddp.py``.
 """
 
@@ -35,11 +36,14 @@ def main() -> None:
             "alpha1_probes1": dict(alpha=1.0, estimator="probes", num_probes=1),
             "alpha0.5_probes1": dict(alpha=0.5, estimator="probes", num_probes=1),
             "alpha1_probes1_every10": dict(alpha=1.0, estimator="probes", num_probes=1, every=10),
+            # the probe's forward and backward pass on a random quarter of the batch
+            "alpha1_probes1_quarter_batch": dict(alpha=1.0, estimator="probes", probe_batch_size=x.shape[0] // 4),
             "alpha1_probes4": dict(alpha=1.0, estimator="probes", num_probes=4),
             "alpha1_probes4_every10": dict(alpha=1.0, estimator="probes", num_probes=4, every=10),
         }
         if name == "relu_rnn_h100_t28_b64":
-            variants = {k: v for k, v in variants.items() if k in ("alpha1_probes1", "alpha0.5_probes1")}
+            keep = ("alpha1_probes1", "alpha0.5_probes1", "alpha1_probes1_quarter_batch")
+            variants = {k: v for k, v in variants.items() if k in keep}
         variants["alpha1_exact"] = dict(alpha=1.0, estimator="exact")  # one backward pass per output (10 here)
         out = {}
         for vname, kw in variants.items():

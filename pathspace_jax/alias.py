@@ -18,6 +18,7 @@ def ddp_sgd(
     estimator: str = "probes",
     num_probes: int = 1,
     probe_damping: float = 0.1,
+    probe_batch_size: int | None = None,
     momentum: float | None = None,
     every: int = 1,
     damping: float = 1e-8,
@@ -31,7 +32,7 @@ def ddp_sgd(
     Args:
       space: the `PathSpace` of the network (``pathspace_jax.trace``).
       learning_rate: η, a float or an optax schedule.
-      alpha, moment, estimator, num_probes, probe_damping, every, damping, eps: see
+      alpha, moment, estimator, num_probes, probe_damping, probe_batch_size, every, damping, eps: see
         `pathspace_jax.scale_by_ddp`.
       momentum: heavy-ball decay (``optax.trace``), or None.
 
@@ -54,6 +55,7 @@ def ddp_sgd(
             estimator=estimator,
             num_probes=num_probes,
             probe_damping=probe_damping,
+            probe_batch_size=probe_batch_size,
             damping=damping,
             eps=eps,
             every=every,

@@ -211,8 +211,8 @@ def _as_tuple(inputs) -> tuple:
     return tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
 
 
-def check_options(alpha, moment, estimator, num_probes) -> tuple[float, int]:
-    """Validate DDP's options; returns ``(alpha, num_probes)`` as Python numbers."""
+def check_options(alpha, moment, estimator, num_probes, probe_batch_size=None) -> tuple[float, int, int | None]:
+    """Validate DDP's options; returns ``(alpha, num_probes, probe_batch_size)`` as Python numbers."""
     alpha = float(alpha)
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must be in [0, 1], got {alpha}")
@@ -222,7 +222,17 @@ def check_options(alpha, moment, estimator, num_probes) -> tuple[float, int]:
         raise ValueError(f"estimator must be 'exact' or 'probes', got {estimator!r}")
     if int(num_probes) < 1:
         raise ValueError(f"num_probes must be >= 1, got {num_probes}")
-    return alpha, int(num_probes)
+    if probe_batch_size is not None:
+        if estimator != "probes":
+            raise ValueError(f"probe_batch_size applies to estimator='probes' only, got estimator={estimator!r}")
+        smallest = 2 if moment == "variance" else 1
+        if int(probe_batch_size) < smallest:
+            raise ValueError(
+                f"probe_batch_size must be >= {smallest} with moment={moment!r}, got {probe_batch_size}"
+                + (" (a variance needs two examples)" if smallest == 2 else "")
+            )
+        probe_batch_size = int(probe_batch_size)
+    return alpha, int(num_probes), probe_batch_size
 
 
 def check_inputs(space: PathSpace, inputs) -> list:
@@ -271,6 +281,7 @@ def ddp_kappa(
     estimator: str = "exact",
     num_probes: int = 1,
     probe_damping: float = 0.1,
+    probe_batch_size: int | None = None,
     key=None,
 ):
     """DDP-SGD's scaling κ = ½ diag ∇²γ²_net on a batch (Neyshabur et al., ICLR 2016, eq. 15), as a pytree like params.
@@ -301,6 +312,13 @@ def ddp_kappa(
         Path-SGD's exact κ (α = 0: one VJP of the squared network). It scales like κ under rescaling, so
         the step stays invariant, and bounds the step where a draw is near 0 (at an output bias
         κ_path = 1, the exact α = 1 value): κ̂ + δ κ_path ≥ δ κ_path.
+      probe_batch_size: with ``estimator="probes"`` only: run the probes' forward and backward passes on
+        this many examples drawn at random (without replacement, from ``key``) instead of the whole batch
+        (None, the default, or a size ≥ the batch: the whole batch). The mean over a random subset is an
+        unbiased estimate of the batch mean (for ``moment="variance"`` with the finite-population factor
+        (n − 1)/(n (b − 1))), so κ stays unbiased; its variance grows about as n/b, and a probe costs
+        b/n of a forward and backward pass of the batch. The node statistics S(z) of 0 < α < 1 still
+        use the whole batch (one forward pass). Not with a recurrence at 0 < α < 1.
       key: PRNG key for the probes (required for ``estimator="probes"`` when 0 < α).
 
     Returns:
@@ -318,7 +336,7 @@ def ddp_kappa(
       (15), App. A.2, Thm 2.
     """
     _check_space(space)
-    alpha, num_probes = check_options(alpha, moment, estimator, num_probes)
+    alpha, num_probes, probe_batch_size = check_options(alpha, moment, estimator, num_probes, probe_batch_size)
     if not isinstance(probe_damping, jax.core.Tracer) and not probe_damping >= 0:
         raise ValueError(f"probe_damping must be >= 0, got {probe_damping}")
     if estimator == "probes" and alpha > 0 and key is None:
@@ -326,14 +344,19 @@ def ddp_kappa(
     leaves = space.leaves_of(params, "params")
     xs = check_inputs(space, inputs)
     leaves = [jnp.asarray(p) for p in leaves]
-    kappa, lg = _kappa_jit(space, leaves, xs, key, alpha, moment, estimator, num_probes, probe_damping)
+    kappa, lg = _kappa_jit(
+        space, leaves, xs, key, alpha, moment, estimator, num_probes, probe_damping, probe_batch_size=probe_batch_size
+    )
     return space.unflatten_like(params, kappa_from_frame(space, kappa, lg))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7, 9))
-def _kappa_jit(space, leaves, xs, key, alpha, moment, estimator, num_probes, probe_damping=0.0, clamp=False):
+@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7, 9, 10))
+def _kappa_jit(
+    space, leaves, xs, key, alpha, moment, estimator, num_probes, probe_damping=0.0, clamp=False, probe_batch_size=None
+):
     """κ in the canonical frame (`pathspace_jax.coords.to_canonical_frame`) and the frame's log-gauge l.
-    ``clamp``: κ at the recurrent kernels (0 < α < 1) is clamped at 0 before the probe damping is added."""
+    ``clamp``: κ at the recurrent kernels (0 < α < 1) is clamped at 0 before the probe damping is added.
+    ``probe_batch_size``: the probes run on that many examples drawn at random (`ddp_kappa`)."""
     param_key = tuple((tuple(p.shape), str(p.dtype)) for p in leaves)
     input_key = tuple(((1, *jnp.shape(x)[1:]), str(jnp.result_type(x))) for x in xs)
     prog = squared.program(space, param_key, input_key, who="ddp_kappa", err=DDPUnsupportedError, allow_scan=True)
@@ -348,6 +371,17 @@ def _kappa_jit(space, leaves, xs, key, alpha, moment, estimator, num_probes, pro
     frame, lg = to_canonical_frame(space, leaves, compute_dtype(leaves))
     leaves = [c.astype(p.dtype) for c, p in zip(frame, leaves, strict=True)]
     n = int(jnp.shape(xs[0])[0])
+    b = n if probe_batch_size is None or estimator != "probes" or alpha == 0.0 else min(int(probe_batch_size), n)
+    if b < n and recurrent:
+        raise ValueError(
+            "ddp_kappa: probe_batch_size is not supported through a recurrence at 0 < alpha < 1 (its recurrent "
+            "term uses the linearised pass of the whole batch); leave it None, or use alpha=1"
+        )
+    probe_xs = xs
+    if b < n:  # the probes' examples: a uniformly random subset of the batch
+        key, sub_key = jax.random.split(key)
+        pick = jax.random.choice(sub_key, n, (b,), replace=False)
+        probe_xs = [x[pick] for x in xs]
     dtype = jnp.result_type(*leaves)
     ones = _ones(xs, dtype)
 
@@ -356,7 +390,7 @@ def _kappa_jit(space, leaves, xs, key, alpha, moment, estimator, num_probes, pro
     inner = _scan_nodes(prog, "nodes") if recurrent else []
     want = prog.nodes + inner if alpha < 1.0 else prog.outputs + prog.sinks + _scan_nodes(prog)
 
-    def zs_of(ps):
+    def zs_of(ps, xs=xs):
         return jax.vmap(lambda *x: _forward(prog, ps, [xi[None] for xi in x], want))(*xs)
 
     def gamma_net(sq, stats):  # stats: one per entry of want
@@ -370,8 +404,12 @@ def _kappa_jit(space, leaves, xs, key, alpha, moment, estimator, num_probes, pro
     if recurrent:  # the linearised forward pass serves the recurrent term too
         zs, lin = jax.linearize(zs_of, leaves)
         vjp = jax.linear_transpose(lin, leaves)
+        probe_zs = zs
     elif alpha > 0.0:
-        zs, vjp = jax.vjp(zs_of, leaves)
+        zs, vjp = jax.vjp(functools.partial(zs_of, xs=probe_xs), leaves)
+        probe_zs = zs
+        if b < n and alpha < 1.0:  # the node statistics: the whole batch, forward only
+            zs = zs_of(leaves)
 
     # -- the γ² recursion: term (1 − α) λ_v γ_u² and ν = ∂γ²_net/∂S
     if alpha < 1.0:
@@ -384,12 +422,12 @@ def _kappa_jit(space, leaves, xs, key, alpha, moment, estimator, num_probes, pro
     # -- the second-order term Σ_t ν_t mean_i (∂z_t(x_i)/∂w)²
     if alpha > 0.0:
         if estimator == "probes":
-            scale = [jnp.sqrt(jnp.maximum(nu, 0.0)).astype(z.dtype) for nu, z in zip(nus, zs, strict=False)]
+            scale = [jnp.sqrt(jnp.maximum(nu, 0.0)).astype(z.dtype) for nu, z in zip(nus, probe_zs, strict=False)]
 
             def one(k):
-                ks = jax.random.split(k, len(zs))
+                ks = jax.random.split(k, len(probe_zs))
                 cots = []
-                for kk, z, s in zip(ks, zs, scale, strict=False):
+                for kk, z, s in zip(ks, probe_zs, scale, strict=False):
                     r = jax.random.rademacher(kk, z.shape, z.dtype)
                     if moment == "variance":
                         r = r - jnp.mean(r, axis=0, keepdims=True)
@@ -401,7 +439,10 @@ def _kappa_jit(space, leaves, xs, key, alpha, moment, estimator, num_probes, pro
                 sqs = [s[None] for s in one(key)]
             else:
                 sqs = jax.vmap(one)(jax.random.split(key, int(num_probes)))
-            kappa = [k + jnp.mean(s, axis=0) / n for k, s in zip(kappa, sqs, strict=False)]
+            # the probes' sum over their b examples, as a mean over the batch (Σ_S (a − ā_S)² estimates
+            # (b − 1)/(n − 1) Σ (a − ā)² for a random subset S: the finite-population factor)
+            per = 1.0 / b if moment == "second" or b == n else (n - 1) / (n * (b - 1))
+            kappa = [k + jnp.mean(s, axis=0) * per for k, s in zip(kappa, sqs, strict=False)]
         else:
             second = _second_order_exact(prog, leaves, xs, want, zs, nus, moment)
             kappa = [k + a for k, a in zip(kappa, second, strict=True)]
@@ -574,7 +615,7 @@ def node_gamma2(space: PathSpace, params, inputs, *, alpha: float, moment: str =
     and diagnostics (DDP-Normalization makes γ_v = 1 at every hidden node); params are used as they are.
     """
     _check_space(space)
-    alpha, _ = check_options(alpha, moment, "exact", 1)
+    alpha, _, _ = check_options(alpha, moment, "exact", 1)
     leaves = [jnp.asarray(p) for p in space.leaves_of(params, "params")]
     xs = check_inputs(space, inputs)
     param_key = tuple((tuple(p.shape), str(p.dtype)) for p in leaves)

@@ -493,6 +493,63 @@ def test_probe_estimator_is_unbiased(name, alpha, moment):
     assert 0.08 < ratio < 0.18, ratio
 
 
+@pytest.mark.parametrize(
+    "name,alpha,moment,b", [("mlp", 1.0, "second", 2), ("cnn", 0.5, "variance", 2), ("mlp", 0.4, "variance", 3)]
+)
+def test_probes_on_a_random_subset_of_the_batch_are_unbiased(name, alpha, moment, b):
+    """probe_batch_size=b: the probes run on b examples drawn without replacement; κ stays unbiased (with the
+    finite-population factor (n − 1)/(n (b − 1)) for the variance) and is noisier than on the whole batch."""
+    fn, _, params, x, space = _case(name)
+    n = x.shape[0]
+    assert b < n
+    exact = ravel_pytree(pj.ddp_kappa(space, params, x, alpha=alpha, moment=moment))[0]
+
+    def draws(size, key, count=4000):
+        def draw(k):
+            kappa = pj.ddp_kappa(space, params, x, alpha=alpha, moment=moment, estimator="probes",
+                                 probe_damping=0.0, probe_batch_size=size, key=k)  # fmt: skip
+            return ravel_pytree(kappa)[0]
+
+        return jax.jit(jax.vmap(draw))(jax.random.split(key, count))
+
+    sub, full = draws(b, jax.random.key(21)), draws(None, jax.random.key(22))
+    mean, std = sub.mean(0), sub.std(0)
+    np.testing.assert_array_less(np.abs(mean - exact), 5 * std / np.sqrt(len(sub)) + 1e-12)
+    # the subset adds the sampling of the examples to the probes' noise
+    noisy = full.std(0) > 0  # the (1 − α) term is exact
+    assert float(jnp.median(std[noisy] / full.std(0)[noisy])) > 1.1
+    # a size of at least the batch is the whole batch: the same κ as the default, bit for bit
+    k = jax.random.key(3)
+    kw = dict(alpha=alpha, moment=moment, estimator="probes", key=k)
+    chex.assert_trees_all_equal(
+        pj.ddp_kappa(space, params, x, probe_batch_size=n, **kw), pj.ddp_kappa(space, params, x, **kw)
+    )
+    # DDP-SGD's step with a subset stays rescaling invariant (the subset depends on the key alone)
+    tx = pj.ddp_sgd(space, 0.05, alpha=alpha, moment=moment, probe_batch_size=b)
+
+    def step(p):
+        g = jax.grad(lambda q: jnp.sum(fn(q, x) ** 2))(p)
+        updates, _ = tx.update(g, tx.init(p), p, inputs=x, key=k)
+        return optax.apply_updates(p, updates)
+
+    _assert_update_invariant(jax.jit(step), space, params, jax.random.key(5), num_draws=1)
+
+
+def test_probe_batch_size_is_checked():
+    fn, _, params, x, space = _case("mlp")
+    k = jax.random.key(0)
+    with pytest.raises(ValueError, match="estimator='probes' only"):
+        pj.ddp_kappa(space, params, x, alpha=1.0, estimator="exact", probe_batch_size=2)
+    with pytest.raises(ValueError, match="two examples"):
+        pj.ddp_sgd(space, 0.1, alpha=1.0, moment="variance", probe_batch_size=1)
+    p, xr, rnn_space = _rnn_case()
+    with pytest.raises(ValueError, match="recurrence"):
+        pj.ddp_kappa(rnn_space, p, xr, alpha=0.5, estimator="probes", probe_batch_size=2, key=k)
+    # at α = 1 a recurrence is fine: the estimate is the per-example Fisher of a random subset
+    kappa = pj.ddp_kappa(rnn_space, p, xr, alpha=1.0, estimator="probes", probe_batch_size=2, key=k)
+    assert all(bool(jnp.all(jnp.isfinite(v))) for v in jax.tree_util.tree_leaves(kappa))
+
+
 # ----------------------------------------------------------------------------- invariance
 
 
