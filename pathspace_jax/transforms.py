@@ -243,7 +243,7 @@ def scale_by_ddp(
       space: the `PathSpace` of the network (``pathspace_jax.trace``).
       alpha, moment, estimator, num_probes, probe_damping, probe_batch_size: as in
         `pathspace_jax.ddp_kappa`. Here the default estimator is ``"probes"`` (one damped probe on the whole
-        batch: about 2× SGD's step; ``probe_batch_size=n // 4`` about 1.3×, with a noisier κ); pass
+        batch: about 2× SGD's step; with ``probe_batch_size=n // 4`` 1.2–1.9× on CPU, with a noisier κ); pass
         ``estimator="exact"`` for the exact κ (one backward pass per output entry at α = 1: cheap for a few
         outputs, per node entry for 0 < α < 1).
       damping: added to κ in the canonical frame (≥ 0; rescaling invariant).
