@@ -451,10 +451,8 @@ def in_path_space(
         w, g, ct, gphi, phi, nodes, alpha = chart(params, updates)
         gphi = space.unflatten_like(updates, [x.astype(jnp.result_type(y)) for x, y in zip(gphi, g)])
         dphi, inner_state = inner.update(gphi, state.inner_state, phi, **extra_args)
-        u = _coords._allocate(space, w, space.leaves_of(dphi, "inner updates"), nodes, ct, min_ratio, min_share)
-        if rebalance:
-            fs = _coords.balancing_factors(space, alpha)
-            u = [x if f is None else (jnp.asarray(p, ct) + x) * f - jnp.asarray(p, ct) for x, p, f in zip(u, w, fs)]
+        dphi = space.leaves_of(dphi, "inner updates")
+        u = _coords._allocate(space, w, dphi, nodes, ct, min_ratio, min_share, alpha if rebalance else None)
         out = [x.astype(jnp.result_type(y)) for x, y in zip(u, g)]
         return space.unflatten_like(updates, out), InPathSpaceState(inner_state=inner_state)
 
