@@ -241,8 +241,12 @@ def edge_factors(space: PathSpace, lg, sign: float = 1.0):
     Built from two node vectors (one power of two per node, one product per entry), so applying it costs what
     an elementwise product costs. ``sign=1`` takes the params to the canonical frame, ``sign=-1`` back.
     """
-    k = sign * _frame_k(lg)
-    return _edge_products(space, pow2(k, k.dtype), pow2(-k, k.dtype))
+    return _edge_products(space, *_pow2_pair(sign * _frame_k(lg)))
+
+
+def _pow2_pair(k):
+    """``(2^k, 2^-k)`` exactly, for an integer-valued node vector k (`pathspace_jax.squared.pow2`)."""
+    return pow2(k, k.dtype), pow2(-k, k.dtype)
 
 
 def _edge_products(space: PathSpace, up, down):
@@ -896,8 +900,7 @@ def _balancing_pow2(alpha):
     m, e = jnp.frexp(alpha)  # α = m 2^e, m in [½, 1): exact, so k shifts exactly under power-of-two rescalings
     k = jnp.where(m < 2**-0.5, e - 1, e).astype(alpha.dtype)
     ok = jnp.isfinite(alpha) & (alpha > 0)
-    k = _frame_k(jnp.where(ok, k, 0))
-    return pow2(k, k.dtype), pow2(-k, k.dtype)
+    return _pow2_pair(_frame_k(jnp.where(ok, k, 0)))
 
 
 def _allocate(

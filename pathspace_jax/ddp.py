@@ -371,7 +371,7 @@ def _kappa_jit(
     frame, lg = to_canonical_frame(space, leaves, compute_dtype(leaves))
     leaves = [c.astype(p.dtype) for c, p in zip(frame, leaves, strict=True)]
     n = int(jnp.shape(xs[0])[0])
-    b = n if probe_batch_size is None or estimator != "probes" or alpha == 0.0 else min(int(probe_batch_size), n)
+    b = n if probe_batch_size is None or alpha == 0.0 else min(probe_batch_size, n)  # checked: estimator="probes"
     if b < n and recurrent:
         raise ValueError(
             "ddp_kappa: probe_batch_size is not supported through a recurrence at 0 < alpha < 1 (its recurrent "
@@ -404,12 +404,11 @@ def _kappa_jit(
     if recurrent:  # the linearised forward pass serves the recurrent term too
         zs, lin = jax.linearize(zs_of, leaves)
         vjp = jax.linear_transpose(lin, leaves)
-        probe_zs = zs
     elif alpha > 0.0:
         zs, vjp = jax.vjp(functools.partial(zs_of, xs=probe_xs), leaves)
-        probe_zs = zs
-        if b < n and alpha < 1.0:  # the node statistics: the whole batch, forward only
-            zs = zs_of(leaves)
+    probe_zs = zs
+    if b < n and alpha < 1.0:  # the node statistics: the whole batch, forward only
+        zs = zs_of(leaves)
 
     # -- the γ² recursion: term (1 − α) λ_v γ_u² and ν = ∂γ²_net/∂S
     if alpha < 1.0:
