@@ -250,7 +250,13 @@ def _pow2_pair(k):
 
 
 def _edge_products(space: PathSpace, up, down):
-    """Per leaf, ``up_dst · down_src`` from two node vectors: one product per entry."""
+    """Per leaf, ``up_dst · down_src`` from two node vectors: one product per entry.
+
+    The node vectors are materialised first (`_materialize`): XLA:CPU would otherwise recompute their
+    powers of two (a clip, a rounding and bit operations) once per entry in every loop that reads them
+    (Path-SGD's update on a 784-2048-2048-10 MLP: 1.27x SGD's step with, 1.16-1.18x without).
+    """
+    up, down = _materialize(up, down)
     return [
         None if li.kind == "other" else _take(up, li.dst_r) * _take(down, li.src_r) for li in skeleton(space).leaves
     ]
