@@ -154,7 +154,9 @@ def _current_kappa(compute, kappa, count, every):
     ``compute()`` alone when ``kappa`` is None (`_every_step`: nothing kept, so XLA fuses κ into the division).
 
     κ travels as raveled leaves: on XLA:CPU a 2-D κ (an outer product for a dense kernel) otherwise gets a
-    column-major layout and is transposed into the state on every step (benchmarks/README.md).
+    column-major layout and is transposed into the state on every step (benchmarks/README.md). The stored κ
+    enters the ``cond`` as an operand, raveled outside it: raveled inside the branch, XLA:CPU copied every
+    stored leaf into the ``cond`` at every step.
     """
     if kappa[0] is None:
         return compute()
@@ -165,7 +167,7 @@ def _current_kappa(compute, kappa, count, every):
     def fresh():
         return flat(jax.tree_util.tree_map(lambda a, b: a.astype(b.dtype), compute(), kappa))
 
-    ks = jax.lax.cond(count % every == 0, fresh, lambda: flat(kappa))
+    ks = jax.lax.cond(count % every == 0, lambda _: fresh(), lambda ks: ks, flat(kappa))
     leaves, treedef = jax.tree_util.tree_flatten(kappa)
     return jax.tree_util.tree_unflatten(treedef, [k.reshape(jnp.shape(a)) for k, a in zip(ks, leaves, strict=True)])
 
