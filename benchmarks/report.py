@@ -22,9 +22,11 @@ CAPTIONS = {
     "scale": "Every optimiser on the shapes users train (`bench_scale.py`): step time as a ratio to `optax.sgd` "
     "and to `optax.adam` in the same rounds, optimizer state, and the compiled step's peak memory as a ratio "
     "to SGD's.",
-    "peers": "The public PyTorch G-SGD of Meng et al. (github.com/MSRA-COLT/gsgd) and Path-SGD of Neyshabur et al. "
-    "(github.com/bneyshabur/path-sgd, with its two bugs fixed from outside), eager, against ours on the same "
-    "bias-free MLP (`bench_peers.py`): ms per train step, and each step over its own framework's SGD.",
+    "peers": "The public PyTorch G-SGD of Meng et al. (github.com/MSRA-COLT/gsgd), Path-SGD of Neyshabur et al. "
+    "(github.com/bneyshabur/path-sgd, with its two bugs fixed from outside) and GSpace's G-SGD "
+    "(github.com/chris-je/ScaleInvariantParameterSpaces, on a four-layer MLP: it needs four weight matrices), eager, "
+    "against ours on the same bias-free MLPs (`bench_peers.py`): ms per train step, and each step over its own "
+    "framework's SGD.",
     "gsgd": "G-SGD and G-Adam against plain optax (`bench_gsgd.py`), and the update alone in ns per parameter.",
     "path_sgd": "Path-SGD step time as a ratio to `optax.sgd` (`bench_path_sgd.py`).",
     "ddp": "DDP-SGD step time as a ratio to `optax.sgd` (`bench_ddp.py`).",
