@@ -190,6 +190,10 @@ def test_kappa_is_half_hessian_diagonal(name):
     kappa = pj.path_kappa(space, params)
     chex.assert_trees_all_close(kappa, ref, rtol=1e-10, atol=1e-12)
     kappa1 = pj.path_kappa(space, params, second_order=False)
+    ones = jnp.ones((1, *x.shape[1:]), F64)
+    if name != "cnn":  # κ⁽¹⁾ = ∂G/∂p̃: the gradient of γ² as a function of the squared params, by autodiff
+        ref1 = jax.grad(lambda pt: jnp.sum(fn(pt, ones)))(_squared(params))
+        chex.assert_trees_all_close(kappa1, ref1, rtol=1e-10, atol=1e-12)
     for leaf, k1, r in zip(space.leaves, jax.tree_util.tree_leaves(kappa1), jax.tree_util.tree_leaves(ref)):
         if leaf.recurrent:  # κ⁽¹⁾ alone misses the pairs of uses of a recurrent kernel
             assert np.max(np.abs(np.asarray(k1 - r))) > 1e-3 * np.max(np.abs(np.asarray(r))), leaf.path
