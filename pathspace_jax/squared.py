@@ -487,6 +487,23 @@ def _is_relu(e, ks, vals) -> int | None:
     return ks.index("act")
 
 
+@dataclasses.dataclass
+class Tap:
+    """A product of an activation and a parameter inside a scan body, whose κ⁽¹⁾ is taken outside the scan.
+
+    The VJP through ``lax.scan`` adds each step's outer product into the gradient of every parameter the body
+    multiplies: T read-modify-write passes over an n × n kernel. With a tap the body stops that gradient, records
+    the activation operand x_t and adds a zero perturbation to the product's result, whose gradient is the
+    result's cotangent ȳ_t; the parameter's gradient Σ_t (∂(x_t·P)/∂P)ᵀ ȳ_t is then one batched product.
+    """
+
+    param: int  # the operand index of the parameter
+    act: int  # the operand index of the activation
+    pert: Any = None  # this step's zero perturbation (None while the shapes are found)
+    seen: list = dataclasses.field(default_factory=list)  # the activation operand, appended at evaluation
+    shapes: dict = dataclasses.field(default_factory=dict)  # body equation index -> the result's shape
+
+
 class ScanRecord(NamedTuple):
     """What κ⁽²⁾ needs from one top-level scan (recorded during the evaluation)."""
 
@@ -504,6 +521,7 @@ def evaluate(
     record: dict | None = None,
     sinks: list | None = None,
     scan_posts: dict | None = None,
+    taps: dict | None = None,
 ):
     """Evaluate the |·|^power network on ``invals`` (params raised to ``power``, then inputs, as `V`s).
 
@@ -516,6 +534,11 @@ def evaluate(
     the index of a top-level scan equation to a zero array (T, n) added to the carry it produces at every
     step (its gradient is the carry adjoint ν), and ``record`` receives, under that index, a `ScanRecord`
     and, under ``("entries", index)``, the recurrent entries found by `_recurrent_entries`.
+
+    ``taps`` (κ⁽¹⁾ of the parameters that a scan body multiplies, `Tap`): maps the index of a top-level
+    scan equation to ``{body equation index: Tap}``; each step then records the activation operand of
+    those products, and adds ``Tap.pert``'s slice to their results, with the parameter's gradient stopped
+    there. ``record`` receives, under ``("taps", index)``, the recorded operands (T, ...) per body equation.
     """
     kinds = prog.kinds
     env: dict[int, Any] = dict(prog.consts)
@@ -537,7 +560,8 @@ def evaluate(
             vals = [V(jnp.zeros_like(v.m), v.e) if x in boundary else v for x, v in zip(e.ins, vals, strict=True)]
         if e.prim.name == "scan":
             pert = None if hooks is None else hooks.get(idx)
-            outs = _eval_scan(e, vals, power, pert, record, idx, sinks, (scan_posts or {}).get(idx))
+            tap = None if taps is None else taps.get(idx)
+            outs = _eval_scan(e, vals, power, pert, record, idx, sinks, (scan_posts or {}).get(idx), tap)
         elif out_kind == "const":
             outs = bind(e, vals)
         elif e.outs[0] in prog.bnd:
@@ -553,7 +577,14 @@ def evaluate(
                 ms = [v.m if isinstance(v, V) else v for v in vals]
             else:
                 ms, top = align(vals)
+            tap = None if taps is None else taps.get(idx)
+            if tap is not None:  # the parameter's gradient is taken outside the scan (`Tap`)
+                ms = [jax.lax.stop_gradient(m) if j == tap.param else m for j, m in enumerate(ms)]
             res = _squared_op(e, ks, ms, out_kind, power, prog.who, prog.err)
+            if tap is not None:
+                tap.seen.append(ms[tap.act])
+                res = [res[0] + tap.pert if tap.pert is not None else res[0]]
+                tap.shapes[idx] = jax.ShapeDtypeStruct(jnp.shape(res[0]), res[0].dtype)
             outs = [renorm(V(m, top if is_float(m) else None)) for m in res]
         for o, v in zip(e.outs, outs, strict=True):
             if post is not None and out_kind != "const":
@@ -641,7 +672,7 @@ def _to_v(x, power: float, stable: bool, dtype) -> V:
     return renorm(V(m, jnp.zeros((), jnp.int32) if stable else None))
 
 
-def _eval_scan(e: _Eqn, vals, power, pert, record, idx, sinks=None, body_post=None):
+def _eval_scan(e: _Eqn, vals, power, pert, record, idx, sinks=None, body_post=None, taps=None):
     bp = e.body
     nc, ncar, length, reverse = e.scan.num_consts, e.scan.num_carry, e.scan.length, e.scan.reverse
     bk = [bp.kinds[i] for i in bp.in_ids]
@@ -671,20 +702,24 @@ def _eval_scan(e: _Eqn, vals, power, pert, record, idx, sinks=None, body_post=No
 
     collect = sinks is not None and _collects(bp)
 
-    def body_out(carry_v, x_m, perturb_vec=None, found=None, post=None):
+    def body_out(carry_v, x_m, perturb_vec=None, found=None, post=None, taps_t=None):
         x_v = [V(m, v.e) if isinstance(v, V) else m for m, v in zip(x_m, xs, strict=True)]
         perturb = None
         if perturb_vec is not None:
             perturb = dict(zip([carry_out_ids[j] for j in act_carry], unflat(perturb_vec), strict=True))
-        return _eval_body(bp, list(consts) + list(carry_v) + x_v, power, perturb, found, post)
+        return _eval_body(bp, list(consts) + list(carry_v) + x_v, power, perturb, found, post, taps_t)
 
     data, make_post = body_post if body_post is not None else (None, None)
+    tap_perts = None if taps is None else {k: t.pert for k, t in taps.items()}
 
     def step(carry, x):
-        x_m, p_t, d_t = x
+        x_m, p_t, d_t, tp_t = x
         carry_v = [V(*c) if isinstance(c, tuple) else c for c in carry]
         found = [] if collect else None
-        outs = body_out(carry_v, x_m, p_t, found, None if make_post is None else make_post(d_t))
+        taps_t = None
+        if taps is not None:
+            taps_t = {k: Tap(t.param, t.act, None if tp_t is None else tp_t[k], [], t.shapes) for k, t in taps.items()}
+        outs = body_out(carry_v, x_m, p_t, found, None if make_post is None else make_post(d_t), taps_t)
         new = []
         for j in range(ncar):
             o = outs[j]
@@ -701,11 +736,15 @@ def _eval_scan(e: _Eqn, vals, power, pert, record, idx, sinks=None, body_post=No
         if collect:
             s = sum_v(found)
             ys.append((s.m.astype(fdt), s.e))
+        if taps_t is not None:  # the activation operands of the tapped products (one use each per step)
+            ys.append(({k: jax.lax.stop_gradient(t.seen[0]) for k, t in taps_t.items()}, None))
         return new, ys
 
     init_c = [tuple(v) if isinstance(v, V) else v for v in init]
-    carry, ys = jax.lax.scan(step, init_c, (xs_m, pert, data), length=length, reverse=reverse)
+    carry, ys = jax.lax.scan(step, init_c, (xs_m, pert, data, tap_perts), length=length, reverse=reverse)
     outs = [V(*c) if isinstance(c, tuple) else c for c in carry]
+    if taps is not None:
+        record[("taps", idx)] = ys.pop()[0]
     if collect:  # the paths that end at boundary nodes inside the body, over every step
         s_m, s_e = ys.pop()
         if s_e is None:
@@ -746,11 +785,13 @@ def _collects(prog: Program) -> bool:
     return bool(prog.sinks or prog.bnd) or any(e.body is not None and _collects(e.body) for e in prog.eqns)
 
 
-def _eval_body(bp: Program, invals: list, power: float, perturb: dict | None, sinks: list | None = None, post=None):
+def _eval_body(
+    bp: Program, invals: list, power: float, perturb: dict | None, sinks: list | None = None, post=None, taps=None
+):
     """`evaluate` for a scan body, adding ``perturb[v]`` to the value of var v where it is produced (then
     applying ``post``, if given)."""
     if not perturb:
-        return evaluate(bp, invals, power, sinks=sinks, post=post)
+        return evaluate(bp, invals, power, sinks=sinks, post=post, taps=taps)
     produced = {o for e in bp.eqns for o in e.outs}
     if set(perturb) - produced:
         raise bp.err(
@@ -762,7 +803,7 @@ def _eval_body(bp: Program, invals: list, power: float, perturb: dict | None, si
         v = V(v.m + perturb[o].astype(v.m.dtype), v.e) if o in perturb else v
         return v if post is None else post(o, v)
 
-    return evaluate(bp, invals, power, post=add, sinks=sinks)
+    return evaluate(bp, invals, power, post=add, sinks=sinks, taps=taps)
 
 
 def _check_linear_body(bp: Program) -> None:
