@@ -293,13 +293,10 @@ def _kappa_jit(space, leaves, second_order):
         vals = [V(s, None) for s in sq] + [V(o, None) for o in ones]
         sinks: list = []
         taps = {
-            idx: {k: squared.Tap(jp, ja, None, [], shapes) for k, (jp, ja, _) in ks.items()}
+            idx: {k: squared.Tap(jp, ja, None if tap_perts is None else tap_perts[idx][k], [], shapes)
+                  for k, (jp, ja, _) in ks.items()}
             for idx, (ks, shapes) in sites.items()
-        }
-        for idx, ks in taps.items():
-            if tap_perts is not None:
-                for k, t in ks.items():
-                    t.pert = tap_perts[idx][k]
+        }  # fmt: skip
         outs = evaluate(prog, vals, 2.0, hooks=perts, record=rec, sinks=sinks, taps=taps)
         total = squared.total(prog, outs, sinks).m
         static.update({k: v for k, v in rec.items() if isinstance(k, tuple) and k[0] != "taps"})

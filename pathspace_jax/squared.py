@@ -499,7 +499,7 @@ class Tap:
 
     param: int  # the operand index of the parameter
     act: int  # the operand index of the activation
-    pert: Any = None  # this step's zero perturbation (None while the shapes are found)
+    pert: Any = None  # zeros: (T, *result) for the scan, its slice at each step (None while shapes are found)
     seen: list = dataclasses.field(default_factory=list)  # the activation operand, appended at evaluation
     shapes: dict = dataclasses.field(default_factory=dict)  # body equation index -> the result's shape
 
