@@ -299,9 +299,9 @@ def _kappa_jit(space, leaves, second_order):
         }  # fmt: skip
         outs = evaluate(prog, vals, 2.0, hooks=perts, record=rec, sinks=sinks, taps=taps)
         total = squared.total(prog, outs, sinks).m
-        static.update({k: v for k, v in rec.items() if isinstance(k, tuple) and k[0] != "taps"})
+        static.update({k: v for k, v in rec.items() if isinstance(k, tuple)})
         scans = {k: v for k, v in rec.items() if not isinstance(k, tuple)}
-        return total, (scans, {k[1]: v for k, v in rec.items() if isinstance(k, tuple) and k[0] == "taps"})
+        return total, (scans, {idx: {k: t.seen[0] for k, t in ks.items()} for idx, ks in taps.items()})
 
     sq = [p * p for p in ps]
     tap_perts = None

@@ -500,7 +500,7 @@ class Tap:
     param: int  # the operand index of the parameter
     act: int  # the operand index of the activation
     pert: Any = None  # zeros: (T, *result) for the scan, its slice at each step (None while shapes are found)
-    seen: list = dataclasses.field(default_factory=list)  # the activation operand, appended at evaluation
+    seen: list = dataclasses.field(default_factory=list)  # activation operand: (T, ...) for the scan, x_t per step
     shapes: dict = dataclasses.field(default_factory=dict)  # body equation index -> the result's shape
 
 
@@ -537,8 +537,8 @@ def evaluate(
 
     ``taps`` (κ⁽¹⁾ of the parameters that a scan body multiplies, `Tap`): maps the index of a top-level
     scan equation to ``{body equation index: Tap}``; each step then records the activation operand of
-    those products, and adds ``Tap.pert``'s slice to their results, with the parameter's gradient stopped
-    there. ``record`` receives, under ``("taps", index)``, the recorded operands (T, ...) per body equation.
+    those products (in ``Tap.seen``, stacked over the steps), and adds ``Tap.pert``'s slice to their
+    results, with the parameter's gradient stopped there.
     """
     kinds = prog.kinds
     env: dict[int, Any] = dict(prog.consts)
@@ -744,7 +744,8 @@ def _eval_scan(e: _Eqn, vals, power, pert, record, idx, sinks=None, body_post=No
     carry, ys = jax.lax.scan(step, init_c, (xs_m, pert, data, tap_perts), length=length, reverse=reverse)
     outs = [V(*c) if isinstance(c, tuple) else c for c in carry]
     if taps is not None:
-        record[("taps", idx)] = ys.pop()[0]
+        for k, x in ys.pop()[0].items():
+            taps[k].seen.append(x)
     if collect:  # the paths that end at boundary nodes inside the body, over every step
         s_m, s_e = ys.pop()
         if s_e is None:
