@@ -626,12 +626,8 @@ def path_norms(space: PathSpace, leaves, dtype):
             at = jnp.asarray(at)
             base = terms(parts, q, forward)
             q = jnp.where(at, base, q)
-            if lateral:
-
-                def relax(_, q, at=at, base=base, lateral=lateral, forward=forward):
-                    return jnp.where(at, base + terms(lateral, q, forward), q)
-
-                q = jax.lax.fori_loop(0, RECURRENT_STEPS, relax, q)
+            for _ in range(RECURRENT_STEPS if lateral else 0):  # unrolled: a GPU loop costs a launch per step
+                q = jnp.where(at, base + terms(lateral, q, forward), q)
         out.append(q)
     return tuple(out)
 

@@ -164,7 +164,14 @@ def _run_scan(e, vals, inner: list) -> tuple[list, list]:
         outs, got = _run(bp, list(consts) + list(carry) + list(x), inner)
         return outs[:ncar], (outs[ncar:], got)
 
-    carry, (ys, got) = jax.lax.scan(step, list(init), list(xs), length=e.scan.length, reverse=e.scan.reverse)
+    carry, (ys, got) = jax.lax.scan(
+        step,
+        list(init),
+        list(xs),
+        length=e.scan.length,
+        reverse=e.scan.reverse,
+        unroll=squared.scan_unroll(e.scan.length),
+    )
     return list(carry) + list(ys), list(got)
 
 

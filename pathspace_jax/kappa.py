@@ -123,7 +123,9 @@ def _lag_sum(cin, nu, a):
         q = q + ak * (cin.T @ shifted)
         return (ak @ a, q), None
 
-    (_, q), _ = jax.lax.scan(body, (jnp.eye(n, dtype=cin.dtype), q0), jnp.arange(t - 1))
+    (_, q), _ = jax.lax.scan(
+        body, (jnp.eye(n, dtype=cin.dtype), q0), jnp.arange(t - 1), unroll=squared.scan_unroll(t - 1)
+    )
     return q
 
 

@@ -38,6 +38,19 @@ from pathspace_jax import jaxpr as jx
 from pathspace_jax.graph import PathSpace
 from pathspace_jax.trace import boundary_sites
 
+# The scans that κ and γ² add run a recurrence step by step, often at a tiny size (Path-SGD's |·|^p network on
+# one all-ones example), where a GPU spends most of a loop iteration launching it: they are unrolled by up to
+# this many steps. On an H100 (JAX 0.11.2) Path-SGD κ⁽¹⁾ of a ReLU RNN (hidden 100, 28 steps) went from 1.49×
+# to 1.03× SGD's step, the exact κ⁽²⁾ from 1.90× to 1.37×. A longer sequence keeps a loop of
+# ⌈length / SCAN_UNROLL⌉ iterations, which bounds the compile time.
+SCAN_UNROLL = 32
+
+
+def scan_unroll(length: int) -> int:
+    """The ``unroll`` of a scan of ``length`` steps that κ or γ² adds (`SCAN_UNROLL`)."""
+    return max(1, min(int(length), SCAN_UNROLL))
+
+
 # ops through which a pre-activation passes without becoming a node (one consumer)
 _TRANSPARENT = {"reshape", "squeeze", "expand_dims", "broadcast_in_dim", "transpose", "convert_element_type", "copy",
                 "copy_p", "reduce_precision", "neg"}  # fmt: skip
@@ -741,7 +754,9 @@ def _eval_scan(e: _Eqn, vals, power, pert, record, idx, sinks=None, body_post=No
         return new, ys
 
     init_c = [tuple(v) if isinstance(v, V) else v for v in init]
-    carry, ys = jax.lax.scan(step, init_c, (xs_m, pert, data, tap_perts), length=length, reverse=reverse)
+    carry, ys = jax.lax.scan(
+        step, init_c, (xs_m, pert, data, tap_perts), length=length, reverse=reverse, unroll=scan_unroll(length)
+    )
     outs = [V(*c) if isinstance(c, tuple) else c for c in carry]
     if taps is not None:
         for k, x in ys.pop()[0].items():
