@@ -88,6 +88,7 @@ References:
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -267,9 +268,50 @@ def _tap_sites(prog: squared.Program, param_pos: dict) -> dict:
     return sites
 
 
-@functools.partial(jax.jit, static_argnums=(0, 2))
-def _kappa_jit(space, leaves, second_order):
-    """κ in the canonical frame (`pathspace_jax.coords.to_canonical_frame`) and the frame's log-gauge l."""
+class RankOne(NamedTuple):
+    """κ of a dense kernel as two vectors, ``κ[i, j] = a[i] · b[j]``: the κ that `scale_by_path_sgd` keeps between
+    recomputations for a 2-D params leaf that one product ``x · W`` of a single-row activation uses (a dense
+    layer of the |·|^p network on its one all-ones example). ``a`` is that activation, ``b`` the product's
+    cotangent, so κ⁽¹⁾ = aᵀb exactly; keeping them instead of κ saves a pass over the weights at every step."""
+
+    a: jax.Array
+    b: jax.Array
+
+
+def full(k):
+    """κ of one leaf as an array (a `RankOne` expanded)."""
+    return k.a[:, None] * k.b[None, :] if isinstance(k, RankOne) else k
+
+
+def _dense_sites(prog: squared.Program, param_pos: dict) -> dict:
+    """``{top-level equation index: (param operand, activation operand, param position)}``: the products
+    ``x · W`` (``W`` a 2-D params leaf, contracted on its first axis with x's last; no batch axes) outside any
+    scan whose kernel the program uses nowhere else. Their κ⁽¹⁾ is xᵀȳ (`RankOne` when x has one row)."""
+    uses: dict = {}
+    for e in prog.eqns:
+        for x in e.ins:
+            if not isinstance(x, tuple):
+                uses[x] = uses.get(x, 0) + 1
+    sites = {}
+    for idx, e in enumerate(prog.eqns):
+        if e.prim.name != "dot_general" or len(e.ins) != 2 or e.outs[0] in prog.bnd or e.outs[0] in prog.lookups:
+            continue
+        kinds = ["const" if isinstance(x, tuple) else prog.kinds[x] for x in e.ins]
+        if kinds != ["act", "param"] or e.ins[1] not in param_pos or uses[e.ins[1]] != 1:
+            continue
+        (cx, cw), batch = e.params["dimension_numbers"]
+        if batch != ((), ()) or tuple(cw) != (0,) or len(cx) != 1:
+            continue
+        sites[idx] = (1, 0, param_pos[e.ins[1]])
+    return sites
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2, 3))
+def _kappa_jit(space, leaves, second_order, factored=False):
+    """κ in the canonical frame (`pathspace_jax.coords.to_canonical_frame`) and the frame's log-gauge l.
+
+    ``factored``: the κ of a dense kernel that `_dense_sites` finds, with a single-row activation, as `RankOne`
+    (the others as arrays); otherwise every κ as an array."""
     dt, ps, lg, prog, ones = _setup(space, leaves)
     if second_order:
         _check_second_order(prog)
@@ -289,8 +331,10 @@ def _kappa_jit(space, leaves, second_order):
     static: dict = {}
     param_pos = {v: j for j, v in enumerate(prog.in_ids[: prog.n_params])}
     sites = _tap_sites(prog, param_pos)
+    dense = _dense_sites(prog, param_pos) if factored else {}
+    dense_shapes: dict = {}
 
-    def g_of(sq, perts, tap_perts):
+    def g_of(sq, perts, tap_perts, dense_perts):
         rec: dict = {}
         vals = [V(s, None) for s in sq] + [V(o, None) for o in ones]
         sinks: list = []
@@ -299,22 +343,34 @@ def _kappa_jit(space, leaves, second_order):
                   for k, (jp, ja, _) in ks.items()}
             for idx, (ks, shapes) in sites.items()
         }  # fmt: skip
-        outs = evaluate(prog, vals, 2.0, hooks=perts, record=rec, sinks=sinks, taps=taps)
+        top = {idx: squared.Tap(jp, ja, None if dense_perts is None else dense_perts[idx], [], dense_shapes)
+               for idx, (jp, ja, _) in dense.items()}  # fmt: skip
+        outs = evaluate(prog, vals, 2.0, hooks=perts, record=rec, sinks=sinks, taps={**taps, **top})
         total = squared.total(prog, outs, sinks).m
         static.update({k: v for k, v in rec.items() if isinstance(k, tuple)})
         scans = {k: v for k, v in rec.items() if not isinstance(k, tuple)}
-        return total, (scans, {idx: {k: t.seen[0] for k, t in ks.items()} for idx, ks in taps.items()})
+        seen = {idx: {k: t.seen[0] for k, t in ks.items()} for idx, ks in taps.items()}
+        return total, (scans, seen, {idx: t.seen[0] for idx, t in top.items()})
 
     sq = [p * p for p in ps]
-    tap_perts = None
-    if sites:  # the shapes of the tapped products' results, from an abstract evaluation
-        jax.eval_shape(lambda sq: g_of(sq, {}, None)[0], sq)
+    tap_perts = dense_perts = None
+    if sites or dense:  # the shapes of the tapped products' results, from an abstract evaluation
+        jax.eval_shape(lambda sq: g_of(sq, {}, None, None)[0], sq)
         tap_perts = {
             idx: {k: jnp.zeros((prog.eqns[idx].scan.length, *shapes[k].shape), shapes[k].dtype) for k in ks}
             for idx, (ks, shapes) in sites.items()
         }
-    (k1, nus, ybar), (rec, tapped) = jax.grad(g_of, argnums=(0, 1, 2), has_aux=True)(sq, perts, tap_perts)
+        dense_perts = {idx: jnp.zeros(dense_shapes[idx].shape, dense_shapes[idx].dtype) for idx in dense}
+    grads, (rec, tapped, xs_dense) = jax.grad(g_of, argnums=(0, 1, 2, 3), has_aux=True)(
+        sq, perts, tap_perts, dense_perts
+    )
+    k1, nus, ybar, ybar_dense = grads
     kappa = list(k1)
+    for idx, (_, _, pj) in dense.items():  # κ⁽¹⁾ = xᵀȳ: the kernel's only use had its gradient stopped
+        x, yb = xs_dense[idx], ybar_dense[idx]
+        n_in, n_out = jnp.shape(sq[pj])
+        x, yb = x.reshape(-1, n_in), yb.reshape(-1, n_out)
+        kappa[pj] = RankOne(x[0], yb[0]) if x.shape[0] == 1 else (x.T @ yb).astype(sq[pj].dtype)
     for idx, (ks, _) in sites.items():  # Σ_t (∂(x_t·P)/∂P)ᵀ ȳ_t: one batched product per tapped parameter use
         body = prog.eqns[idx].body
         for k, (jp, ja, pj) in ks.items():

@@ -139,14 +139,23 @@ def _every_step(every) -> bool:
     return isinstance(every, int | np.integer) and every == 1
 
 
-def _kappa_state(space, params, every):
-    """Initial (κ, log2 gauge): zeros like params, and a zero node vector in the compute dtype; (None, None)
+def _kappa_state(space, params, every, factored=False):
+    """Initial (κ, log2 gauge): zeros like params (``factored``: `pathspace_jax.kappa.RankOne` zeros where
+    Path-SGD keeps a dense kernel's κ as two vectors), and a zero node vector in the compute dtype; (None, None)
     when κ is computed at each step (`_every_step`)."""
     if _every_step(every):
         return None, None
+    from pathspace_jax.kappa import RankOne, _kappa_jit
+
     leaves = space.leaves_of(params, "params")
-    kappa = space.unflatten_like(params, [jnp.zeros(jnp.shape(p), jnp.result_type(p)) for p in leaves])
-    return kappa, jnp.zeros((space.num_nodes,), compute_dtype(leaves))
+    kappa = [jnp.zeros(jnp.shape(p), jnp.result_type(p)) for p in leaves]
+    if factored:
+        shapes, _ = jax.eval_shape(lambda ls: _kappa_jit(space, ls, False, True), leaves)
+        kappa = [
+            RankOne(*(jnp.zeros(x.shape, jnp.result_type(p)) for x in k)) if isinstance(k, RankOne) else z
+            for k, z, p in zip(shapes, kappa, leaves, strict=True)
+        ]
+    return space.unflatten_like(params, kappa), jnp.zeros((space.num_nodes,), compute_dtype(leaves))
 
 
 def _current_kappa(compute, kappa, count, every):
@@ -182,9 +191,11 @@ def _divide_by_kappa(space, updates, kappa, log2_gauge, damping, eps):
     pass through.
     """
     from pathspace_jax.coords import damping_factors, edge_factors
+    from pathspace_jax.kappa import RankOne, full
 
     out = []
-    leaves = zip(space.leaves, space.leaves_of(updates, "updates"), jax.tree_util.tree_leaves(kappa))
+    kappa = jax.tree_util.tree_leaves(kappa, is_leaf=lambda k: isinstance(k, RankOne))
+    leaves = zip(space.leaves, space.leaves_of(updates, "updates"), map(full, kappa))
     factors = zip(edge_factors(space, log2_gauge, -1.0), damping_factors(space, log2_gauge))
     for (leaf, g, k), (s, d) in zip(leaves, factors):
         if leaf.kind == "other":
@@ -471,8 +482,11 @@ class ScaleByPathSGDState(NamedTuple):
     ``log2_gauge`` the frame's per-node log2|B_v| (`pathspace_jax.coords.gauge_log2`) at that step:
     `pathspace_jax.coords.kappa_from_frame` gives κ of the params (``kappa · 2^(2(k_v − k_u))`` on each
     edge ``u -> v``, k the rounded log-gauge). Both stay in range whatever node-wise rescaling the params
-    carry. Both are None with ``every=1`` (the default, a Python int): κ is computed at each step and the
-    state keeps nothing of the params' size.
+    carry. A dense kernel's κ (a 2-D leaf that one product with a single-row activation of the |·|^p network
+    uses) is kept as `pathspace_jax.kappa.RankOne` vectors ``(a, b)`` with κ = a bᵀ (`pathspace_jax.kappa.full`
+    expands it): the state then holds nothing of that kernel's size, and the step reads two vectors instead
+    of a matrix. Both are None with ``every=1`` (the default, a Python int): κ is computed at each step and
+    the state keeps nothing of the params' size.
     """
 
     count: jax.Array
@@ -531,7 +545,7 @@ def scale_by_path_sgd(
     second_order = bool(second_order)
 
     def init_fn(params):
-        kappa, log2_gauge = _kappa_state(space, params, every)
+        kappa, log2_gauge = _kappa_state(space, params, every, factored=True)
         return ScaleByPathSGDState(count=jnp.zeros([], jnp.int32), kappa=kappa, log2_gauge=log2_gauge)
 
     def update_fn(updates, state, params=None, **extra_args):
@@ -548,8 +562,8 @@ def _path_sgd_update(space, second_order, updates, state, params, damping, eps, 
     """One `scale_by_path_sgd` step (jitted, so that calls outside ``jit`` compile once)."""
     from pathspace_jax.kappa import _kappa_jit
 
-    def compute():
-        kappa, lg = _kappa_jit(space, space.leaves_of(params, "params"), second_order)
+    def compute():  # dense kernels' κ as `RankOne` where it is kept between steps (read at every step)
+        kappa, lg = _kappa_jit(space, space.leaves_of(params, "params"), second_order, state.kappa is not None)
         return space.unflatten_like(params, kappa), lg
 
     kappa, lg = _current_kappa(compute, (state.kappa, state.log2_gauge), state.count, every)

@@ -26,6 +26,7 @@ import pytest
 
 import pathspace_jax as pj
 from pathspace_jax.coords import kappa_from_frame
+from pathspace_jax.kappa import RankOne, full
 from pathspace_jax.testing import assert_update_invariant
 
 F64 = jnp.float64
@@ -496,8 +497,8 @@ def test_jit_without_recompilation_and_every():
 
 def _state_kappa(space, st):
     """κ of the params from a Path-SGD/DDP state (which keeps κ in the canonical frame)."""
-    leaves = kappa_from_frame(space, jax.tree_util.tree_leaves(st.kappa), st.log2_gauge)
-    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(st.kappa), leaves)
+    kappa, treedef = jax.tree_util.tree_flatten(st.kappa, is_leaf=lambda k: isinstance(k, RankOne))  # κ = a bᵀ
+    return jax.tree_util.tree_unflatten(treedef, kappa_from_frame(space, [full(k) for k in kappa], st.log2_gauge))
 
 
 @pytest.mark.slow

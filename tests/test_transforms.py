@@ -21,6 +21,11 @@ from flax import nnx, struct
 from flax.training import train_state
 
 import pathspace_jax as pj
+from pathspace_jax.kappa import RankOne
+
+
+def _is_rank_one(k) -> bool:
+    return isinstance(k, RankOne)
 
 
 class _MLP(nnx.Module):
@@ -179,7 +184,12 @@ def test_kappa_kept_in_the_state_only_when_reused(name):
         tx = make(space, 0.05, every=every)
         state = tx.init(params)
         u, new = jax.jit(lambda g, s, p, tx=tx: tx.update(g, s, p, **kw))(grads, state, params)
-        kept = jax.tree_util.tree_leaves((state[0].kappa, new[0].kappa))
+        kept = jax.tree_util.tree_leaves((state[0].kappa, new[0].kappa), is_leaf=_is_rank_one)
         assert len(kept) == (0 if isinstance(every, int) else 2 * len(jax.tree_util.tree_leaves(params)))
+        for k, p in zip(kept[len(kept) // 2 :], jax.tree_util.tree_leaves(params)):
+            if name == "path_sgd" and p.ndim == 2:  # a dense kernel's κ is kept as two vectors, κ = a bᵀ
+                assert isinstance(k, RankOne) and (k.a.shape, k.b.shape) == ((p.shape[0],), (p.shape[1],))
+            else:
+                assert k.shape == p.shape
         steps.append(u)
     chex.assert_trees_all_close(*steps, rtol=1e-12)
