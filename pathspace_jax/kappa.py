@@ -125,7 +125,10 @@ def _lag_sum(cin, nu, a):
         return (ak @ a, q), None
 
     (_, q), _ = jax.lax.scan(
-        body, (jnp.eye(n, dtype=cin.dtype), q0), jnp.arange(t - 1), unroll=squared.scan_unroll(t - 1)
+        body,
+        (jnp.eye(n, dtype=cin.dtype), q0),
+        jnp.arange(t - 1),
+        unroll=squared.scan_unroll(t - 1, 2 * squared.nbytes(q0)),
     )
     return q
 

@@ -40,15 +40,23 @@ from pathspace_jax.trace import boundary_sites
 
 # The scans that κ and γ² add run a recurrence step by step, often at a tiny size (Path-SGD's |·|^p network on
 # one all-ones example), where a GPU spends most of a loop iteration launching it: they are unrolled by up to
-# this many steps. On an H100 (JAX 0.11.2) Path-SGD κ⁽¹⁾ of a ReLU RNN (hidden 100, 28 steps) went from 1.49×
-# to 1.03× SGD's step, the exact κ⁽²⁾ from 1.90× to 1.37×. A longer sequence keeps a loop of
-# ⌈length / SCAN_UNROLL⌉ iterations, which bounds the compile time.
+# SCAN_UNROLL steps, and by no more than keep the unrolled steps' carries within UNROLL_BYTES. On an H100
+# (JAX 0.11.2) Path-SGD κ⁽¹⁾ of a ReLU RNN (hidden 100, 28 steps) went from 1.49× to 1.03× SGD's step, the
+# exact κ⁽²⁾ from 1.90× to 1.37×. A long sequence keeps a loop of ⌈length / SCAN_UNROLL⌉ iterations (compile
+# time); a large carry (DDP's batch, κ⁽²⁾'s n × n lag sum) means enough work per step to hide the loop, and
+# unrolled it multiplied the compiled step's temporaries (the language model's exact κ⁽²⁾: 154 -> 444 MB).
 SCAN_UNROLL = 32
+UNROLL_BYTES = 1 << 20
 
 
-def scan_unroll(length: int) -> int:
-    """The ``unroll`` of a scan of ``length`` steps that κ or γ² adds (`SCAN_UNROLL`)."""
-    return max(1, min(int(length), SCAN_UNROLL))
+def scan_unroll(length: int, carry_bytes: int) -> int:
+    """The ``unroll`` of a scan of ``length`` steps that κ or γ² adds (`SCAN_UNROLL`, `UNROLL_BYTES`)."""
+    return max(1, min(int(length), SCAN_UNROLL, UNROLL_BYTES // max(int(carry_bytes), 1)))
+
+
+def nbytes(tree) -> int:
+    """The bytes of the arrays in ``tree``."""
+    return sum(int(np.prod(jnp.shape(a), dtype=np.int64)) * jnp.result_type(a).itemsize for a in jax.tree.leaves(tree))
 
 
 # ops through which a pre-activation passes without becoming a node (one consumer)
@@ -755,7 +763,12 @@ def _eval_scan(e: _Eqn, vals, power, pert, record, idx, sinks=None, body_post=No
 
     init_c = [tuple(v) if isinstance(v, V) else v for v in init]
     carry, ys = jax.lax.scan(
-        step, init_c, (xs_m, pert, data, tap_perts), length=length, reverse=reverse, unroll=scan_unroll(length)
+        step,
+        init_c,
+        (xs_m, pert, data, tap_perts),
+        length=length,
+        reverse=reverse,
+        unroll=scan_unroll(length, nbytes(init_c)),
     )
     outs = [V(*c) if isinstance(c, tuple) else c for c in carry]
     if taps is not None:
