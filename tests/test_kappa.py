@@ -495,6 +495,21 @@ def test_jit_without_recompilation_and_every():
                            np.asarray(kappas[0][1]["SimpleCell_0"]["h"]["kernel"]))  # fmt: skip
 
 
+@pytest.mark.parametrize("name", ["mlp", "rnn_stacked_every"])
+def test_kept_kappa_is_path_kappa(name):
+    """With ``every > 1`` the state keeps κ: a dense kernel's as `RankOne` vectors where the |·|² network's
+    activation has one row (the MLP), as the full product where it has several (a readout applied at every
+    step of an RNN), the rest as arrays; expanded, it is `path_kappa`'s."""
+    fn, params, x = _model(name)
+    space = pj.trace(fn, params, x)
+    tx = pj.path_sgd(space, 0.01, second_order=False, every=2)
+    _, state = jax.jit(tx.update)(jax.tree_util.tree_map(jnp.ones_like, params), tx.init(params), params)
+    kept = jax.tree_util.tree_leaves(state[0].kappa, is_leaf=lambda k: isinstance(k, RankOne))
+    assert any(isinstance(k, RankOne) for k in kept) == (name == "mlp")
+    got, want = _state_kappa(space, state[0]), pj.path_kappa(space, params, second_order=False)
+    chex.assert_trees_all_close(got, want, rtol=1e-10, atol=0)
+
+
 def _state_kappa(space, st):
     """κ of the params from a Path-SGD/DDP state (which keeps κ in the canonical frame)."""
     kappa, treedef = jax.tree_util.tree_flatten(st.kappa, is_leaf=lambda k: isinstance(k, RankOne))  # κ = a bᵀ
