@@ -268,5 +268,11 @@ def is_row_lookup(params: dict, operand_ndim: int, slice_sizes_tail: tuple, out_
 def is_plain_matmul(params: dict) -> bool:
     """Whether a ``dot_general`` with these params is ``a @ b`` of two matrices: the last axis of ``a``
     contracted with the first of ``b``, no batch axes."""
+    return contracts_last_with_first(params, 2)
+
+
+def contracts_last_with_first(params: dict, lhs_ndim: int) -> bool:
+    """Whether a ``dot_general`` with these params contracts the last axis of its lhs (``lhs_ndim`` axes) with
+    the first of its rhs and nothing else, with no batch axes: a dense layer ``x @ W``."""
     (lhs_c, rhs_c), (lhs_b, rhs_b) = params["dimension_numbers"]
-    return tuple(lhs_c) == (1,) and tuple(rhs_c) == (0,) and not tuple(lhs_b) and not tuple(rhs_b)
+    return tuple(lhs_c) == (lhs_ndim - 1,) and tuple(rhs_c) == (0,) and not tuple(lhs_b) and not tuple(rhs_b)

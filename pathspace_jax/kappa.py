@@ -288,8 +288,9 @@ def full(k):
 
 def _dense_sites(prog: squared.Program, param_pos: dict) -> dict:
     """``{top-level equation index: (param operand, activation operand, param position)}``: the products
-    ``x · W`` (``W`` a 2-D params leaf, contracted on its first axis with x's last; no batch axes) outside any
-    scan whose kernel the program uses nowhere else. Their κ⁽¹⁾ is xᵀȳ (`RankOne` when x has one row)."""
+    ``x · W`` of an activation and a params leaf, outside any scan, whose kernel the program uses nowhere else.
+    Their κ⁽¹⁾ is the product's VJP of its result cotangent ȳ; for a dense layer (W 2-D, contracted on its
+    first axis with x's last) whose x has one row, the outer product xᵀȳ (`RankOne`)."""
     uses: dict = {}
     for e in prog.eqns:
         for x in e.ins:
@@ -301,9 +302,6 @@ def _dense_sites(prog: squared.Program, param_pos: dict) -> dict:
             continue
         kinds = ["const" if isinstance(x, tuple) else prog.kinds[x] for x in e.ins]
         if kinds != ["act", "param"] or e.ins[1] not in param_pos or uses[e.ins[1]] != 1:
-            continue
-        (cx, cw), batch = e.params["dimension_numbers"]
-        if batch != ((), ()) or tuple(cw) != (0,) or len(cx) != 1:
             continue
         sites[idx] = (1, 0, param_pos[e.ins[1]])
     return sites
@@ -369,11 +367,13 @@ def _kappa_jit(space, leaves, second_order, factored=False):
     )
     k1, nus, ybar, ybar_dense = grads
     kappa = list(k1)
-    for idx, (_, _, pj) in dense.items():  # κ⁽¹⁾ = xᵀȳ: the kernel's only use had its gradient stopped
-        x, yb = xs_dense[idx], ybar_dense[idx]
-        n_in, n_out = jnp.shape(sq[pj])
-        x, yb = x.reshape(-1, n_in), yb.reshape(-1, n_out)
-        kappa[pj] = RankOne(x[0], yb[0]) if x.shape[0] == 1 else (x.T @ yb).astype(sq[pj].dtype)
+    for idx, (_, _, pj) in dense.items():  # the kernel's only use had its gradient stopped: κ⁽¹⁾ from x and ȳ
+        e, x, yb = prog.eqns[idx], xs_dense[idx], ybar_dense[idx]
+        if jnp.ndim(sq[pj]) == 2 and jnp.size(x) == jnp.shape(x)[-1] and jx.contracts_last_with_first(e.params, x.ndim):
+            kappa[pj] = RankOne(x.reshape(-1), yb.reshape(-1))
+        else:
+            _, vjp = jax.vjp(lambda p, e=e, x=x: squared.bind(e, [x, p])[0], sq[pj])
+            kappa[pj] = vjp(yb)[0]
     for idx, (ks, _) in sites.items():  # Σ_t (∂(x_t·P)/∂P)ᵀ ȳ_t: one batched product per tapped parameter use
         body = prog.eqns[idx].body
         for k, (jp, ja, pj) in ks.items():
