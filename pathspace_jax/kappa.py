@@ -242,6 +242,20 @@ def path_kappa(space: PathSpace, params, *, second_order: bool = True):
     return space.unflatten_like(params, [k.astype(p.dtype) for k, p in zip(out, leaves, strict=True)])
 
 
+def _param_product(prog: squared.Program, e) -> tuple[int, int] | None:
+    """``(param operand, activation operand)`` of ``e`` when it is a product of an activation and a parameter
+    that the |·|^p network evaluates as a product (not a boundary value or a lookup), else None."""
+    if e.prim.name not in ("dot_general", "conv_general_dilated") or len(e.ins) != 2:
+        return None
+    if e.outs[0] in prog.bnd or e.outs[0] in prog.lookups:
+        return None
+    kinds = ["const" if isinstance(x, tuple) else prog.kinds[x] for x in e.ins]
+    if sorted(kinds) != ["act", "param"]:
+        return None
+    jp = kinds.index("param")
+    return jp, 1 - jp
+
+
 def _tap_sites(prog: squared.Program, param_pos: dict) -> dict:
     """``{top-level scan index: ({body equation index: (param operand, activation operand, param position)},
     shapes)}``: the products of an activation and a params leaf inside a scan body (`pathspace_jax.squared.Tap`),
@@ -254,28 +268,36 @@ def _tap_sites(prog: squared.Program, param_pos: dict) -> dict:
         outer = dict(zip(bp.in_ids[:nc], e.ins[:nc], strict=True))  # body const var -> the scan's operand
         ks = {}
         for k, be in enumerate(bp.eqns):
-            if be.prim.name not in ("dot_general", "conv_general_dilated") or len(be.ins) != 2:
-                continue
-            if be.outs[0] in bp.bnd or be.outs[0] in bp.lookups:  # evaluated by other rules than a product
-                continue
-            kinds = ["const" if isinstance(x, tuple) else bp.kinds[x] for x in be.ins]
-            if sorted(kinds) != ["act", "param"]:
-                continue
-            jp = kinds.index("param")
-            src = outer.get(be.ins[jp])
+            ops = _param_product(bp, be)
+            src = None if ops is None else outer.get(be.ins[ops[0]])
             if src is None or isinstance(src, tuple) or src not in param_pos:
                 continue  # not a params leaf itself: its gradient goes through the scan as before
-            ks[k] = (jp, 1 - jp, param_pos[src])
+            ks[k] = (*ops, param_pos[src])
         if ks:
             sites[idx] = (ks, {})
     return sites
+
+
+def _tapped_grad(e, jp: int, ja: int, p, x, ybar, over_steps: bool):
+    """``(∂(x·p)/∂p)ᵀ ȳ`` of the tapped product ``e`` (summed over the leading step axis of x and ȳ when
+    ``over_steps``: one batched product for a scan's T steps)."""
+
+    def product(p):
+        def one(x):
+            operands = [None, None]
+            operands[jp], operands[ja] = p, x
+            return squared.bind(e, operands)[0]
+
+        return jax.vmap(one)(x) if over_steps else one(x)
+
+    return jax.vjp(product, p)[1](ybar)[0]
 
 
 class RankOne(NamedTuple):
     """κ of a dense kernel as two vectors, ``κ[i, j] = a[i] · b[j]``: the κ that `scale_by_path_sgd` keeps between
     recomputations for a 2-D params leaf that one product ``x · W`` of a single-row activation uses (a dense
     layer of the |·|^p network on its one all-ones example). ``a`` is that activation, ``b`` the product's
-    cotangent, so κ⁽¹⁾ = aᵀb exactly; keeping them instead of κ saves a pass over the weights at every step."""
+    cotangent, so κ⁽¹⁾ = a bᵀ exactly; keeping them instead of κ saves a pass over the weights at every step."""
 
     a: jax.Array
     b: jax.Array
@@ -287,10 +309,10 @@ def full(k):
 
 
 def _dense_sites(prog: squared.Program, param_pos: dict) -> dict:
-    """``{top-level equation index: (param operand, activation operand, param position)}``: the products
-    ``x · W`` of an activation and a params leaf, outside any scan, whose kernel the program uses nowhere else.
-    Their κ⁽¹⁾ is the product's VJP of its result cotangent ȳ; for a dense layer (W 2-D, contracted on its
-    first axis with x's last) whose x has one row, the outer product xᵀȳ (`RankOne`)."""
+    """``{top-level equation index: (param operand, activation operand, param position)}``: the ``dot_general``
+    products of an activation and a params leaf, outside any scan, whose leaf the program uses nowhere else.
+    Their κ⁽¹⁾ is ``(∂(x·W)/∂W)ᵀ ȳ``; for a dense layer (W 2-D, contracted on its first axis with x's last)
+    whose x has one row, the outer product xᵀȳ (`RankOne`)."""
     uses: dict = {}
     for e in prog.eqns:
         for x in e.ins:
@@ -298,12 +320,9 @@ def _dense_sites(prog: squared.Program, param_pos: dict) -> dict:
                 uses[x] = uses.get(x, 0) + 1
     sites = {}
     for idx, e in enumerate(prog.eqns):
-        if e.prim.name != "dot_general" or len(e.ins) != 2 or e.outs[0] in prog.bnd or e.outs[0] in prog.lookups:
-            continue
-        kinds = ["const" if isinstance(x, tuple) else prog.kinds[x] for x in e.ins]
-        if kinds != ["act", "param"] or e.ins[1] not in param_pos or uses[e.ins[1]] != 1:
-            continue
-        sites[idx] = (1, 0, param_pos[e.ins[1]])
+        ops = _param_product(prog, e) if e.prim.name == "dot_general" else None
+        if ops is not None and e.ins[ops[0]] in param_pos and uses[e.ins[ops[0]]] == 1:
+            sites[idx] = (*ops, param_pos[e.ins[ops[0]]])
     return sites
 
 
@@ -367,28 +386,17 @@ def _kappa_jit(space, leaves, second_order, factored=False):
     )
     k1, nus, ybar, ybar_dense = grads
     kappa = list(k1)
-    for idx, (_, _, pj) in dense.items():  # the kernel's only use had its gradient stopped: κ⁽¹⁾ from x and ȳ
+    for idx, (jp, ja, pj) in dense.items():  # the leaf's only use had its gradient stopped: κ⁽¹⁾ from x and ȳ
         e, x, yb = prog.eqns[idx], xs_dense[idx], ybar_dense[idx]
-        if jnp.ndim(sq[pj]) == 2 and jnp.size(x) == jnp.shape(x)[-1] and jx.contracts_last_with_first(e.params, x.ndim):
+        dense_layer = jp == 1 and jnp.ndim(sq[pj]) == 2 and jx.contracts_last_with_first(e.params, x.ndim)
+        if dense_layer and jnp.size(x) == jnp.shape(x)[-1]:
             kappa[pj] = RankOne(x.reshape(-1), yb.reshape(-1))
         else:
-            _, vjp = jax.vjp(lambda p, e=e, x=x: squared.bind(e, [x, p])[0], sq[pj])
-            kappa[pj] = vjp(yb)[0]
+            kappa[pj] = _tapped_grad(e, jp, ja, sq[pj], x, yb, over_steps=False)
     for idx, (ks, _) in sites.items():  # Σ_t (∂(x_t·P)/∂P)ᵀ ȳ_t: one batched product per tapped parameter use
         body = prog.eqns[idx].body
         for k, (jp, ja, pj) in ks.items():
-            be, xs = body.eqns[k], tapped[idx][k]
-
-            def product(p, be=be, xs=xs, jp=jp, ja=ja):
-                def one(x):
-                    operands = [None, None]
-                    operands[jp], operands[ja] = p, x
-                    return squared.bind(be, operands)[0]
-
-                return jax.vmap(one)(xs)
-
-            _, vjp = jax.vjp(product, sq[pj])
-            kappa[pj] = kappa[pj] + vjp(ybar[idx][k])[0]
+            kappa[pj] = kappa[pj] + _tapped_grad(body.eqns[k], jp, ja, sq[pj], tapped[idx][k], ybar[idx][k], True)
     for idx, sc in rec.items():
         e = prog.eqns[idx]
         cin, nu = sc.cin, nus[idx]

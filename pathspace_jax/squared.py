@@ -510,12 +510,13 @@ def _is_relu(e, ks, vals) -> int | None:
 
 @dataclasses.dataclass
 class Tap:
-    """A product of an activation and a parameter inside a scan body, whose κ⁽¹⁾ is taken outside the scan.
+    """A product of an activation and a parameter whose κ⁽¹⁾ is taken from its operand and result cotangent.
 
-    The VJP through ``lax.scan`` adds each step's outer product into the gradient of every parameter the body
-    multiplies: T read-modify-write passes over an n × n kernel. With a tap the body stops that gradient, records
-    the activation operand x_t and adds a zero perturbation to the product's result, whose gradient is the
-    result's cotangent ȳ_t; the parameter's gradient Σ_t (∂(x_t·P)/∂P)ᵀ ȳ_t is then one batched product.
+    The evaluation stops the parameter's gradient there, records the activation operand x and adds a zero
+    perturbation to the product's result, whose gradient is the result's cotangent ȳ. Inside a scan body: the
+    VJP through ``lax.scan`` adds each step's outer product into the gradient of every parameter the body
+    multiplies, T read-modify-write passes over an n × n kernel, where Σ_t (∂(x_t·P)/∂P)ᵀ ȳ_t is one batched
+    product. At the top level: a dense kernel's κ⁽¹⁾ is x ⊗ ȳ, which Path-SGD keeps as two vectors.
     """
 
     param: int  # the operand index of the parameter
@@ -556,10 +557,10 @@ def evaluate(
     step (its gradient is the carry adjoint ν), and ``record`` receives, under that index, a `ScanRecord`
     and, under ``("entries", index)``, the recurrent entries found by `_recurrent_entries`.
 
-    ``taps`` (κ⁽¹⁾ of the parameters that a scan body multiplies, `Tap`): maps the index of a top-level
-    scan equation to ``{body equation index: Tap}``; each step then records the activation operand of
-    those products (in ``Tap.seen``, stacked over the steps), and adds ``Tap.pert``'s slice to their
-    results, with the parameter's gradient stopped there.
+    ``taps`` (κ⁽¹⁾ from a product's operand and result cotangent, `Tap`): maps the index of a top-level
+    scan equation to ``{body equation index: Tap}``, whose products each step then records (in
+    ``Tap.seen``, stacked over the steps), adding ``Tap.pert``'s slice to their results with the parameter's
+    gradient stopped there; and the index of any other equation to a `Tap` for that product.
     """
     kinds = prog.kinds
     env: dict[int, Any] = dict(prog.consts)
@@ -599,7 +600,7 @@ def evaluate(
             else:
                 ms, top = align(vals)
             tap = None if taps is None else taps.get(idx)
-            if tap is not None:  # the parameter's gradient is taken outside the scan (`Tap`)
+            if tap is not None:  # the parameter's gradient is taken from x and ȳ (`Tap`)
                 ms = [jax.lax.stop_gradient(m) if j == tap.param else m for j, m in enumerate(ms)]
             res = _squared_op(e, ks, ms, out_kind, power, prog.who, prog.err)
             if tap is not None:
