@@ -106,13 +106,14 @@ class DDPUnsupportedError(ValueError):
 # ----------------------------------------------------------------------------- evaluation
 
 
-def _forward(prog: squared.Program, params: Sequence, inputs: Sequence, want: Sequence) -> list:
+def _forward(prog: squared.Program, params: Sequence, inputs: Sequence, want: Sequence, batch: int = 1) -> list:
     """The real forward pass (one example, batch of one); returns the values of ``want``: var ids, or
-    ``(scan equation index, body var id)`` for a node inside a scan body (stacked over the steps)."""
-    return _run(prog, list(params) + list(inputs), want)[1]
+    ``(scan equation index, body var id)`` for a node inside a scan body (stacked over the steps).
+    ``batch``: how many examples a ``vmap`` around the call runs at once (it sizes the scans' unrolling)."""
+    return _run(prog, list(params) + list(inputs), want, batch=batch)[1]
 
 
-def _run(prog: squared.Program, invals: list, want: Sequence, post=None) -> tuple[list, list]:
+def _run(prog: squared.Program, invals: list, want: Sequence, post=None, batch: int = 1) -> tuple[list, list]:
     """`_forward` on ``prog``'s inputs; returns the values of ``prog.out_ids`` and of ``want``. Boundary
     values (`squared._find_boundary`) are held fixed (``stop_gradient``) for what comes after them.
     ``post(var, value, eqn)`` replaces every value where it is produced (DDP-Normalization)."""
@@ -123,7 +124,7 @@ def _run(prog: squared.Program, invals: list, want: Sequence, post=None) -> tupl
         vals = [jnp.asarray(x[1]) if isinstance(x, tuple) else env[x] for x in e.ins]
         if e.body is not None:  # a scan, step by step: the wanted body nodes are stacked over the steps
             inner = [w[1] for w in want if isinstance(w, tuple) and w[0] == idx]
-            outs, got_scan = _run_scan(e, vals, inner)
+            outs, got_scan = _run_scan(e, vals, inner, batch)
             got.update({(idx, v): g for v, g in zip(inner, got_scan, strict=True)})
         elif e.prim.name == "max" and prog.kinds[e.outs[0]] == "act" and _is_relu(e):
             # a ReLU max(x, 0): use jax.nn.relu (derivative 0 at 0, as the user's model has)
@@ -156,17 +157,21 @@ def _is_relu(e) -> bool:
     return len(zero) == 1 and not np.any(np.asarray(zero[0][1])) and np.ndim(zero[0][1]) == 0
 
 
-def _run_scan(e, vals, inner: list) -> tuple[list, list]:
+def _run_scan(e, vals, inner: list, batch: int) -> tuple[list, list]:
     bp, nc, ncar = e.body, e.scan.num_consts, e.scan.num_carry
     consts, init, xs = vals[:nc], vals[nc : nc + ncar], vals[nc + ncar :]
 
     def step(carry, x):
-        outs, got = _run(bp, list(consts) + list(carry) + list(x), inner)
+        outs, got = _run(bp, list(consts) + list(carry) + list(x), inner, batch=batch)
         return outs[:ncar], (outs[ncar:], got)
 
-    # not unrolled (`squared.SCAN_UNROLL`): it runs per example under the probes' vmap, and unrolled, the language
-    # model's DDP step took 502 MB of temporaries instead of 177 MB
-    carry, (ys, got) = jax.lax.scan(step, list(init), list(xs), length=e.scan.length, reverse=e.scan.reverse)
+    # unrolled within `squared.scan_unroll`'s memory budget, counting the carries of the whole batch (the scan runs
+    # per example under a vmap, where they look ``batch`` times smaller) in its three passes (forward, linearised
+    # and transposed): counted per example, the language model's DDP step took 502 MB of temporaries, not 177 MB
+    unroll = squared.scan_unroll(e.scan.length, 3 * batch * squared.nbytes(init))
+    carry, (ys, got) = jax.lax.scan(
+        step, list(init), list(xs), length=e.scan.length, reverse=e.scan.reverse, unroll=unroll
+    )
     return list(carry) + list(ys), list(got)
 
 
@@ -393,7 +398,7 @@ def _kappa_jit(
     want = prog.nodes + inner if alpha < 1.0 else prog.outputs + prog.sinks + _scan_nodes(prog)
 
     def zs_of(ps, xs=xs):
-        return jax.vmap(lambda *x: _forward(prog, ps, [xi[None] for xi in x], want))(*xs)
+        return jax.vmap(lambda *x: _forward(prog, ps, [xi[None] for xi in x], want, len(xs[0])))(*xs)
 
     def gamma_net(sq, stats):  # stats: one per entry of want
         scan_stats: dict = {}
@@ -525,7 +530,7 @@ def _second_order_exact(prog, leaves, xs, want, zs, nus, moment) -> list:
         def tap(o, v, e):
             return v + add[o] if o in add else v
 
-        vals = _run(prog, ps + [xi[None] for xi in x], list(want) + acts, post=tap)[1]
+        vals = _run(prog, ps + [xi[None] for xi in x], list(want) + acts, post=tap, batch=n)[1]
         return vals[: len(want)], vals[len(want) :]
 
     weights = jnp.concatenate([jnp.broadcast_to(nu, jnp.shape(z)[1:]).ravel() for nu, z in zip(nus, zs, strict=True)])
