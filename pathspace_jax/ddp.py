@@ -99,6 +99,10 @@ from pathspace_jax.graph import PathSpace, check_path_space, compute_dtype
 __all__ = ["ddp_kappa", "DDPUnsupportedError"]
 
 
+# probes taken one after another (straight-line code) on the CPU, up to this many; more are vmapped
+_PROBE_LOOP_MAX = 8
+
+
 class DDPUnsupportedError(ValueError):
     """Raised when a model is outside what DDP-SGD's κ is defined for here (see the module docstring)."""
 
@@ -441,14 +445,20 @@ def _kappa_jit(
                 (g,) = vjp(cots)
                 return [gi * gi for gi in g]
 
+            keys = jax.random.split(key, int(num_probes)) if num_probes > 1 else None
             if num_probes == 1:
-                sqs = [s[None] for s in one(key)]
-            else:
-                sqs = jax.vmap(one)(jax.random.split(key, int(num_probes)))
+                sqs = one(key)
+            elif jax.default_backend() == "cpu" and num_probes <= _PROBE_LOOP_MAX:
+                # straight-line VJPs, summed: XLA:CPU runs a vmapped or looped convolution's backward pass
+                # several times slower than a plain one (4 probes, × SGD: CNN 5.8 -> 2.8, MLP 9.6 -> 3.6)
+                sqs = functools.reduce(lambda a, b: [x + y for x, y in zip(a, b, strict=True)], map(one, keys))
+                sqs = [s / num_probes for s in sqs]
+            else:  # one batched VJP (on an H100, 4 probes × SGD: MLP 1.29 against 1.67 looped, CNN 2.37 against 3.0)
+                sqs = [jnp.mean(s, axis=0) for s in jax.vmap(one)(keys)]
             # the probes' sum over their b examples, as a mean over the batch (Σ_S (a − ā_S)² estimates
             # (b − 1)/(n − 1) Σ (a − ā)² for a random subset S: the finite-population factor)
             per = 1.0 / b if moment == "second" or b == n else (n - 1) / (n * (b - 1))
-            kappa = [k + jnp.mean(s, axis=0) * per for k, s in zip(kappa, sqs, strict=False)]
+            kappa = [k + s * per for k, s in zip(kappa, sqs, strict=False)]
         else:
             second = _second_order_exact(prog, leaves, xs, want, zs, nus, moment)
             kappa = [k + a for k, a in zip(kappa, second, strict=True)]

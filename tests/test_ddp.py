@@ -493,6 +493,24 @@ def test_probe_estimator_is_unbiased(name, alpha, moment):
     assert 0.08 < ratio < 0.18, ratio
 
 
+@pytest.mark.parametrize("name", ["mlp", "cnn"])
+@pytest.mark.parametrize("loop_max", [8, 0])  # on the CPU: straight-line probes (the default), and vmapped
+def test_several_probes_average_single_probes(name, loop_max, monkeypatch):
+    """num_probes=4 is the mean of the four one-probe estimates drawn with the keys split from ``key``, however
+    the probes are batched (`pathspace_jax.ddp._PROBE_LOOP_MAX`)."""
+    from pathspace_jax import ddp
+
+    monkeypatch.setattr(ddp, "_PROBE_LOOP_MAX", loop_max)
+    fn, _, params, x, space = _case(name)
+    key = jax.random.key(5)
+    kw = dict(alpha=1.0, estimator="probes", probe_damping=0.0)
+    four = pj.ddp_kappa(space, params, x, num_probes=4, key=key, **kw)
+    singles = [pj.ddp_kappa(space, params, x, num_probes=1, key=k, **kw) for k in jax.random.split(key, 4)]
+    mean = jax.tree_util.tree_map(lambda *k: sum(k) / 4, *singles)
+    chex.assert_trees_all_close(four, mean, rtol=1e-12)
+    assert not np.allclose(ravel_pytree(singles[0])[0], ravel_pytree(singles[1])[0])  # the probes differ
+
+
 @pytest.mark.parametrize(
     "name,alpha,moment,b", [("mlp", 1.0, "second", 2), ("cnn", 0.5, "variance", 2), ("mlp", 0.4, "variance", 3)]
 )
