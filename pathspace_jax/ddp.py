@@ -169,17 +169,22 @@ def _run_scan(e, vals, inner: list, batch: int) -> tuple[list, list]:
         outs, got = _run(bp, list(consts) + list(carry) + list(x), inner, batch=batch)
         return outs[:ncar], (outs[ncar:], got)
 
-    # off the CPU, unrolled within `squared.scan_unroll`'s memory budget, counting the carries of the whole batch
-    # (the scan runs per example under a vmap, where they look ``batch`` times smaller) in its three passes
-    # (forward, linearised and transposed): counted per example, the language model's DDP step took 502 MB of
-    # temporaries, not 177 MB. On the CPU, where a loop iteration costs no kernel launch, unrolled they ran slower
-    # (ReLU RNN h100 T28, x SGD: one probe 2.31 -> 2.41, the exact estimator 19.8 -> 49.3)
-    on_cpu = jax.default_backend() == "cpu"
-    unroll = 1 if on_cpu else squared.scan_unroll(e.scan.length, 3 * batch * squared.nbytes(init))
+    # unrolled off the CPU (`_unrolled`) within `squared.scan_unroll`'s memory budget, counting the carries of the
+    # whole batch (the scan runs per example under a vmap, where they look ``batch`` times smaller) in its three
+    # passes (forward, linearised and transposed): counted per example, the language model's DDP step took 502 MB
+    # of temporaries, not 177 MB
+    unroll = squared.scan_unroll(e.scan.length, 3 * batch * squared.nbytes(init)) if _unrolled() else 1
     carry, (ys, got) = jax.lax.scan(
         step, list(init), list(xs), length=e.scan.length, reverse=e.scan.reverse, unroll=unroll
     )
     return list(carry) + list(ys), list(got)
+
+
+def _unrolled() -> bool:
+    """Whether DDP's scans are unrolled: off the CPU, where a loop pays a kernel launch per iteration. On the CPU
+    they ran slower unrolled (ReLU RNN h100 T28, × SGD in one process: one probe 2.31 -> 2.41, the exact
+    estimator 19.8 -> 49.3, α = 0.5 4.54 -> 5.09)."""
+    return jax.default_backend() != "cpu"
 
 
 def _moment(z, moment: str):
@@ -209,7 +214,7 @@ def _gamma_net(prog: squared.Program, sq_params: Sequence, ones: Sequence, stats
     vals = [squared.V(x, None) for x in list(sq_params) + list(ones)]
     sinks: list = []
     mix = _mixer(alpha, dict(zip(prog.nodes, stats, strict=True)))
-    outs = squared.evaluate(prog, vals, 2.0, post=mix, sinks=sinks, scan_posts=posts)
+    outs = squared.evaluate(prog, vals, 2.0, post=mix, sinks=sinks, scan_posts=posts, unroll=_unrolled())
     return squared.total(prog, outs, sinks).m
 
 

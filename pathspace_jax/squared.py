@@ -544,6 +544,7 @@ def evaluate(
     sinks: list | None = None,
     scan_posts: dict | None = None,
     taps: dict | None = None,
+    unroll: bool = True,
 ):
     """Evaluate the |·|^power network on ``invals`` (params raised to ``power``, then inputs, as `V`s).
 
@@ -561,6 +562,8 @@ def evaluate(
     scan equation to ``{body equation index: Tap}``, whose products each step then records (in
     ``Tap.seen``, stacked over the steps), adding ``Tap.pert``'s slice to their results with the parameter's
     gradient stopped there; and the index of any other equation to a `Tap` for that product.
+
+    ``unroll=False`` keeps the scans rolled instead of unrolling them within `scan_unroll`'s budget.
     """
     kinds = prog.kinds
     env: dict[int, Any] = dict(prog.consts)
@@ -583,7 +586,8 @@ def evaluate(
         if e.prim.name == "scan":
             pert = None if hooks is None else hooks.get(idx)
             tap = None if taps is None else taps.get(idx)
-            outs = _eval_scan(e, vals, power, pert, record, idx, sinks, (scan_posts or {}).get(idx), tap)
+            post_t = (scan_posts or {}).get(idx)
+            outs = _eval_scan(e, vals, power, pert, record, idx, sinks, post_t, tap, unroll)
         elif out_kind == "const":
             outs = bind(e, vals)
         elif e.outs[0] in prog.bnd:
@@ -694,7 +698,7 @@ def _to_v(x, power: float, stable: bool, dtype) -> V:
     return renorm(V(m, jnp.zeros((), jnp.int32) if stable else None))
 
 
-def _eval_scan(e: _Eqn, vals, power, pert, record, idx, sinks=None, body_post=None, taps=None):
+def _eval_scan(e: _Eqn, vals, power, pert, record, idx, sinks=None, body_post=None, taps=None, unroll=True):
     bp = e.body
     nc, ncar, length, reverse = e.scan.num_consts, e.scan.num_carry, e.scan.length, e.scan.reverse
     bk = [bp.kinds[i] for i in bp.in_ids]
@@ -769,7 +773,7 @@ def _eval_scan(e: _Eqn, vals, power, pert, record, idx, sinks=None, body_post=No
         (xs_m, pert, data, tap_perts),
         length=length,
         reverse=reverse,
-        unroll=scan_unroll(length, nbytes(init_c)),
+        unroll=scan_unroll(length, nbytes(init_c)) if unroll else 1,
     )
     outs = [V(*c) if isinstance(c, tuple) else c for c in carry]
     if taps is not None:

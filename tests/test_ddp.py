@@ -692,11 +692,17 @@ def _rnn_case():
     return p, x, pj.trace(_rnn_fn, p, x)
 
 
-def test_recurrent_networks_at_every_alpha():
+@pytest.mark.parametrize("unrolled", [False, True])
+def test_recurrent_networks_at_every_alpha(unrolled, monkeypatch):
     """Recurrences: α = 1 is the diagonal Fisher (of the outputs, and of the boundary nodes of a pinned
     recurrent group: every pre-activation of a tanh RNN, h_{t-1} held fixed), α = 0 is Path-SGD's κ with
     its κ⁽²⁾, and 0 < α < 1 is ½ diag ∇² of the Gauss–Newton recursion (jax.hessian of it written out by
-    hand), continuous at both ends."""
+    hand), continuous at both ends; with DDP's scans rolled (the CPU's default) and unrolled (other
+    backends')."""
+    from pathspace_jax import ddp
+
+    monkeypatch.setattr(ddp, "_unrolled", lambda: unrolled)
+    jax.clear_caches()  # traces cached under the other setting would hide it
     p, x, relu_space = _rnn_case()
     assert any(leaf.recurrent for leaf in relu_space.leaves)
     chex.assert_trees_all_close(pj.ddp_kappa(relu_space, p, x, alpha=1.0), _fisher(_rnn_fn, p, x, "second"),
