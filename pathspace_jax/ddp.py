@@ -110,14 +110,18 @@ class DDPUnsupportedError(ValueError):
 # ----------------------------------------------------------------------------- evaluation
 
 
-def _forward(prog: squared.Program, params: Sequence, inputs: Sequence, want: Sequence, batch: int = 1) -> list:
+def _forward(prog: squared.Program, params: Sequence, inputs: Sequence, want: Sequence, batch: int = 1,
+             in_cond: bool = False) -> list:  # fmt: skip
     """The real forward pass (one example, batch of one); returns the values of ``want``: var ids, or
     ``(scan equation index, body var id)`` for a node inside a scan body (stacked over the steps).
-    ``batch``: how many examples a ``vmap`` around the call runs at once (it sizes the scans' unrolling)."""
-    return _run(prog, list(params) + list(inputs), want, batch=batch)[1]
+    ``batch``: how many examples a ``vmap`` around the call runs at once (it sizes the scans' unrolling);
+    ``in_cond``: the pass runs inside a ``lax.cond`` and is differentiated in reverse mode only; its
+    convolutions then go through `_conv`."""
+    return _run(prog, list(params) + list(inputs), want, batch=batch, in_cond=in_cond)[1]
 
 
-def _run(prog: squared.Program, invals: list, want: Sequence, post=None, batch: int = 1) -> tuple[list, list]:
+def _run(prog: squared.Program, invals: list, want: Sequence, post=None, batch: int = 1,
+         in_cond: bool = False) -> tuple[list, list]:  # fmt: skip
     """`_forward` on ``prog``'s inputs; returns the values of ``prog.out_ids`` and of ``want``. Boundary
     values (`squared._find_boundary`) are held fixed (``stop_gradient``) for what comes after them.
     ``post(var, value, eqn)`` replaces every value where it is produced (DDP-Normalization)."""
@@ -134,7 +138,7 @@ def _run(prog: squared.Program, invals: list, want: Sequence, post=None, batch: 
             # a ReLU max(x, 0): use jax.nn.relu (derivative 0 at 0, as the user's model has)
             outs = [jax.nn.relu(vals[0] if isinstance(e.ins[1], tuple) else vals[1])]
         else:
-            outs = squared.bind(e, vals)
+            outs = [_conv(e, *vals)] if in_cond and e.prim.name == "conv_general_dilated" else squared.bind(e, vals)
         for o, v in zip(e.outs, outs, strict=False):
             env[o] = v = v if post is None else post(o, v, e)
             if o in boundary:  # a boundary value: downstream, an input of the homogeneous part
@@ -178,6 +182,46 @@ def _run_scan(e, vals, inner: list, batch: int) -> tuple[list, list]:
         step, list(init), list(xs), length=e.scan.length, reverse=e.scan.reverse, unroll=unroll
     )
     return list(carry) + list(ys), list(got)
+
+
+def _conv(e, x, w):
+    """The convolution of equation ``e`` inside a ``cond`` on the CPU: as `squared.bind`, with the kernel's
+    gradient in the form XLA:CPU gives it at the top level of a program but not inside a ``cond`` or a loop,
+    where autodiff's filter gradient runs 50× slower (DDP-SGD's refresh at ``every > 1``; at the top level
+    this form is slower than XLA's own: small CNN, one probe, 1.96 -> 2.17× SGD's step).
+
+    The filter gradient is one forward convolution of the input, batch and feature axes swapped, with the
+    output cotangent as kernel, dilated by the strides: ``dW[k, i, o] = Σ_{b,s} x_pad[b, s·stride + k, i]
+    dy[b, s, o]``. Convolutions with dilations or groups, and every other backend, use `squared.bind`.
+    """
+    specs = jx.plain_conv_specs(e.params) if jax.default_backend() == "cpu" else None
+    if specs is None:
+        return squared.bind(e, [x, w])[0]
+    lhs_spec, rhs_spec, out_spec, strides, pads = specs
+    n = len(strides)
+    sp = tuple(range(1, n + 1))
+
+    @jax.custom_vjp
+    def conv(x, w):
+        return squared.bind(e, [x, w])[0]
+
+    def fwd(x, w):
+        return conv(x, w), (x, w)
+
+    def bwd(res, dy):
+        x, w = res
+        (dx,) = jax.vjp(lambda x: squared.bind(e, [x, w])[0], x)[1](dy)
+        xc = jnp.transpose(x, (lhs_spec[1], *lhs_spec[2:], lhs_spec[0]))  # [in feature, spatial..., batch]
+        dyc = jnp.transpose(dy, (*out_spec[2:], out_spec[0], out_spec[1]))  # [spatial..., batch, out feature]
+        # the input's batch axis is x's in feature, its feature axis x's batch; the kernel is dy
+        dn = jax.lax.ConvDimensionNumbers((0, n + 1, *sp), (n + 1, n, *range(n)), (0, n + 1, *sp))
+        dwc = jax.lax.conv_general_dilated(xc, dyc, (1,) * n, pads, rhs_dilation=strides, dimension_numbers=dn)
+        dwc = dwc[(slice(None), *(slice(0, w.shape[rhs_spec[2 + k]]) for k in range(n)))]  # [in, spatial..., out]
+        perm = (rhs_spec[1], *rhs_spec[2:], rhs_spec[0])  # w's axes in dwc's order
+        return dx, jnp.transpose(dwc, np.argsort(perm)).astype(w.dtype)
+
+    conv.defvjp(fwd, bwd)
+    return conv(x, w)
 
 
 def _unrolled() -> bool:
@@ -369,13 +413,25 @@ def ddp_kappa(
     return space.unflatten_like(params, kappa_from_frame(space, kappa, lg))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7, 9, 10))
+@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7, 9, 10, 11))
 def _kappa_jit(
-    space, leaves, xs, key, alpha, moment, estimator, num_probes, probe_damping=0.0, clamp=False, probe_batch_size=None
+    space,
+    leaves,
+    xs,
+    key,
+    alpha,
+    moment,
+    estimator,
+    num_probes,
+    probe_damping=0.0,
+    clamp=False,
+    probe_batch_size=None,
+    in_cond=False,
 ):
     """κ in the canonical frame (`pathspace_jax.coords.to_canonical_frame`) and the frame's log-gauge l.
     ``clamp``: κ at the recurrent kernels (0 < α < 1) is clamped at 0 before the probe damping is added.
-    ``probe_batch_size``: the probes run on that many examples drawn at random (`ddp_kappa`)."""
+    ``probe_batch_size``: the probes run on that many examples drawn at random (`ddp_kappa`). ``in_cond``:
+    computed inside a ``lax.cond`` (DDP-SGD at ``every > 1``; `_conv`)."""
     param_key = tuple((tuple(p.shape), str(p.dtype)) for p in leaves)
     input_key = tuple(((1, *jnp.shape(x)[1:]), str(jnp.result_type(x))) for x in xs)
     prog = squared.program(space, param_key, input_key, who="ddp_kappa", err=DDPUnsupportedError, allow_scan=True)
@@ -409,8 +465,10 @@ def _kappa_jit(
     inner = _scan_nodes(prog, "nodes") if recurrent else []
     want = prog.nodes + inner if alpha < 1.0 else prog.outputs + prog.sinks + _scan_nodes(prog)
 
+    conv_vjp = in_cond and not recurrent  # `_conv` has no forward mode, which the recurrent term takes
+
     def zs_of(ps, xs=xs):
-        return jax.vmap(lambda *x: _forward(prog, ps, [xi[None] for xi in x], want, len(xs[0])))(*xs)
+        return jax.vmap(lambda *x: _forward(prog, ps, [xi[None] for xi in x], want, len(xs[0]), conv_vjp))(*xs)
 
     def gamma_net(sq, stats):  # stats: one per entry of want
         scan_stats: dict = {}
@@ -468,7 +526,7 @@ def _kappa_jit(
             per = 1.0 / b if moment == "second" or b == n else (n - 1) / (n * (b - 1))
             kappa = [k + s * per for k, s in zip(kappa, sqs, strict=False)]
         else:
-            second = _second_order_exact(prog, leaves, xs, want, zs, nus, moment)
+            second = _second_order_exact(prog, leaves, xs, want, zs, nus, moment, in_cond)
             kappa = [k + a for k, a in zip(kappa, second, strict=True)]
     if recurrent:  # the terms of the recurrent kernels that a feed-forward weight does not have
         rec = [j for j, leaf in enumerate(space.leaves) if leaf.recurrent]
@@ -518,7 +576,7 @@ def _outer_product_leaves(prog: squared.Program, shapes: dict) -> dict:
     return out
 
 
-def _second_order_exact(prog, leaves, xs, want, zs, nus, moment) -> list:
+def _second_order_exact(prog, leaves, xs, want, zs, nus, moment, in_cond=False) -> list:
     """Σ_t ν_t mean_i (∂z_t(x_i)/∂w)² (centred over i for the variance), exactly: one batched backward pass
     per entry t of the per-example nodes ``want``, without per-example gradients where they are outer
     products (`_outer_product_leaves`): there Σ_i (a_i ⊗ δ_i)² = (a²)ᵀ δ², one product per layer (the
@@ -548,7 +606,7 @@ def _second_order_exact(prog, leaves, xs, want, zs, nus, moment) -> list:
         def tap(o, v, e):
             return v + add[o] if o in add else v
 
-        vals = _run(prog, ps + [xi[None] for xi in x], list(want) + acts, post=tap, batch=n)[1]
+        vals = _run(prog, ps + [xi[None] for xi in x], list(want) + acts, post=tap, batch=n, in_cond=in_cond)[1]
         return vals[: len(want)], vals[len(want) :]
 
     weights = jnp.concatenate([jnp.broadcast_to(nu, jnp.shape(z)[1:]).ravel() for nu, z in zip(nus, zs, strict=True)])

@@ -276,3 +276,17 @@ def contracts_last_with_first(params: dict, lhs_ndim: int) -> bool:
     the first of its rhs and nothing else, with no batch axes: a dense layer ``x @ W``."""
     (lhs_c, rhs_c), (lhs_b, rhs_b) = params["dimension_numbers"]
     return tuple(lhs_c) == (lhs_ndim - 1,) and tuple(rhs_c) == (0,) and not tuple(lhs_b) and not tuple(rhs_b)
+
+
+def plain_conv_specs(params: dict) -> tuple | None:
+    """``(lhs_spec, rhs_spec, out_spec, window_strides, padding)`` of a ``conv_general_dilated`` that is a plain
+    strided convolution (no dilation, one feature and batch group), else None. The specs are
+    ``ConvDimensionNumbers``' axis orders: (batch, feature, spatial...) of the input and the output, and
+    (out feature, in feature, spatial...) of the kernel; padding as (low, high) pairs."""
+    if params["feature_group_count"] != 1 or params["batch_group_count"] != 1:
+        return None
+    if any(d != 1 for d in (*params["lhs_dilation"], *params["rhs_dilation"])):
+        return None
+    dn = params["dimension_numbers"]
+    pads = tuple(tuple(int(p) for p in pair) for pair in params["padding"])
+    return tuple(dn.lhs_spec), tuple(dn.rhs_spec), tuple(dn.out_spec), tuple(params["window_strides"]), pads

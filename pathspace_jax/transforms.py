@@ -319,9 +319,8 @@ def _ddp_update(space, config, updates, state, params, xs, key, damping, eps, ev
 
     def compute():
         leaves = [jnp.asarray(p) for p in space.leaves_of(params, "params")]
-        kappa, lg = _kappa_jit(
-            space, leaves, xs, key, alpha, moment, estimator, num_probes, probe_damping, True, probe_batch_size
-        )
+        kappa, lg = _kappa_jit(space, leaves, xs, key, alpha, moment, estimator, num_probes, probe_damping, True,
+                               probe_batch_size, state.kappa is not None)  # fmt: skip
         return space.unflatten_like(params, kappa), lg
 
     kappa, lg = _current_kappa(compute, (state.kappa, state.log2_gauge), state.count, every)

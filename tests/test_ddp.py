@@ -875,3 +875,41 @@ def test_sharded_jit_on_eight_devices():
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-3000:]
+
+
+def _strided_conv_fn(p, x):  # x: [N, C, H, W]; strided convolutions in two layouts, uneven padding
+    h = jax.lax.conv_general_dilated(x, p["k1"], (2, 1), ((1, 2), (0, 1)), dimension_numbers=("NCHW", "OIHW", "NCHW"))
+    h = jax.nn.relu(h + p["b1"][None, :, None, None])
+    h = jax.lax.conv_general_dilated(h, p["k2"], (1, 3), "VALID", dimension_numbers=("NCHW", "HWIO", "NHWC"))
+    return jax.nn.relu(h).reshape(h.shape[0], -1) @ p["w"]
+
+
+@pytest.mark.parametrize("estimator", ["exact", "probes"])
+def test_strided_convolutions_inside_a_cond(estimator):
+    """Inside a ``cond`` on the CPU (DDP-SGD's refresh at ``every > 1``) DDP takes a plain convolution's filter
+    gradient in XLA's top-level form (`ddp._conv`): κ is what autodiff's own filter gradient gives with the
+    same probes, which at α = 1 with the exact estimator is the per-example Fisher; strided convolutions in
+    NCHW / OIHW and NCHW / HWIO / NHWC, uneven padding."""
+    from pathspace_jax import ddp
+
+    ks = jax.random.split(jax.random.key(3), 4)
+    p = {
+        "k1": 0.7 * jax.random.normal(ks[0], (3, 2, 3, 2), jnp.float64),
+        "b1": 0.1 * jax.random.normal(ks[1], (3,), jnp.float64),
+        "k2": 0.7 * jax.random.normal(ks[2], (2, 3, 3, 2), jnp.float64),
+        "w": 0.7 * jax.random.normal(ks[3], (12, 2), jnp.float64),
+    }
+    x = jax.random.normal(jax.random.key(4), (5, 2, 7, 6), jnp.float64)
+    space = pj.trace(_strided_conv_fn, p, x)
+    alpha = 0.5 if estimator == "probes" else 1.0
+    leaves = space.leaves_of(p, "params")
+
+    def kappa(in_cond):
+        k, lg = ddp._kappa_jit(space, leaves, [x], jax.random.key(6), alpha, "second", estimator, 2, 0.0, False,
+                               None, in_cond)  # fmt: skip
+        return space.unflatten_like(p, kappa_from_frame(space, k, lg))
+
+    got = kappa(True)
+    chex.assert_trees_all_close(got, kappa(False), rtol=1e-12, atol=1e-14)
+    if estimator == "exact":
+        chex.assert_trees_all_close(got, _fisher(_strided_conv_fn, p, x, "second"), rtol=1e-10, atol=1e-14)
