@@ -185,14 +185,17 @@ def _run_scan(e, vals, inner: list, batch: int) -> tuple[list, list]:
 
 
 def _conv(e, x, w):
-    """The convolution of equation ``e`` inside a ``cond`` on the CPU: as `squared.bind`, with the kernel's
-    gradient in the form XLA:CPU gives it at the top level of a program but not inside a ``cond`` or a loop,
-    where autodiff's filter gradient runs 50× slower (DDP-SGD's refresh at ``every > 1``; at the top level
-    this form is slower than XLA's own: small CNN, one probe, 1.96 -> 2.17× SGD's step).
+    """The convolution of equation ``e`` inside a ``cond`` on the CPU: as `squared.bind`, with its gradients
+    in the form XLA:CPU gives them at the top level of a program but not inside a ``cond`` or a loop, where
+    autodiff's filter gradient runs 50× slower and its input gradient 3× (DDP-SGD's refresh at
+    ``every > 1``; at the top level this form is slower than XLA's own: small CNN, one probe, 1.96 -> 2.17×
+    SGD's step).
 
-    The filter gradient is one forward convolution of the input, batch and feature axes swapped, with the
-    output cotangent as kernel, dilated by the strides: ``dW[k, i, o] = Σ_{b,s} x_pad[b, s·stride + k, i]
-    dy[b, s, o]``. Convolutions with dilations or groups, and every other backend, use `squared.bind`.
+    Both are forward convolutions with the axes in the order the convolution library takes: the filter
+    gradient ``dW[k, i, o] = Σ_{b,s} x_pad[b, s·stride + k, i] dy[b, s, o]`` convolves the input, batch and
+    feature axes swapped, with the output cotangent as kernel, dilated by the strides; the input gradient
+    convolves the cotangent, dilated by the strides, with the kernel flipped and its features swapped.
+    Convolutions with dilations or groups, and every other backend, use `squared.bind`.
     """
     specs = jx.plain_conv_specs(e.params) if jax.default_backend() == "cpu" else None
     if specs is None:
@@ -210,7 +213,18 @@ def _conv(e, x, w):
 
     def bwd(res, dy):
         x, w = res
-        (dx,) = jax.vjp(lambda x: squared.bind(e, [x, w])[0], x)[1](dy)
+        # dx: dy dilated by the strides, convolved with the kernel flipped, in and out features swapped
+        dyn = jnp.transpose(dy, (out_spec[0], *out_spec[2:], out_spec[1]))  # [batch, spatial..., out feature]
+        zero = jnp.zeros((), dy.dtype)
+        dyn = jax.lax.pad(dyn, zero, [(0, 0, 0), *((0, 0, s - 1) for s in strides), (0, 0, 0)])
+        wf = jnp.flip(jnp.transpose(w, (*rhs_spec[2:], rhs_spec[0], rhs_spec[1])), tuple(range(n)))  # [k..., out, in]
+        ksz = [w.shape[rhs_spec[2 + k]] for k in range(n)]
+        size = [x.shape[lhs_spec[2 + k]] for k in range(n)]
+        rem = [(size[k] + pads[k][0] + pads[k][1] - ksz[k]) % strides[k] for k in range(n)]
+        pads_dx = [(ksz[k] - 1 - pads[k][0], ksz[k] - 1 - pads[k][1] + rem[k]) for k in range(n)]
+        dn = jax.lax.ConvDimensionNumbers((0, n + 1, *sp), (n + 1, n, *range(n)), (0, n + 1, *sp))
+        dxn = jax.lax.conv_general_dilated(dyn, wf, (1,) * n, pads_dx, dimension_numbers=dn)  # [batch, spatial.., in]
+        dx = jnp.transpose(dxn, np.argsort((lhs_spec[0], *lhs_spec[2:], lhs_spec[1]))).astype(x.dtype)
         xc = jnp.transpose(x, (lhs_spec[1], *lhs_spec[2:], lhs_spec[0]))  # [in feature, spatial..., batch]
         dyc = jnp.transpose(dy, (*out_spec[2:], out_spec[0], out_spec[1]))  # [spatial..., batch, out feature]
         # the input's batch axis is x's in feature, its feature axis x's batch; the kernel is dy
