@@ -203,6 +203,12 @@ def _conv(e, x, w):
     lhs_spec, rhs_spec, out_spec, strides, pads = specs
     n = len(strides)
     sp = tuple(range(1, n + 1))
+    # both gradients as convolutions of [batch, spatial..., feature] with kernels [spatial..., in, out]
+    dn = jax.lax.ConvDimensionNumbers((0, n + 1, *sp), (n + 1, n, *range(n)), (0, n + 1, *sp))
+    ksz = [jnp.shape(w)[rhs_spec[2 + k]] for k in range(n)]
+    size = [jnp.shape(x)[lhs_spec[2 + k]] for k in range(n)]
+    rem = [(size[k] + pads[k][0] + pads[k][1] - ksz[k]) % strides[k] for k in range(n)]
+    pads_dx = [(ksz[k] - 1 - pads[k][0], ksz[k] - 1 - pads[k][1] + rem[k]) for k in range(n)]
 
     @jax.custom_vjp
     def conv(x, w):
@@ -218,19 +224,13 @@ def _conv(e, x, w):
         zero = jnp.zeros((), dy.dtype)
         dyn = jax.lax.pad(dyn, zero, [(0, 0, 0), *((0, 0, s - 1) for s in strides), (0, 0, 0)])
         wf = jnp.flip(jnp.transpose(w, (*rhs_spec[2:], rhs_spec[0], rhs_spec[1])), tuple(range(n)))  # [k..., out, in]
-        ksz = [w.shape[rhs_spec[2 + k]] for k in range(n)]
-        size = [x.shape[lhs_spec[2 + k]] for k in range(n)]
-        rem = [(size[k] + pads[k][0] + pads[k][1] - ksz[k]) % strides[k] for k in range(n)]
-        pads_dx = [(ksz[k] - 1 - pads[k][0], ksz[k] - 1 - pads[k][1] + rem[k]) for k in range(n)]
-        dn = jax.lax.ConvDimensionNumbers((0, n + 1, *sp), (n + 1, n, *range(n)), (0, n + 1, *sp))
         dxn = jax.lax.conv_general_dilated(dyn, wf, (1,) * n, pads_dx, dimension_numbers=dn)  # [batch, spatial.., in]
         dx = jnp.transpose(dxn, np.argsort((lhs_spec[0], *lhs_spec[2:], lhs_spec[1]))).astype(x.dtype)
         xc = jnp.transpose(x, (lhs_spec[1], *lhs_spec[2:], lhs_spec[0]))  # [in feature, spatial..., batch]
         dyc = jnp.transpose(dy, (*out_spec[2:], out_spec[0], out_spec[1]))  # [spatial..., batch, out feature]
-        # the input's batch axis is x's in feature, its feature axis x's batch; the kernel is dy
-        dn = jax.lax.ConvDimensionNumbers((0, n + 1, *sp), (n + 1, n, *range(n)), (0, n + 1, *sp))
+        # dW: the input's batch axis is x's in feature, its feature axis x's batch; the kernel is dy
         dwc = jax.lax.conv_general_dilated(xc, dyc, (1,) * n, pads, rhs_dilation=strides, dimension_numbers=dn)
-        dwc = dwc[(slice(None), *(slice(0, w.shape[rhs_spec[2 + k]]) for k in range(n)))]  # [in, spatial..., out]
+        dwc = dwc[(slice(None), *(slice(0, k) for k in ksz))]  # [in, spatial..., out]
         perm = (rhs_spec[1], *rhs_spec[2:], rhs_spec[0])  # w's axes in dwc's order
         return dx, jnp.transpose(dwc, np.argsort(perm)).astype(w.dtype)
 
@@ -525,7 +525,7 @@ def _kappa_jit(
                 (g,) = vjp(cots)
                 return [gi * gi for gi in g]
 
-            keys = jax.random.split(key, int(num_probes)) if num_probes > 1 else None
+            keys = jax.random.split(key, int(num_probes))
             if num_probes == 1:
                 sqs = one(key)
             elif jax.default_backend() == "cpu" and num_probes <= _PROBE_LOOP_MAX:

@@ -886,9 +886,9 @@ def _strided_conv_fn(p, x):  # x: [N, C, H, W]; strided convolutions in two layo
 
 @pytest.mark.parametrize("estimator", ["exact", "probes"])
 def test_strided_convolutions_inside_a_cond(estimator):
-    """Inside a ``cond`` on the CPU (DDP-SGD's refresh at ``every > 1``) DDP takes a plain convolution's filter
-    gradient in XLA's top-level form (`ddp._conv`): κ is what autodiff's own filter gradient gives with the
-    same probes, which at α = 1 with the exact estimator is the per-example Fisher; strided convolutions in
+    """Inside a ``cond`` on the CPU (DDP-SGD's refresh at ``every > 1``) DDP takes a plain convolution's
+    gradients in XLA's top-level form (`ddp._conv`): κ is what autodiff's own gradients give with the same
+    probes, which at α = 1 with the exact estimator is the per-example Fisher; strided convolutions in
     NCHW / OIHW and NCHW / HWIO / NHWC, uneven padding."""
     from pathspace_jax import ddp
 
