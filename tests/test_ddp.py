@@ -913,3 +913,32 @@ def test_strided_convolutions_inside_a_cond(estimator):
     chex.assert_trees_all_close(got, kappa(False), rtol=1e-12, atol=1e-14)
     if estimator == "exact":
         chex.assert_trees_all_close(got, _fisher(_strided_conv_fn, p, x, "second"), rtol=1e-10, atol=1e-14)
+
+
+@pytest.mark.parametrize(
+    "dims,x_shape,w_shape,strides,padding",
+    [
+        (("NWC", "WIO", "NWC"), (3, 11, 2), (4, 2, 3), (3,), ((2, 1),)),
+        (("NCHW", "OIHW", "NHWC"), (2, 3, 9, 8), (4, 3, 3, 2), (2, 2), "SAME"),
+        (("NCDHW", "DHWIO", "NDHWC"), (2, 2, 5, 6, 4), (2, 3, 2, 2, 3), (1, 2, 1), "VALID"),
+    ],
+)
+def test_conv_gradients_in_top_level_form(dims, x_shape, w_shape, strides, padding):
+    """`ddp._conv`'s two gradients (forward convolutions in the axis order XLA:CPU's library takes) equal
+    autodiff's, for 1-, 2- and 3-D convolutions with strides, padding and mixed layouts (float64)."""
+    import types
+
+    from pathspace_jax import ddp
+
+    def conv(x, w):
+        return jax.lax.conv_general_dilated(x, w, strides, padding, dimension_numbers=dims)
+
+    x = jax.random.normal(jax.random.key(0), x_shape, jnp.float64)
+    w = jax.random.normal(jax.random.key(1), w_shape, jnp.float64)
+    (eqn,) = jax.make_jaxpr(conv)(x, w).jaxpr.eqns
+    e = types.SimpleNamespace(prim=eqn.primitive, params=eqn.params)
+    y, vjp = jax.vjp(conv, x, w)
+    got_y, got_vjp = jax.vjp(lambda x, w: ddp._conv(e, x, w), x, w)
+    dy = jax.random.normal(jax.random.key(2), y.shape, jnp.float64)
+    chex.assert_trees_all_close(got_y, y, rtol=1e-14)
+    chex.assert_trees_all_close(got_vjp(dy), vjp(dy), rtol=1e-12, atol=1e-12)
