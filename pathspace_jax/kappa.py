@@ -365,7 +365,7 @@ def _kappa_jit(space, leaves, second_order, factored=False):
         }  # fmt: skip
         top = {idx: squared.Tap(jp, ja, None if dense_perts is None else dense_perts[idx], [], dense_shapes)
                for idx, (jp, ja, _) in dense.items()}  # fmt: skip
-        outs = evaluate(prog, vals, 2.0, hooks=perts, record=rec, sinks=sinks, taps={**taps, **top})
+        outs = evaluate(prog, vals, 2.0, hooks=perts, record=rec, sinks=sinks, taps={**taps, **top}, ones=True)
         total = squared.total(prog, outs, sinks).m
         static.update({k: v for k, v in rec.items() if isinstance(k, tuple)})
         scans = {k: v for k, v in rec.items() if not isinstance(k, tuple)}
@@ -472,7 +472,7 @@ def _norm_jit(space, leaves, p):
     zero = jnp.zeros((), jnp.int32)
     vals = [_power_v(w, p) for w in ps] + [V(o, zero) for o in ones]
     sinks: list = []
-    outs = evaluate(prog, vals, p, sinks=sinks)
+    outs = evaluate(prog, vals, p, sinks=sinks, ones=True)
     total, top = squared.total(prog, outs, sinks)
     total = total.astype(dt)
     top = zero if top is None else top
