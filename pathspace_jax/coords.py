@@ -499,6 +499,13 @@ def skeleton_init(space: PathSpace, params):
 # ---------------------------------------------------------------------------- G-SGD kernels (O(m))
 
 
+def _leaves_hidden(sk: Skeleton, li) -> bool:
+    """Whether some edge of the leaf leaves a hidden node. The per-source sums of G-SGD's chart (Σ g w, ‖v_x‖²)
+    are read at hidden nodes only: a first layer's (a Dense or Conv on the inputs, an embedding table), one
+    reduction over its whole kernel each, would be computed for nothing."""
+    return bool(np.any(sk.hidden[np.asarray(li.src_r)]))
+
+
 def _in_skeleton_correction(space: PathSpace, w_leaves, g_leaves, ct, ia, ib):
     """Per node x, the term ``t_x / (A_x B_x)`` that ∂L/∂c adds at x's incoming skeleton entry.
 
@@ -510,7 +517,7 @@ def _in_skeleton_correction(space: PathSpace, w_leaves, g_leaves, ct, ia, ib):
     sk = skeleton(space)
     parts = []
     for w, g, li in zip(w_leaves, g_leaves, sk.leaves):
-        if li.kind != "weight":
+        if li.kind != "weight" or not _leaves_hidden(sk, li):
             continue
         w, g = jnp.asarray(w, ct), jnp.asarray(g, ct)
         parts.append((li.src_r, jnp.sum(g * w, axis=li.sum_axes, keepdims=True)))
@@ -700,8 +707,9 @@ def _inv_v_norms(space: PathSpace, w_leaves, ct, alpha):
         if li.kind != "weight":
             continue
         w = jnp.asarray(w, ct)
-        wf = w * (_take(alpha, li.dst_r) / _take(alpha, li.src_r))
-        rows.append((li.src_r, jnp.sum(jnp.square(wf), li.sum_axes, keepdims=True)))
+        if _leaves_hidden(sk, li):
+            wf = w * (_take(alpha, li.dst_r) / _take(alpha, li.src_r))
+            rows.append((li.src_r, jnp.sum(jnp.square(wf), li.sum_axes, keepdims=True)))
         if li.gauge_flat.size:  # less the gauge entries (a gather, as in `_in_skeleton_correction`)
             node = li.gauge_node
             rows.append((node, -jnp.square(_get_flat(w, li.gauge_flat) * (alpha[sk.child[node]] / alpha[node]))))
