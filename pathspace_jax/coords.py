@@ -499,10 +499,11 @@ def skeleton_init(space: PathSpace, params):
 # ---------------------------------------------------------------------------- G-SGD kernels (O(m))
 
 
-def _leaves_hidden(sk: Skeleton, li) -> bool:
-    """Whether some edge of the leaf leaves a hidden node. The per-source sums of G-SGD's chart (Σ g w, ‖v_x‖²)
-    are read at hidden nodes only: a first layer's (a Dense or Conv on the inputs, an embedding table), one
-    reduction over its whole kernel each, would be computed for nothing."""
+def _from_hidden(sk: Skeleton, li) -> bool:
+    """Whether some edge of the leaf starts at a hidden node. The per-source sums of G-SGD's chart (Σ g w, ‖v_x‖²)
+    are read at hidden nodes only, so a first layer's (a Dense or Conv on the inputs, an embedding table), one
+    reduction over its whole kernel each, would be computed for nothing (about a fifth of G-SGD's update on a
+    784-512-512-10 MLP)."""
     return bool(np.any(sk.hidden[np.asarray(li.src_r)]))
 
 
@@ -517,7 +518,7 @@ def _in_skeleton_correction(space: PathSpace, w_leaves, g_leaves, ct, ia, ib):
     sk = skeleton(space)
     parts = []
     for w, g, li in zip(w_leaves, g_leaves, sk.leaves):
-        if li.kind != "weight" or not _leaves_hidden(sk, li):
+        if li.kind != "weight" or not _from_hidden(sk, li):
             continue
         w, g = jnp.asarray(w, ct), jnp.asarray(g, ct)
         parts.append((li.src_r, jnp.sum(g * w, axis=li.sum_axes, keepdims=True)))
@@ -707,7 +708,7 @@ def _inv_v_norms(space: PathSpace, w_leaves, ct, alpha):
         if li.kind != "weight":
             continue
         w = jnp.asarray(w, ct)
-        if _leaves_hidden(sk, li):
+        if _from_hidden(sk, li):
             wf = w * (_take(alpha, li.dst_r) / _take(alpha, li.src_r))
             rows.append((li.src_r, jnp.sum(jnp.square(wf), li.sum_axes, keepdims=True)))
         if li.gauge_flat.size:  # less the gauge entries (a gather, as in `_in_skeleton_correction`)
