@@ -452,6 +452,12 @@ def test_kappa_does_not_depend_on_the_data_at_alpha_zero():
     chex.assert_trees_all_close(a, b, rtol=1e-12)
 
 
+def _draws(draw, key, count):
+    """``draw(k)`` for ``count`` keys split from ``key``, stacked: one compiled loop (a vmapped convolution's
+    backward pass runs several times slower on XLA:CPU)."""
+    return jax.jit(lambda ks: jax.lax.map(draw, ks))(jax.random.split(key, count))
+
+
 @pytest.mark.parametrize(
     "name,alpha,moment", [("mlp", 0.5, "second"), ("cnn", 1.0, "variance"), ("cnn", 0.4, "second")]
 )
@@ -459,13 +465,15 @@ def test_kappa_does_not_depend_on_the_data_at_alpha_zero():
 def test_probe_estimator_is_unbiased(name, alpha, moment):
     fn, _, params, x, space = _case(name)
     exact = ravel_pytree(pj.ddp_kappa(space, params, x, alpha=alpha, moment=moment))[0]
-    draws = jax.vmap(
+    draws = _draws(
         lambda k: ravel_pytree(
             pj.ddp_kappa(
                 space, params, x, alpha=alpha, moment=moment, estimator="probes", num_probes=1, probe_damping=0.0, key=k
             )
-        )[0]
-    )(jax.random.split(jax.random.key(11), 2000))
+        )[0],
+        jax.random.key(11),
+        2000,
+    )
     mean, std = draws.mean(0), draws.std(0)
     # the mean of 2000 probes is within 5 standard errors of the exact value, entry by entry
     np.testing.assert_array_less(np.abs(mean - exact), 5 * std / np.sqrt(2000) + 1e-12)
@@ -474,21 +482,8 @@ def test_probe_estimator_is_unbiased(name, alpha, moment):
     assert float(jnp.max(std / jnp.maximum(exact, 1e-300))) > 0.05
     assert float(jnp.max(std / jnp.maximum(exact, 1e-300))) < np.sqrt(2) * 1.15
     # more probes average: num_probes=64 has about 1/8 of the spread
-    many = jax.vmap(
-        lambda k: ravel_pytree(
-            pj.ddp_kappa(
-                space,
-                params,
-                x,
-                alpha=alpha,
-                moment=moment,
-                estimator="probes",
-                num_probes=64,
-                probe_damping=0.0,
-                key=k,
-            )
-        )[0]
-    )(jax.random.split(jax.random.key(12), 200))
+    kw = dict(alpha=alpha, moment=moment, estimator="probes", num_probes=64, probe_damping=0.0)
+    many = _draws(lambda k: ravel_pytree(pj.ddp_kappa(space, params, x, key=k, **kw))[0], jax.random.key(12), 200)
     ratio = float(jnp.median(many.std(0) / jnp.maximum(std, 1e-300)))
     assert 0.08 < ratio < 0.18, ratio
 
@@ -523,15 +518,15 @@ def test_probes_on_a_random_subset_of_the_batch_are_unbiased(name, alpha, moment
     assert b < n
     exact = ravel_pytree(pj.ddp_kappa(space, params, x, alpha=alpha, moment=moment))[0]
 
-    def draws(size, key, count):
-        def draw(k):
+    def draw(size):
+        def one(k):
             kappa = pj.ddp_kappa(space, params, x, alpha=alpha, moment=moment, estimator="probes",
                                  probe_damping=0.0, probe_batch_size=size, key=k)  # fmt: skip
             return ravel_pytree(kappa)[0]
 
-        return jax.jit(jax.vmap(draw))(jax.random.split(key, count))
+        return one
 
-    sub, full = draws(b, jax.random.key(21), 2000), draws(None, jax.random.key(22), 1000)
+    sub, full = _draws(draw(b), jax.random.key(21), 2000), _draws(draw(None), jax.random.key(22), 1000)
     mean, std = sub.mean(0), sub.std(0)
     np.testing.assert_array_less(np.abs(mean - exact), 5 * std / np.sqrt(len(sub)) + 1e-12)
     # the subset adds the sampling of the examples to the probes' noise
