@@ -111,17 +111,16 @@ class DDPUnsupportedError(ValueError):
 
 
 def _forward(prog: squared.Program, params: Sequence, inputs: Sequence, want: Sequence, batch: int = 1,
-             in_cond: bool = False) -> list:  # fmt: skip
+             conv_vjp: bool = False) -> list:  # fmt: skip
     """The real forward pass (one example, batch of one); returns the values of ``want``: var ids, or
     ``(scan equation index, body var id)`` for a node inside a scan body (stacked over the steps).
     ``batch``: how many examples a ``vmap`` around the call runs at once (it sizes the scans' unrolling);
-    ``in_cond``: the pass runs inside a ``lax.cond`` and is differentiated in reverse mode only; its
-    convolutions then go through `_conv`."""
-    return _run(prog, list(params) + list(inputs), want, batch=batch, in_cond=in_cond)[1]
+    ``conv_vjp``: the convolutions go through `_conv` (a pass differentiated in reverse mode only)."""
+    return _run(prog, list(params) + list(inputs), want, batch=batch, conv_vjp=conv_vjp)[1]
 
 
 def _run(prog: squared.Program, invals: list, want: Sequence, post=None, batch: int = 1,
-         in_cond: bool = False) -> tuple[list, list]:  # fmt: skip
+         conv_vjp: bool = False) -> tuple[list, list]:  # fmt: skip
     """`_forward` on ``prog``'s inputs; returns the values of ``prog.out_ids`` and of ``want``. Boundary
     values (`squared._find_boundary`) are held fixed (``stop_gradient``) for what comes after them.
     ``post(var, value, eqn)`` replaces every value where it is produced (DDP-Normalization)."""
@@ -138,7 +137,7 @@ def _run(prog: squared.Program, invals: list, want: Sequence, post=None, batch: 
             # a ReLU max(x, 0): use jax.nn.relu (derivative 0 at 0, as the user's model has)
             outs = [jax.nn.relu(vals[0] if isinstance(e.ins[1], tuple) else vals[1])]
         else:
-            outs = [_conv(e, *vals)] if in_cond and e.prim.name == "conv_general_dilated" else squared.bind(e, vals)
+            outs = [_conv(e, *vals)] if conv_vjp and e.prim.name == "conv_general_dilated" else squared.bind(e, vals)
         for o, v in zip(e.outs, outs, strict=False):
             env[o] = v = v if post is None else post(o, v, e)
             if o in boundary:  # a boundary value: downstream, an input of the homogeneous part
@@ -185,8 +184,8 @@ def _run_scan(e, vals, inner: list, batch: int) -> tuple[list, list]:
 
 
 def _conv(e, x, w):
-    """The convolution of equation ``e`` inside a ``cond`` on the CPU: as `squared.bind`, with its gradients
-    in the form XLA:CPU gives them at the top level of a program but not inside a ``cond`` or a loop, where
+    """The convolution of equation ``e``, as `squared.bind`, with its gradients in the form XLA:CPU gives them
+    at the top level of a program but not inside a ``cond`` or a loop, where
     autodiff's filter gradient runs 50× slower and its input gradient 3× (DDP-SGD's refresh at
     ``every > 1``; at the top level this form is slower than XLA's own: small CNN, one probe, 1.96 -> 2.17×
     SGD's step).
@@ -195,9 +194,9 @@ def _conv(e, x, w):
     gradient ``dW[k, i, o] = Σ_{b,s} x_pad[b, s·stride + k, i] dy[b, s, o]`` convolves the input, batch and
     feature axes swapped, with the output cotangent as kernel, dilated by the strides; the input gradient
     convolves the cotangent, dilated by the strides, with the kernel flipped and its features swapped.
-    Convolutions with dilations or groups, and every other backend, use `squared.bind`.
+    Convolutions with dilations or groups use `squared.bind`. `_kappa_jit` takes this form on the CPU only.
     """
-    specs = jx.plain_conv_specs(e.params) if jax.default_backend() == "cpu" else None
+    specs = jx.plain_conv_specs(e.params)
     if specs is None:
         return squared.bind(e, [x, w])[0]
     lhs_spec, rhs_spec, out_spec, strides, pads = specs
@@ -479,10 +478,11 @@ def _kappa_jit(
     inner = _scan_nodes(prog, "nodes") if recurrent else []
     want = prog.nodes + inner if alpha < 1.0 else prog.outputs + prog.sinks + _scan_nodes(prog)
 
-    conv_vjp = in_cond and not recurrent  # `_conv` has no forward mode, which the recurrent term takes
+    conv_vjp = in_cond and jax.default_backend() == "cpu"  # XLA:CPU's slow gradients inside the cond: `_conv`
+    zs_vjp = conv_vjp and not recurrent  # the recurrent term takes forward mode, which a custom VJP does not have
 
     def zs_of(ps, xs=xs):
-        return jax.vmap(lambda *x: _forward(prog, ps, [xi[None] for xi in x], want, len(xs[0]), conv_vjp))(*xs)
+        return jax.vmap(lambda *x: _forward(prog, ps, [xi[None] for xi in x], want, len(xs[0]), zs_vjp))(*xs)
 
     def gamma_net(sq, stats):  # stats: one per entry of want
         scan_stats: dict = {}
@@ -540,7 +540,7 @@ def _kappa_jit(
             per = 1.0 / b if moment == "second" or b == n else (n - 1) / (n * (b - 1))
             kappa = [k + s * per for k, s in zip(kappa, sqs, strict=False)]
         else:
-            second = _second_order_exact(prog, leaves, xs, want, zs, nus, moment, in_cond)
+            second = _second_order_exact(prog, leaves, xs, want, zs, nus, moment, conv_vjp)
             kappa = [k + a for k, a in zip(kappa, second, strict=True)]
     if recurrent:  # the terms of the recurrent kernels that a feed-forward weight does not have
         rec = [j for j, leaf in enumerate(space.leaves) if leaf.recurrent]
@@ -590,7 +590,7 @@ def _outer_product_leaves(prog: squared.Program, shapes: dict) -> dict:
     return out
 
 
-def _second_order_exact(prog, leaves, xs, want, zs, nus, moment, in_cond=False) -> list:
+def _second_order_exact(prog, leaves, xs, want, zs, nus, moment, conv_vjp=False) -> list:
     """Σ_t ν_t mean_i (∂z_t(x_i)/∂w)² (centred over i for the variance), exactly: one batched backward pass
     per entry t of the per-example nodes ``want``, without per-example gradients where they are outer
     products (`_outer_product_leaves`): there Σ_i (a_i ⊗ δ_i)² = (a²)ᵀ δ², one product per layer (the
@@ -620,7 +620,7 @@ def _second_order_exact(prog, leaves, xs, want, zs, nus, moment, in_cond=False) 
         def tap(o, v, e):
             return v + add[o] if o in add else v
 
-        vals = _run(prog, ps + [xi[None] for xi in x], list(want) + acts, post=tap, batch=n, in_cond=in_cond)[1]
+        vals = _run(prog, ps + [xi[None] for xi in x], list(want) + acts, post=tap, batch=n, conv_vjp=conv_vjp)[1]
         return vals[: len(want)], vals[len(want) :]
 
     weights = jnp.concatenate([jnp.broadcast_to(nu, jnp.shape(z)[1:]).ravel() for nu, z in zip(nus, zs, strict=True)])
