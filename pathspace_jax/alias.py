@@ -21,6 +21,7 @@ def ddp_sgd(
     probe_batch_size: int | None = None,
     momentum: float | None = None,
     every: int = 1,
+    normalize: bool = True,
     damping: float = 1e-8,
     eps: float = 0.0,
 ) -> optax.GradientTransformationExtraArgs:
@@ -56,6 +57,7 @@ def ddp_sgd(
             num_probes=num_probes,
             probe_damping=probe_damping,
             probe_batch_size=probe_batch_size,
+            normalize=normalize,
             damping=damping,
             eps=eps,
             every=every,
@@ -165,6 +167,7 @@ def path_sgd(
     nesterov: bool = False,
     second_order: bool = True,
     every: int = 1,
+    normalize: bool = True,
     damping: float = 1e-8,
     eps: float = 0.0,
 ) -> optax.GradientTransformation:
@@ -193,7 +196,11 @@ def path_sgd(
       Neyshabur et al., "Path-normalized optimization of recurrent neural networks with ReLU activations",
       NeurIPS 2016; Neyshabur, Salakhutdinov, Srebro, "Path-SGD", NeurIPS 2015.
     """
-    parts = [transforms.scale_by_path_sgd(space, second_order=second_order, damping=damping, eps=eps, every=every)]
+    parts = [
+        transforms.scale_by_path_sgd(
+            space, second_order=second_order, normalize=normalize, damping=damping, eps=eps, every=every
+        )
+    ]
     if momentum is not None:
         parts.append(optax.trace(decay=momentum, nesterov=nesterov))
     parts.append(optax.scale_by_learning_rate(learning_rate))

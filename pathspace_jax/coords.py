@@ -57,6 +57,7 @@ __all__ = [
     "check_chart",
     "path_norms",
     "balanced_frame",
+    "frame_factors",
     "frame_level",
     "balancing_factors",
     "basis_paths",
@@ -262,11 +263,15 @@ def _edge_products(space: PathSpace, up, down):
     ]
 
 
-def damping_factors(space: PathSpace, lg):
-    """Per leaf, ``2^(2((l − k)_dst − (l − k)_src))``: with `edge_factors`, a constant added to κ in the canonical
-    frame times this is exactly ``constant · (B_v / B_u)²`` in the params' frame (in [1/4, 4] unless |l| > 60)."""
-    f = 2.0 * (lg - _frame_k(lg))  # unchanged by power-of-two rescalings, so exp2's rounding is too
-    return _edge_products(space, jnp.exp2(f), jnp.exp2(-f))
+def frame_factors(space: PathSpace, alpha):
+    """Per leaf, ``α_dst / α_src`` broadcastable to the leaf (None for leaves of kind "other"), from a node vector α.
+
+    The factor that takes an edge's weight to the frame α (a node-wise rescaling, e.g. `balanced_frame`):
+    ``w_{u->v} ↦ w_{u->v} α_v / α_u``; κ, which scales like ``(β_u / β_v)²``, is divided by its square. An α that
+    is 0 or not finite (a node on no path one way) counts as 1 there.
+    """
+    a = jnp.where((alpha > 0) & jnp.isfinite(alpha), alpha, 1)
+    return _edge_products(space, a, 1 / a)
 
 
 def to_canonical_frame(space: PathSpace, leaves, dtype):
@@ -693,7 +698,8 @@ def balanced_frame(space: PathSpace, leaves, dtype):
     α scales exactly (``α ↦ α / β``) under power-of-two rescalings β; 0 or ``inf`` where a path norm is 0.
     """
     q_in, q_out = path_norms(space, leaves, dtype)
-    return jnp.sqrt(jnp.sqrt(q_out / q_in)) * jnp.asarray(frame_level(space), dtype)
+    # fourth roots taken apart: the ratio of the path norms of a network far from balance leaves the dtype's range
+    return jnp.sqrt(jnp.sqrt(q_out)) / jnp.sqrt(jnp.sqrt(q_in)) * jnp.asarray(frame_level(space), dtype)
 
 
 def _inv_v_norms(space: PathSpace, w_leaves, ct, alpha):

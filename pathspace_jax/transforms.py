@@ -140,11 +140,11 @@ def _every_step(every) -> bool:
 
 
 def _kappa_state(space, params, every, factored=False):
-    """Initial (κ, log2 gauge): zeros like params (``factored``: `pathspace_jax.kappa.RankOne` zeros where
-    Path-SGD keeps a dense kernel's κ as two vectors), and a zero node vector in the compute dtype; (None, None)
-    when κ is computed at each step (`_every_step`)."""
+    """The initial kept κ (`KeptKappa`): κ zeros like params (``factored``: `pathspace_jax.kappa.RankOne` zeros
+    where Path-SGD keeps a dense kernel's κ as two vectors), zero node vectors and leaf means in the compute dtype;
+    all None when κ is computed at each step (`_every_step`)."""
     if _every_step(every):
-        return None, None
+        return KeptKappa(None, None, None, None)
     from pathspace_jax.kappa import RankOne, _kappa_jit
 
     leaves = space.leaves_of(params, "params")
@@ -155,58 +155,95 @@ def _kappa_state(space, params, every, factored=False):
             RankOne(*(jnp.zeros(x.shape, jnp.result_type(p)) for x in k)) if isinstance(k, RankOne) else z
             for k, z, p in zip(shapes, kappa, leaves, strict=True)
         ]
-    return space.unflatten_like(params, kappa), jnp.zeros((space.num_nodes,), compute_dtype(leaves))
+    ct = compute_dtype(leaves)
+    nodes, per_leaf = jnp.zeros((space.num_nodes,), ct), jnp.zeros((len(leaves),), ct)
+    return KeptKappa(space.unflatten_like(params, kappa), nodes, nodes, per_leaf)
 
 
-def _current_kappa(compute, kappa, count, every):
-    """κ = ``compute()`` at steps 0, every, 2·every, …, the stored ``kappa`` in between (one ``lax.cond``);
-    ``compute()`` alone when ``kappa`` is None (`_every_step`: nothing kept, so XLA fuses κ into the division).
+class KeptKappa(NamedTuple):
+    """κ and its frames, as `scale_by_path_sgd` and `scale_by_ddp` compute them (and keep them with ``every > 1``).
+
+    ``kappa``: κ in the canonical frame (the params rescaled by powers of two so that their gauge weights are ±1
+    within √2; `pathspace_jax.coords.to_canonical_frame`), a tree like params. ``log2_gauge``: that frame's
+    per-node log2|B_v| (`pathspace_jax.coords.kappa_from_frame` gives κ of the params). ``frame``: per node, the
+    balanced frame of the canonical-frame params (`pathspace_jax.coords.balanced_frame`), in which a standard
+    initialisation is its own frame. ``kappa_mean``: per leaf, the mean of κ in that frame (0 for leaves of kind
+    "other"). All four are the same for every power-of-two rescaling of the params, bit for bit.
+    """
+
+    kappa: Any
+    log2_gauge: jax.Array | None
+    frame: jax.Array | None
+    kappa_mean: jax.Array | None
+
+
+def _kept(space, params, kappa, lg) -> KeptKappa:
+    """`KeptKappa` from κ in the canonical frame and its log-gauge, at ``params``."""
+    from pathspace_jax.coords import balanced_frame, frame_factors, to_canonical_frame
+    from pathspace_jax.kappa import RankOne, full
+
+    leaves = space.leaves_of(params, "params")
+    ct = compute_dtype(leaves)
+    canonical, _ = to_canonical_frame(space, leaves, ct)
+    frame = balanced_frame(space, canonical, ct)
+    ks = jax.tree_util.tree_leaves(kappa, is_leaf=lambda k: isinstance(k, RankOne))
+    means = [
+        jnp.zeros([], ct) if f is None else jnp.mean(jnp.asarray(full(k), ct) / (f * f))
+        for k, f in zip(ks, frame_factors(space, frame), strict=True)
+    ]
+    return KeptKappa(kappa, lg, frame, jnp.stack(means))
+
+
+def _current_kappa(compute, kept: KeptKappa, count, every) -> KeptKappa:
+    """``compute()`` at steps 0, every, 2·every, …, the ``kept`` κ in between (one ``lax.cond``); ``compute()``
+    alone when nothing is kept (`_every_step`: nothing stored, so XLA fuses κ into the division).
 
     κ travels as raveled leaves: on XLA:CPU a 2-D κ (an outer product for a dense kernel) otherwise gets a
     column-major layout and is transposed into the state on every step (benchmarks/README.md). The stored κ
     enters the ``cond`` as an operand, raveled outside it: raveled inside the branch, XLA:CPU copied every
     stored leaf into the ``cond`` at every step.
     """
-    if kappa[0] is None:
+    if kept.kappa is None:
         return compute()
 
     def flat(tree):
         return [jnp.ravel(a) for a in jax.tree_util.tree_leaves(tree)]
 
     def fresh():
-        return flat(jax.tree_util.tree_map(lambda a, b: a.astype(b.dtype), compute(), kappa))
+        return flat(jax.tree_util.tree_map(lambda a, b: a.astype(b.dtype), compute(), kept))
 
-    ks = jax.lax.cond(count % every == 0, lambda _: fresh(), lambda ks: ks, flat(kappa))
-    leaves, treedef = jax.tree_util.tree_flatten(kappa)
+    ks = jax.lax.cond(count % every == 0, lambda _: fresh(), lambda ks: ks, flat(kept))
+    leaves, treedef = jax.tree_util.tree_flatten(kept)
     return jax.tree_util.tree_unflatten(treedef, [k.reshape(jnp.shape(a)) for k, a in zip(ks, leaves, strict=True)])
 
 
-def _divide_by_kappa(space, updates, kappa, log2_gauge, damping, eps):
-    """``g / (κ + damping · (B_v / B_u)² + eps)`` per entry ``u -> v``, from κ in the canonical frame.
+def _divide_by_kappa(space, updates, kept: KeptKappa, normalize, damping, eps):
+    """``g m / (κ + damping · m (α_v / α_u)² + eps)`` per entry ``u -> v`` (``m = 1`` unless ``normalize``).
 
-    With s = 2^(k_u − k_v) (`pathspace_jax.coords.edge_factors`), κ = κ_c / s², so the update is
-    ``g s² / (κ_c + damping · d + eps s²)`` (d: `pathspace_jax.coords.damping_factors`, within [1/4, 4]):
-    the gradient taken to the canonical frame, divided there, and brought back, so nothing overflows where
-    the update itself is representable. 0 where the denominator is 0 (never NaN); leaves of kind "other"
-    pass through.
+    α is the balanced frame and m the leaf's mean of κ in it (`KeptKappa`). With s = 2^(k_u − k_v)
+    (`pathspace_jax.coords.edge_factors`), κ = κ_c / s², so the update is ``g m s² / (κ_c + damping · m f² + eps
+    s²)`` (f: `pathspace_jax.coords.frame_factors` of α): the gradient taken to the canonical frame, divided there,
+    and brought back, so nothing overflows where the update itself is representable. 0 where the denominator is 0
+    (never NaN); leaves of kind "other" pass through.
     """
-    from pathspace_jax.coords import damping_factors, edge_factors
+    from pathspace_jax.coords import edge_factors, frame_factors
     from pathspace_jax.kappa import RankOne, full
 
     out = []
-    kappa = jax.tree_util.tree_leaves(kappa, is_leaf=lambda k: isinstance(k, RankOne))
+    kappa = jax.tree_util.tree_leaves(kept.kappa, is_leaf=lambda k: isinstance(k, RankOne))
     leaves = zip(space.leaves, space.leaves_of(updates, "updates"), map(full, kappa))
-    factors = zip(edge_factors(space, log2_gauge, -1.0), damping_factors(space, log2_gauge))
-    for (leaf, g, k), (s, d) in zip(leaves, factors):
+    factors = zip(edge_factors(space, kept.log2_gauge, -1.0), frame_factors(space, kept.frame))
+    for i, ((leaf, g, k), (s, f)) in enumerate(zip(leaves, factors)):
         if leaf.kind == "other":
             out.append(g)
             continue
         leaf_dtype = jnp.result_type(g)
         ct = compute_dtype([g, k])
-        den = jnp.asarray(k, ct) + damping * d
+        m = kept.kappa_mean[i].astype(ct)
+        den = jnp.asarray(k, ct) + (damping * m) * (f * f)
         if _traced(eps) or eps > 0:
             den = den + eps * s * s
-        num = jnp.asarray(g, ct) * s * s  # (g s): the gradient in the canonical frame; (g s) s: back
+        num = jnp.asarray(g, ct) * (s * s * m if normalize else s * s)  # (g s): to the canonical frame; (g s) s: back
         out.append(jnp.where(den > 0, num / jnp.where(den > 0, den, 1), 0).astype(leaf_dtype))
     return space.unflatten_like(updates, out)
 
@@ -217,14 +254,16 @@ def _divide_by_kappa(space, updates, kappa, log2_gauge, damping, eps):
 class ScaleByDDPState(NamedTuple):
     """State of `scale_by_ddp`: the step count and the κ last computed (recomputed every ``every`` steps).
 
-    As in `ScaleByPathSGDState`, ``kappa`` is κ in the canonical frame and ``log2_gauge`` the frame's
-    per-node log2|B_v|; `pathspace_jax.coords.kappa_from_frame` gives κ of the params. Both are None with
-    ``every=1`` (the default): κ is computed at each step and not kept.
+    As in `ScaleByPathSGDState`: ``kappa``, ``log2_gauge``, ``frame`` and ``kappa_mean`` are those of
+    `KeptKappa` (κ in the canonical frame; `pathspace_jax.coords.kappa_from_frame` gives κ of the params), all
+    None with ``every=1`` (the default): κ is computed at each step and not kept.
     """
 
     count: jax.Array
     kappa: Any
     log2_gauge: jax.Array | None
+    frame: jax.Array | None
+    kappa_mean: jax.Array | None
 
 
 def scale_by_ddp(
@@ -236,6 +275,7 @@ def scale_by_ddp(
     num_probes: int = 1,
     probe_damping: float = 0.1,
     probe_batch_size: int | None = None,
+    normalize: bool = True,
     damping: float = 1e-8,
     eps: float = 0.0,
     every: int = 1,
@@ -284,13 +324,14 @@ def scale_by_ddp(
 
     _check_space(space)
     _check_every_eps(every, eps, damping)
-    _check_static("scale_by_ddp", alpha=alpha, num_probes=num_probes, probe_batch_size=probe_batch_size)
+    _check_static(
+        "scale_by_ddp", alpha=alpha, num_probes=num_probes, probe_batch_size=probe_batch_size, normalize=normalize
+    )
     alpha, num_probes, probe_batch_size = check_options(alpha, moment, estimator, num_probes, probe_batch_size)
-    config = (alpha, moment, estimator, num_probes, probe_batch_size)
+    config = (alpha, moment, estimator, num_probes, probe_batch_size, bool(normalize))
 
     def init_fn(params):
-        kappa, log2_gauge = _kappa_state(space, params, every)
-        return ScaleByDDPState(count=jnp.zeros([], jnp.int32), kappa=kappa, log2_gauge=log2_gauge)
+        return ScaleByDDPState(jnp.zeros([], jnp.int32), *_kappa_state(space, params, every))
 
     def update_fn(updates, state, params=None, *, inputs=None, key=None, **extra_args):
         del extra_args
@@ -315,18 +356,17 @@ def _ddp_update(space, config, updates, state, params, xs, key, damping, eps, ev
     """One `scale_by_ddp` step (jitted, so that calls outside ``jit`` compile once); ``xs``: the batch's leaves."""
     from pathspace_jax.ddp import _kappa_jit
 
-    alpha, moment, estimator, num_probes, probe_batch_size = config
+    alpha, moment, estimator, num_probes, probe_batch_size, normalize = config
 
     def compute():
         leaves = [jnp.asarray(p) for p in space.leaves_of(params, "params")]
         kappa, lg = _kappa_jit(space, leaves, xs, key, alpha, moment, estimator, num_probes, probe_damping, True,
                                probe_batch_size, state.kappa is not None)  # fmt: skip
-        return space.unflatten_like(params, kappa), lg
+        return _kept(space, params, space.unflatten_like(params, kappa), lg)
 
-    kappa, lg = _current_kappa(compute, (state.kappa, state.log2_gauge), state.count, every)
-    new = _divide_by_kappa(space, updates, kappa, lg, damping, eps)
-    kept = (None, None) if state.kappa is None else (kappa, lg)
-    return new, ScaleByDDPState(optax.safe_int32_increment(state.count), *kept)
+    kept = _current_kappa(compute, KeptKappa(*state[1:]), state.count, every)
+    new = _divide_by_kappa(space, updates, kept, normalize, damping, eps)
+    return new, ScaleByDDPState(optax.safe_int32_increment(state.count), *(state[1:] if state.kappa is None else kept))
 
 
 # ---------------------------------------------------------------------------- G-SGD: in_path_space
@@ -480,21 +520,30 @@ class ScaleByPathSGDState(NamedTuple):
     ``kappa`` is κ in the canonical frame (the params rescaled so that their gauge weights are ±1) and
     ``log2_gauge`` the frame's per-node log2|B_v| (`pathspace_jax.coords.gauge_log2`) at that step:
     `pathspace_jax.coords.kappa_from_frame` gives κ of the params (``kappa · 2^(2(k_v − k_u))`` on each
-    edge ``u -> v``, k the rounded log-gauge). Both stay in range whatever node-wise rescaling the params
-    carry. A dense kernel's κ (a 2-D leaf that one product with a single-row activation of the |·|^p network
-    uses) is kept as `pathspace_jax.kappa.RankOne` vectors ``(a, b)`` with κ = a bᵀ (`pathspace_jax.kappa.full`
-    expands it): the state then holds nothing of that kernel's size, and the step reads two vectors instead
-    of a matrix. Both are None with ``every=1`` (the default, a Python int): κ is computed at each step and
-    the state keeps nothing of the params' size.
+    edge ``u -> v``, k the rounded log-gauge). ``frame`` (per node) and ``kappa_mean`` (per leaf) are the
+    balanced frame and κ's leaf means in it (`KeptKappa`), for the normalisation and the damping. All stay in
+    range whatever node-wise rescaling the params carry. A dense kernel's κ (a 2-D leaf that one product with a
+    single-row activation of the |·|^p network uses) is kept as `pathspace_jax.kappa.RankOne` vectors ``(a, b)``
+    with κ = a bᵀ (`pathspace_jax.kappa.full` expands it): the state then holds nothing of that kernel's size, and
+    the step reads two vectors instead of a matrix. All are None with ``every=1`` (the default, a Python int): κ
+    is computed at each step and the state keeps nothing of the params' size.
     """
 
     count: jax.Array
     kappa: Any
     log2_gauge: jax.Array | None
+    frame: jax.Array | None
+    kappa_mean: jax.Array | None
 
 
 def scale_by_path_sgd(
-    space, *, second_order: bool = True, damping: float = 1e-8, eps: float = 0.0, every: int = 1
+    space,
+    *,
+    second_order: bool = True,
+    normalize: bool = True,
+    damping: float = 1e-8,
+    eps: float = 0.0,
+    every: int = 1,
 ) -> optax.GradientTransformation:
     """Divide each gradient entry by Path-SGD's κ = ½ ∂²γ²_net/∂p², damped so that the step stays invariant.
 
@@ -541,31 +590,32 @@ def scale_by_path_sgd(
 
     _check_space(space, "scale_by_path_sgd")
     _check_every_eps(every, eps, damping)
-    second_order = bool(second_order)
+    _check_static("scale_by_path_sgd", second_order=second_order, normalize=normalize)
+    second_order, normalize = bool(second_order), bool(normalize)
 
     def init_fn(params):
-        kappa, log2_gauge = _kappa_state(space, params, every, factored=True)
-        return ScaleByPathSGDState(count=jnp.zeros([], jnp.int32), kappa=kappa, log2_gauge=log2_gauge)
+        return ScaleByPathSGDState(jnp.zeros([], jnp.int32), *_kappa_state(space, params, every, factored=True))
 
     def update_fn(updates, state, params=None, **extra_args):
         del extra_args
         if params is None:
             raise ValueError("scale_by_path_sgd needs params: call tx.update(updates, state, params)")
-        return _path_sgd_update(space, second_order, updates, state, params, damping, eps, every)
+        return _path_sgd_update(space, second_order, normalize, updates, state, params, damping, eps, every)
 
     return _accept_masked(space, "scale_by_path_sgd", optax.GradientTransformation(init_fn, update_fn))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _path_sgd_update(space, second_order, updates, state, params, damping, eps, every):
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _path_sgd_update(space, second_order, normalize, updates, state, params, damping, eps, every):
     """One `scale_by_path_sgd` step (jitted, so that calls outside ``jit`` compile once)."""
     from pathspace_jax.kappa import _kappa_jit
 
     def compute():  # dense kernels' κ as `RankOne` where it is kept between steps (read at every step)
         kappa, lg = _kappa_jit(space, space.leaves_of(params, "params"), second_order, state.kappa is not None)
-        return space.unflatten_like(params, kappa), lg
+        return _kept(space, params, space.unflatten_like(params, kappa), lg)
 
-    kappa, lg = _current_kappa(compute, (state.kappa, state.log2_gauge), state.count, every)
-    new = _divide_by_kappa(space, updates, kappa, lg, damping, eps)
-    kept = (None, None) if state.kappa is None else (kappa, lg)
-    return new, ScaleByPathSGDState(optax.safe_int32_increment(state.count), *kept)
+    kept = _current_kappa(compute, KeptKappa(*state[1:]), state.count, every)
+    new = _divide_by_kappa(space, updates, kept, normalize, damping, eps)
+    return new, ScaleByPathSGDState(
+        optax.safe_int32_increment(state.count), *(state[1:] if state.kappa is None else kept)
+    )

@@ -25,7 +25,7 @@ import optax
 import pytest
 
 import pathspace_jax as pj
-from pathspace_jax.coords import kappa_from_frame
+from pathspace_jax.coords import balanced_frame, kappa_from_frame
 from pathspace_jax.kappa import RankOne, full
 from pathspace_jax.testing import assert_update_invariant
 
@@ -451,7 +451,7 @@ def test_update_differs_from_sgd_on_unbalanced_network():
     space = pj.trace(fn, params, x)
     params = pj.random_rescale(space, params, jax.random.key(1), max_exponent=4)
     g = jax.grad(_loss(fn))(params, (x, jnp.zeros((5, 2), F64)))
-    tx = pj.path_sgd(space, 1.0, damping=0.0)
+    tx = pj.path_sgd(space, 1.0, normalize=False, damping=0.0)
     u, _ = tx.update(g, tx.init(params), params)
     ratio = np.concatenate(
         [np.ravel(-a / b) for a, b in zip(jax.tree_util.tree_leaves(u), jax.tree_util.tree_leaves(g))]
@@ -462,6 +462,27 @@ def test_update_differs_from_sgd_on_unbalanced_network():
     chex.assert_trees_all_close(
         u, jax.tree_util.tree_map(lambda a, k: jnp.where(k > 0, -a / k, 0), g, pj.path_kappa(space, params))
     )
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "rnn_stacked_every"])
+def test_normalized_step_is_path_sgd_times_a_leaf_constant(name):
+    """The default ``normalize=True``: on each leaf the step is Path-SGD's ``−g/κ`` times one number, the mean over
+    the leaf of κ in the balanced frame α of G-SGD's chart (``κ (α_u / α_v)²`` on ``u -> v``, a rescaling
+    invariant), so the direction within a leaf is Path-SGD's; from params far from balance (exact rescalings)."""
+    fn, params, x = _model(name)
+    space = pj.trace(fn, params, x)
+    params = pj.random_rescale(space, params, jax.random.key(1), max_exponent=4)
+    g = jax.grad(_loss(fn))(params, (x, jnp.zeros_like(fn(params, x))))
+    tx = pj.path_sgd(space, 1.0, damping=0.0)
+    u, _ = tx.update(g, tx.init(params), params)
+    alpha = np.asarray(balanced_frame(space, space.leaves_of(params), F64))
+    kappa = space.leaves_of(pj.path_kappa(space, params))
+    for leaf, gi, ui, k in zip(space.leaves, space.leaves_of(g), space.leaves_of(u), kappa, strict=True):
+        k = np.asarray(k)
+        mean = np.mean(k * (alpha[leaf.src] / alpha[leaf.dst]) ** 2)
+        want = np.where(k > 0, -np.asarray(gi) * mean / np.where(k > 0, k, 1), 0)
+        np.testing.assert_allclose(ui, want, rtol=1e-9, atol=0, err_msg=leaf.path)
+        assert 0 < mean < np.inf
 
 
 @pytest.mark.slow

@@ -413,6 +413,9 @@ def test_ddp_alpha_one_with_probes_trains_the_digits_mlp_like_the_exact_estimato
         assert all(np.all(np.isfinite(np.asarray(a))) for a in jax.tree_util.tree_leaves(p))
         return float(jnp.mean(fn(p, x_te).argmax(-1) != y_te))
 
-    exact = min(test_error(pj.ddp_sgd(space, lr, alpha=1.0, estimator="exact")) for lr in (0.01, 0.03))
+    # the exact diagonal natural gradient (default damping) diverges from 0.03 on these centred pixels, some of
+    # which are almost always 0: a batch's Fisher of their weights is almost 0 where a later batch's gradient is
+    # not (docs/ddp_sgd.md); the probes' floor δ·κ_path bounds that
+    exact = min(test_error(pj.ddp_sgd(space, lr, alpha=1.0, estimator="exact")) for lr in (0.003, 0.01))
     probes = test_error(pj.ddp_sgd(space, 0.1, alpha=1.0, estimator="probes"))
     assert probes <= 1.5 * exact, (probes, exact)
