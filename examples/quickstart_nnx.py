@@ -7,6 +7,8 @@ Trace the ``nnx.Param`` state once, hand the transformation to ``nnx.Optimizer``
 Run:  pip install -e ".[examples]" && python examples/quickstart_nnx.py
 """
 
+import argparse
+
 import jax
 import numpy as np
 import optax
@@ -24,7 +26,8 @@ class MLP(nnx.Module):
         return self.l2(nnx.relu(self.l1(x)))
 
 
-def main():
+def main(argv=None):
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
     digits = load_digits()
     order = np.random.default_rng(0).permutation(len(digits.target))
     x, y = (digits.data[order] / 16.0).astype(np.float32), digits.target[order]

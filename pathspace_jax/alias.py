@@ -27,14 +27,17 @@ def ddp_sgd(
 ) -> optax.GradientTransformationExtraArgs:
     """DDP-SGD (Neyshabur et al., ICLR 2016): w ← w − η g / κ, κ = ½ ∂²γ²_net/∂w² on the current batch.
 
+    With the default ``normalize=True`` κ is divided by its mean over each leaf in the balanced frame
+    (`pathspace_jax.scale_by_ddp`), so the learning rates of ``optax.sgd`` carry over at every α.
+
     ``optax.chain(scale_by_ddp(...), [optax.trace(momentum)], optax.scale_by_learning_rate(lr))``: the
     κ-scaled gradient, optionally with heavy-ball momentum on the scaled gradient, times −η.
 
     Args:
       space: the `PathSpace` of the network (``pathspace_jax.trace``).
       learning_rate: η, a float or an optax schedule.
-      alpha, moment, estimator, num_probes, probe_damping, probe_batch_size, every, damping, eps: see
-        `pathspace_jax.scale_by_ddp`.
+      alpha, moment, estimator, num_probes, probe_damping, probe_batch_size, every, normalize, damping, eps:
+        see `pathspace_jax.scale_by_ddp`.
       momentum: heavy-ball decay (``optax.trace``), or None.
 
     Returns:
@@ -173,6 +176,9 @@ def path_sgd(
 ) -> optax.GradientTransformation:
     """Path-SGD: p ← p − η g / κ, κ = ½ ∂²γ²_net/∂p² (κ⁽¹⁾ + κ⁽²⁾ for recurrent kernels).
 
+    With the default ``normalize=True`` κ is divided by its mean over each leaf in the balanced frame
+    (`pathspace_jax.scale_by_path_sgd`), so the learning rates of ``optax.sgd`` carry over.
+
     ``optax.chain(scale_by_path_sgd(...), [optax.trace(momentum, nesterov)], optax.scale_by_learning_rate(lr))``:
     the κ-scaled gradient, optionally with (Nesterov) momentum on the scaled gradient, times −η.
 
@@ -181,14 +187,14 @@ def path_sgd(
       learning_rate: η, a float or an optax schedule.
       momentum: momentum decay (``optax.trace``), or None.
       nesterov: Nesterov momentum (with ``momentum``).
-      second_order, every, damping, eps: see `pathspace_jax.scale_by_path_sgd` (the default damping keeps
-        the step rescaling invariant; ``eps`` does not).
+      second_order, every, normalize, damping, eps: see `pathspace_jax.scale_by_path_sgd` (the default
+        damping keeps the step rescaling invariant; ``eps`` does not).
 
     Returns:
       An `optax.GradientTransformation`; call ``update(grads, state, params)``.
 
     Example:
-      >>> tx = pj.path_sgd(space, 0.01, momentum=0.9)
+      >>> tx = pj.path_sgd(space, 0.1, momentum=0.9)  # SGD's learning rates
       >>> state = tx.init(params)
       >>> updates, state = tx.update(grads, state, params)
 
