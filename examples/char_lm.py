@@ -139,7 +139,7 @@ def main(argv=None):
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--lr", type=float, default=0.03, help="learning rate of SGD and G-SGD, and of SGD beside Path-SGD")
-    ap.add_argument("--path-lr", type=float, default=1.0, help="Path-SGD's learning rate (its step is g / κ)")
+    ap.add_argument("--path-lr", type=float, default=0.03, help="Path-SGD's learning rate (κ normalised: SGD's scale)")
     ap.add_argument("--adam-lr", type=float, default=3e-3, help="learning rate of Adam and G-Adam")
     ap.add_argument("--quick", action="store_true", help="60 steps, 2 evaluations, a shorter held-out text")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "out")

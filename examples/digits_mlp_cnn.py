@@ -49,7 +49,6 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 SGD_GRID = (1.0, 0.3, 0.1)
-PATH_GRID = (3.0, 1.0, 0.3)  # Path-SGD and DDP-SGD divide the gradient by κ: another scale
 ADAM_GRID = (3e-3, 1e-3, 3e-4)
 
 
@@ -122,10 +121,10 @@ def methods(name, x):
 
     out = {
         "SGD": plain(inject(optax.sgd)(learning_rate=0.0), SGD_GRID),
-        "Path-SGD": plain(inject(pj.path_sgd)(space, learning_rate=0.0), PATH_GRID),
+        "Path-SGD": plain(inject(pj.path_sgd)(space, learning_rate=0.0), SGD_GRID),
         "G-SGD": plain(inject(pj.g_sgd)(space, learning_rate=0.0), SGD_GRID),
         **{
-            f"DDP-SGD α={a:g}": plain(inject(pj.ddp_sgd, static_args=static)(space, 0.0, alpha=a), PATH_GRID, True)
+            f"DDP-SGD α={a:g}": plain(inject(pj.ddp_sgd, static_args=static)(space, 0.0, alpha=a), SGD_GRID, True)
             for a in (0.0, 0.5, 1.0)
         },
         "Adam": plain(inject(optax.adam)(learning_rate=0.0), ADAM_GRID),
