@@ -44,7 +44,7 @@ from common import results_folder  # noqa: E402
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-GRID = (1.0, 0.3, 0.1, 0.03, 0.01, 0.003, 0.001)  # one grid for every optimiser, half a decade a step
+GRID = (3.0, 1.0, 0.3, 0.1, 0.03, 0.01, 0.003, 0.001)  # one grid for every optimiser, half a decade a step
 ALPHAS = (0.0, 0.5, 1.0)
 
 
@@ -113,13 +113,21 @@ def main(argv=None):
     ap.add_argument("--tasks", nargs="+", default=["MLP", "CNN", "rows", "permuted"])
     ap.add_argument("--permuted-epochs", type=int, default=60)
     ap.add_argument("--quick", action="store_true", help="the MLP, 2 epochs, 2 seeds (a smoke test)")
+    ap.add_argument("--keep", action="store_true",
+                    help="keep the other tasks of an earlier run's JSON (run the tasks one process at a time)")
     args = ap.parse_args(argv)
     epochs = {"MLP": 20, "CNN": 20, "rows": 40, "permuted": args.permuted_epochs}
     if args.quick:
         args.tasks, args.seeds, epochs = ["MLP"], 2, {"MLP": 2}
     seeds = list(range(args.seeds))
     t0 = time.perf_counter()
+    out = results_folder()
+    out.mkdir(parents=True, exist_ok=True)
+    name = "lr_transfer_quick" if args.quick else "lr_transfer"
     results = {}
+    if args.keep and (out / f"{name}.json").exists():
+        results = json.loads((out / f"{name}.json").read_text())["results"]
+    meta = {"grid": GRID, "seeds": args.seeds, "jax": jax.__version__}
     total = sum(epochs[t] for t in args.tasks) * (2 + len(ALPHAS))
     with tqdm(total=total, unit="epoch") as bar:
         for task in args.tasks:
@@ -132,6 +140,7 @@ def main(argv=None):
                 "summary": summarise(runs),
                 "runs": {k: {"val": v.tolist(), "test": te.tolist()} for k, (v, te) in runs.items()},
             }
+            (out / f"{name}.json").write_text(json.dumps({"config": meta, "results": results}))  # after each task
 
     print(f"\nTest error (%) at the learning rate chosen on the validation split (in brackets), mean over "
           f"{args.seeds} seeds; grid {GRID}; ✓: within one grid step of SGD's rate and 1.2× its error\n")  # fmt: skip
@@ -141,14 +150,8 @@ def main(argv=None):
         cells = [f"{100 * np.mean(s['test_error']):.1f} ({s['lr']:g}){' ✓' if s['ok'] else ' ✗'}"
                  for s in r["summary"].values()]  # fmt: skip
         print(f"{task:<10}" + "".join(f"{c:>24}" for c in cells))
-    elapsed = time.perf_counter() - t0
-    print(f"\n({elapsed:.0f} s)")
-
-    out = results_folder()
-    out.mkdir(parents=True, exist_ok=True)
-    name = "lr_transfer_quick" if args.quick else "lr_transfer"
-    meta = {"grid": GRID, "seeds": args.seeds, "seconds": elapsed, "jax": jax.__version__}
-    (out / f"{name}.json").write_text(json.dumps({"config": meta, "results": results}))
+    print(f"\n({time.perf_counter() - t0:.0f} s; per task: "
+          + ", ".join(f"{t} {r['seconds']:.0f} s" for t, r in results.items()) + ")")
 
     fig, axes = plt.subplots(1, len(results), figsize=(4.5 * len(results), 4), squeeze=False)
     for ax, (task, r) in zip(axes[0], results.items(), strict=True):

@@ -601,8 +601,10 @@ def _second_order_exact(prog, leaves, xs, want, zs, nus, moment, conv_vjp=False)
     shapes = {i: (1, *jnp.shape(x)[1:]) for i, x in zip(prog.in_ids[prog.n_params :], xs, strict=True)}
     shapes.update({i: tuple(jnp.shape(p)) for i, p in zip(prog.in_ids, leaves, strict=False)})
 
+    dtypes = {}  # an activation's dtype can be wider than the params' (float64 inputs, float32 params)
+
     def record(o, v, e):
-        shapes[o] = tuple(jnp.shape(v))
+        shapes[o], dtypes[o] = tuple(jnp.shape(v)), jnp.result_type(v)
         return v
 
     jax.eval_shape(lambda ps, *x: _run(prog, list(ps) + [xi[:1] for xi in x], [], post=record), leaves, *xs)
@@ -627,7 +629,7 @@ def _second_order_exact(prog, leaves, xs, want, zs, nus, moment, conv_vjp=False)
     out = [None] * len(leaves)
     w_rest = [leaves[j] for j in rest]
     if outer:  # one batched backward pass per entry o, to the taps only: Σ_o ν_o δ_o², then (a²)ᵀ(·) per layer
-        eps0 = [jnp.zeros((n, *shapes[t]), dtype) for t in taps]
+        eps0 = [jnp.zeros((n, *shapes[t]), dtypes[t]) for t in taps]
         _, vjp, act_vals = jax.vjp(lambda e: jax.vmap(lambda ei, *x: one(ei, w_rest, *x))(e, *xs), eps0, has_aux=True)
         act_of = {a: v.reshape(n, -1) for a, v in zip(acts, act_vals, strict=True)}
         sizes = [int(np.prod(jnp.shape(z)[1:], dtype=np.int64)) for z in zs]
@@ -639,14 +641,15 @@ def _second_order_exact(prog, leaves, xs, want, zs, nus, moment, conv_vjp=False)
 
         def body(acc, o):
             parts = jnp.split(jax.nn.one_hot(o, weights.size, dtype=dtype), np.cumsum(sizes)[:-1])
-            (d_eps,) = vjp([jnp.broadcast_to(c.reshape(z.shape[1:]), z.shape) for c, z in zip(parts, zs, strict=True)])
+            (d_eps,) = vjp([jnp.broadcast_to(c.reshape(z.shape[1:]), z.shape).astype(z.dtype)
+                            for c, z in zip(parts, zs, strict=True)])  # fmt: skip
             sq, mean_sq = acc
             sq = [s + weights[o] * d.reshape(n, -1) ** 2 for s, d in zip(sq, d_eps, strict=True)]
             if moment == "variance":  # Σ_i (g_i − ḡ)² = Σ_i g_i² − n ḡ²
                 mean_sq = {j: m + weights[o] * n * mean_grad(j, d_eps) ** 2 for j, m in mean_sq.items()}
             return (sq, mean_sq), None
 
-        init = ([jnp.zeros((n, int(np.prod(shapes[t], dtype=np.int64))), dtype) for t in taps],
+        init = ([jnp.zeros((n, int(np.prod(shapes[t], dtype=np.int64))), dtypes[t]) for t in taps],
                 {j: jnp.zeros(jnp.shape(leaves[j]), dtype) for j in outer} if moment == "variance" else {})  # fmt: skip
         (sq, mean_sq), _ = jax.lax.scan(body, init, jnp.arange(weights.size))
         for j, (t, a) in outer.items():
@@ -654,7 +657,7 @@ def _second_order_exact(prog, leaves, xs, want, zs, nus, moment, conv_vjp=False)
             k = ((act_of[a] ** 2).T @ d2 if a is not None else jnp.sum(d2, axis=0)).reshape(jnp.shape(leaves[j]))
             out[j] = (k - mean_sq[j] if moment == "variance" else k) / n
     if rest:  # per-example Jacobians of every entry, for these leaves only: (n, entries, *leaf)
-        zero = [jnp.zeros(shapes[t], dtype) for t in taps]
+        zero = [jnp.zeros(shapes[t], dtypes[t]) for t in taps]
 
         def flat(w, *x):
             return jnp.concatenate([z.ravel() for z in one(zero, w, *x)[0]])
