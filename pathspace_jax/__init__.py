@@ -9,6 +9,7 @@
   ``path_sgd``, ``scale_by_ddp`` / ``ddp_sgd``; ``path_labels`` for ``optax.partition``;
   ``apply_gradients`` for a Flax ``TrainState`` whose optimizer needs the batch (DDP-SGD).
 * ``pathspace_jax.testing``: chex assertions of rescaling invariance.
+* Errors: ``PathSpaceError`` is the base of every error about a model, its params or its inputs.
 """
 
 from pathspace_jax import testing
@@ -22,12 +23,20 @@ from pathspace_jax.coords import (
     skeleton_init,
     to_coords,
 )
-from pathspace_jax.ddp import DDPUnsupportedError, ddp_kappa
+from pathspace_jax.ddp import ddp_kappa
+from pathspace_jax.errors import (
+    DDPNormalizationError,
+    DDPUnsupportedError,
+    PathKappaUnsupportedError,
+    PathSpaceError,
+    UnsupportedJaxprError,
+    UnsupportedModelError,
+)
 from pathspace_jax.graph import EdgeLeaf, NodeGroup, PathSpace
-from pathspace_jax.kappa import PathKappaUnsupportedError, path_kappa, path_norm
-from pathspace_jax.normalize import DDPNormalizationError, ddp_normalize, ddp_normalized_weights
+from pathspace_jax.kappa import path_kappa, path_norm
+from pathspace_jax.normalize import ddp_normalize, ddp_normalized_weights
 from pathspace_jax.rescale import describe, random_alphas, random_rescale, rescale
-from pathspace_jax.trace import UnsupportedModelError, trace
+from pathspace_jax.trace import trace
 from pathspace_jax.train_state import apply_gradients
 from pathspace_jax.transforms import (
     InPathSpaceState,
@@ -42,6 +51,9 @@ from pathspace_jax.transforms import (
 __version__ = "0.1.0"
 
 __all__ = [
+    # errors (each model error below derives from PathSpaceError)
+    "PathSpaceError",
+    "UnsupportedJaxprError",
     # structure and rescaling
     "EdgeLeaf",
     "NodeGroup",

@@ -94,6 +94,7 @@ import numpy as np
 from pathspace_jax import jaxpr as jx
 from pathspace_jax import squared
 from pathspace_jax.coords import kappa_from_frame, to_canonical_frame
+from pathspace_jax.errors import DDPUnsupportedError
 from pathspace_jax.graph import PathSpace, check_path_space, compute_dtype
 
 __all__ = ["ddp_kappa", "DDPUnsupportedError"]
@@ -102,9 +103,6 @@ __all__ = ["ddp_kappa", "DDPUnsupportedError"]
 # probes taken one after another (straight-line code) on the CPU, up to this many; more are vmapped
 _PROBE_LOOP_MAX = 8
 
-
-class DDPUnsupportedError(ValueError):
-    """Raised when a model is outside what DDP-SGD's κ is defined for here (see the module docstring)."""
 
 
 # ----------------------------------------------------------------------------- evaluation

@@ -31,6 +31,8 @@ import jax
 import numpy as np
 from jax.extend import core as jcore
 
+from pathspace_jax.errors import UnsupportedJaxprError
+
 __all__ = [
     "UnsupportedJaxprError",
     "Scan",
@@ -59,9 +61,6 @@ _CALL_KEYS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 # Control flow with its own operand layout: never treated as a plain call.
 _CONTROL = {"scan", "while", "cond"}
 
-
-class UnsupportedJaxprError(NotImplementedError):
-    """A jaxpr equation in a layout this version of pathspace_jax does not know (a newer or older JAX)."""
 
 
 def where(eqn) -> str:

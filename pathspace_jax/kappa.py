@@ -97,6 +97,7 @@ import numpy as np
 from pathspace_jax import jaxpr as jx
 from pathspace_jax import squared
 from pathspace_jax.coords import kappa_from_frame, to_canonical_frame
+from pathspace_jax.errors import PathKappaUnsupportedError
 from pathspace_jax.graph import PathSpace, check_path_space, compute_dtype
 from pathspace_jax.squared import V, evaluate, raise_power, renorm
 
@@ -105,9 +106,6 @@ __all__ = ["path_norm", "path_kappa", "PathKappaUnsupportedError"]
 
 _WHO = "path_kappa"
 
-
-class PathKappaUnsupportedError(ValueError):
-    """Raised when a model is outside what path norms / Path-SGD's κ are computed for (see the module docstring)."""
 
 
 def _lag_sum(cin, nu, a):

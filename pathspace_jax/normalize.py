@@ -47,13 +47,11 @@ import numpy as np
 
 from pathspace_jax import squared
 from pathspace_jax.ddp import _run as ddp_run
+from pathspace_jax.errors import DDPNormalizationError
 from pathspace_jax.graph import PathSpace, check_path_space
 
 __all__ = ["ddp_normalize", "ddp_normalized_weights", "DDPNormalizationError"]
 
-
-class DDPNormalizationError(ValueError):
-    """Raised when a model or batch is outside what DDP-Normalization is defined for here."""
 
 
 class _Node(NamedTuple):

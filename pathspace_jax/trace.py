@@ -36,14 +36,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from pathspace_jax import jaxpr as jx
+from pathspace_jax.errors import UnsupportedModelError
 from pathspace_jax.graph import BIAS_NODE, EdgeLeaf, NodeGroup, PathSpace, leaf_path_strings
 from pathspace_jax.skeleton import choose_by_value
 
 __all__ = ["trace", "UnsupportedModelError", "leaf_path_strings"]
 
-
-class UnsupportedModelError(ValueError):
-    """Raised by ``trace(..., strict=True)`` when part of the model is not homogeneous."""
 
 
 # ---------------------------------------------------------------------------

@@ -238,6 +238,18 @@ def test_strict_raises_on_tanh_naming_primitive_line_and_params():
     pj.trace(ZOO["residual_cnn"].fn, ZOO["residual_cnn"].params, ZOO["residual_cnn"].inputs(2), strict=True)
 
 
+def test_the_library_errors_share_one_base_and_keep_their_builtin_ones():
+    """``except pj.PathSpaceError`` catches every model error, and the builtin bases they had stay."""
+    case = ZOO["tanh_mlp_partly_pinned"]
+    with pytest.raises(pj.PathSpaceError):
+        pj.trace(case.fn, case.params, case.inputs(2), strict=True)
+    builtin = {pj.UnsupportedModelError: ValueError, pj.UnsupportedJaxprError: NotImplementedError,
+               pj.PathKappaUnsupportedError: ValueError, pj.DDPUnsupportedError: ValueError,
+               pj.DDPNormalizationError: ValueError}  # fmt: skip
+    for cls, base in builtin.items():
+        assert issubclass(cls, pj.PathSpaceError) and issubclass(cls, base), cls
+
+
 def test_fn_that_does_not_use_params():
     with pytest.raises(ValueError, match="does not use params"):
         pj.trace(lambda p, x: jax.nn.relu(x), {"w": jnp.ones((3, 3))}, jnp.ones((2, 3)))
