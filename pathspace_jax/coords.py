@@ -45,8 +45,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pathspace_jax.graph import PathSpace, compute_dtype
-from pathspace_jax.skeleton import Skeleton, skeleton
+from pathspace_jax.graph import BIAS_NODE, PathSpace, compute_dtype
+from pathspace_jax.skeleton import Skeleton, candidates, skeleton
 from pathspace_jax.squared import pow2
 
 __all__ = [
@@ -571,10 +571,7 @@ def _sweep_plan(space: PathSpace, forward: bool):
     between hidden nodes of level d themselves (recurrent kernels). ``mask`` selects a part's edges where
     a leaf holds other edges too.
     """
-    from pathspace_jax.graph import BIAS_NODE
-    from pathspace_jax.skeleton import _candidates
-
-    c = _candidates(space)
+    c = candidates(space)
     level, hidden = (c.depth if forward else c.dist), c.hidden
     levels = []
     for d in range(1, int(level[hidden].max(initial=0)) + 1):
@@ -822,7 +819,7 @@ def check_chart(space: PathSpace, params, who: str = "check_chart") -> None:
 
 
 class _Chart(NamedTuple):
-    """Node vectors of G-SGD's chart at one point (`_chart`), in the compute dtype.
+    """Node vectors of G-SGD's chart at one point (`chart`), in the compute dtype.
 
     On a coordinate entry ``e = u -> v`` (neither gauge nor incoming skeleton), ``∂L/∂φ_e = g_e k_src[u] k_dst[v]``,
     ``φ_e = w_e p_src[u] p_dst[v]`` and a coordinate update ``dφ_e`` moves ``w_e`` by ``dφ_e k_src[u] k_dst[v]``
@@ -858,7 +855,7 @@ def _pair(vecs, li, guard):
     return _finite(f) if guard else f
 
 
-def _chart(space: PathSpace, w_leaves, g_leaves, ct, alpha):
+def chart(space: PathSpace, w_leaves, g_leaves, ct, alpha):
     """G-SGD's view of one point: ``(∂L/∂φ, φ, chart)`` with ``φ = c / σ`` (`coord_scales`), leaves in ``ct``.
 
     ``alpha``: `balanced_frame` of the point, or None for the raw coordinates (σ = 1). On a coordinate entry
@@ -922,7 +919,7 @@ def _balancing_pow2(alpha):
     return _pow2_pair(_frame_k(jnp.where(ok, k, 0)))
 
 
-def _allocate(
+def allocate(
     space: PathSpace, w_leaves, dphi_leaves, chart: _Chart, ct, min_ratio: float, min_share: float = 0.0, alpha=None
 ):
     """Weight updates realising coordinates ``c + σ dφ`` with the gauge fixed (weight allocation).

@@ -96,6 +96,7 @@ from pathspace_jax import squared
 from pathspace_jax.coords import kappa_from_frame, to_canonical_frame
 from pathspace_jax.errors import DDPUnsupportedError
 from pathspace_jax.graph import PathSpace, check_path_space, compute_dtype
+from pathspace_jax.kappa import kappa_canonical
 
 __all__ = ["ddp_kappa", "DDPUnsupportedError"]
 
@@ -114,10 +115,10 @@ def _forward(prog: squared.Program, params: Sequence, inputs: Sequence, want: Se
     ``(scan equation index, body var id)`` for a node inside a scan body (stacked over the steps).
     ``batch``: how many examples a ``vmap`` around the call runs at once (it sizes the scans' unrolling);
     ``conv_vjp``: the convolutions go through `_conv` (a pass differentiated in reverse mode only)."""
-    return _run(prog, list(params) + list(inputs), want, batch=batch, conv_vjp=conv_vjp)[1]
+    return run_program(prog, list(params) + list(inputs), want, batch=batch, conv_vjp=conv_vjp)[1]
 
 
-def _run(prog: squared.Program, invals: list, want: Sequence, post=None, batch: int = 1,
+def run_program(prog: squared.Program, invals: list, want: Sequence, post=None, batch: int = 1,
          conv_vjp: bool = False) -> tuple[list, list]:  # fmt: skip
     """`_forward` on ``prog``'s inputs; returns the values of ``prog.out_ids`` and of ``want``. Boundary
     values (`squared._find_boundary`) are held fixed (``stop_gradient``) for what comes after them.
@@ -167,7 +168,7 @@ def _run_scan(e, vals, inner: list, batch: int) -> tuple[list, list]:
     consts, init, xs = vals[:nc], vals[nc : nc + ncar], vals[nc + ncar :]
 
     def step(carry, x):
-        outs, got = _run(bp, list(consts) + list(carry) + list(x), inner, batch=batch)
+        outs, got = run_program(bp, list(consts) + list(carry) + list(x), inner, batch=batch)
         return outs[:ncar], (outs[ncar:], got)
 
     # unrolled off the CPU (`_unrolled`) within `squared.scan_unroll`'s memory budget, counting the carries of the
@@ -192,7 +193,7 @@ def _conv(e, x, w):
     gradient ``dW[k, i, o] = Σ_{b,s} x_pad[b, s·stride + k, i] dy[b, s, o]`` convolves the input, batch and
     feature axes swapped, with the output cotangent as kernel, dilated by the strides; the input gradient
     convolves the cotangent, dilated by the strides, with the kernel flipped and its features swapped.
-    Convolutions with dilations or groups use `squared.bind`. `_kappa_jit` takes this form on the CPU only.
+    Convolutions with dilations or groups use `squared.bind`. `ddp_kappa_canonical` takes this form on the CPU only.
     """
     specs = jx.plain_conv_specs(e.params)
     if specs is None:
@@ -276,7 +277,7 @@ def _gamma_net(prog: squared.Program, sq_params: Sequence, ones: Sequence, stats
 # ----------------------------------------------------------------------------- public API
 
 
-def _check_space(space: PathSpace) -> None:
+def check_ddp_space(space: PathSpace) -> None:
     check_path_space(space, "ddp_kappa")
     squared.refuse_random(space, "ddp_kappa", DDPUnsupportedError)
 
@@ -409,7 +410,7 @@ def ddp_kappa(
       Neyshabur et al., "Data-dependent path normalization in neural networks", ICLR 2016, eq. (4),
       (15), App. A.2, Thm 2.
     """
-    _check_space(space)
+    check_ddp_space(space)
     alpha, num_probes, probe_batch_size = check_options(alpha, moment, estimator, num_probes, probe_batch_size)
     if not isinstance(probe_damping, jax.core.Tracer) and not probe_damping >= 0:
         raise ValueError(f"probe_damping must be >= 0, got {probe_damping}")
@@ -418,14 +419,14 @@ def ddp_kappa(
     leaves = space.leaves_of(params, "params")
     xs = check_inputs(space, inputs)
     leaves = [jnp.asarray(p) for p in leaves]
-    kappa, lg = _kappa_jit(
+    kappa, lg = ddp_kappa_canonical(
         space, leaves, xs, key, alpha, moment, estimator, num_probes, probe_damping, probe_batch_size=probe_batch_size
     )
     return space.unflatten_like(params, kappa_from_frame(space, kappa, lg))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7, 9, 10, 11))
-def _kappa_jit(
+def ddp_kappa_canonical(
     space,
     leaves,
     xs,
@@ -448,9 +449,7 @@ def _kappa_jit(
     prog = squared.program(space, param_key, input_key, who="ddp_kappa", err=DDPUnsupportedError, allow_scan=True)
     scans = any(e.body is not None for e in prog.eqns)
     if scans and alpha == 0.0:  # Path-SGD's κ, with the κ⁽²⁾ of the recurrent kernels
-        from pathspace_jax.kappa import _kappa_jit as path_kappa_jit
-
-        return path_kappa_jit(space, leaves, True)
+        return kappa_canonical(space, leaves, True)
     recurrent = scans and alpha < 1.0  # 0 < α < 1 through a recurrence: the recurrent term below
     if recurrent and estimator == "probes":
         key, rec_key = jax.random.split(key)
@@ -605,7 +604,7 @@ def _second_order_exact(prog, leaves, xs, want, zs, nus, moment, conv_vjp=False)
         shapes[o], dtypes[o] = tuple(jnp.shape(v)), jnp.result_type(v)
         return v
 
-    jax.eval_shape(lambda ps, *x: _run(prog, list(ps) + [xi[:1] for xi in x], [], post=record), leaves, *xs)
+    jax.eval_shape(lambda ps, *x: run_program(prog, list(ps) + [xi[:1] for xi in x], [], post=record), leaves, *xs)
     outer = _outer_product_leaves(prog, shapes)
     taps = list(dict.fromkeys(t for t, _ in outer.values()))
     acts = list(dict.fromkeys(a for _, a in outer.values() if a is not None))
@@ -620,7 +619,8 @@ def _second_order_exact(prog, leaves, xs, want, zs, nus, moment, conv_vjp=False)
         def tap(o, v, e):
             return v + add[o] if o in add else v
 
-        vals = _run(prog, ps + [xi[None] for xi in x], list(want) + acts, post=tap, batch=n, conv_vjp=conv_vjp)[1]
+        x1 = [xi[None] for xi in x]
+        vals = run_program(prog, ps + x1, list(want) + acts, post=tap, batch=n, conv_vjp=conv_vjp)[1]
         return vals[: len(want)], vals[len(want) :]
 
     weights = jnp.concatenate([jnp.broadcast_to(nu, jnp.shape(z)[1:]).ravel() for nu, z in zip(nus, zs, strict=True)])
@@ -705,29 +705,3 @@ def _recurrent_term(leaves, kappa, kappa_a, rec, zs, lin, stats, gamma_net, mome
         kappa[j] = kappa[j] + d - kappa_a[j]
     return kappa
 
-
-def node_gamma2(space: PathSpace, params, inputs, *, alpha: float, moment: str = "second") -> list:
-    """γ_v² (eq. 4) at every node of the unrolled network, in the order of the forward pass: one array per
-    pre-activation, shaped like one example's (a channel at every position of a convolution). For tests
-    and diagnostics (DDP-Normalization makes γ_v = 1 at every hidden node); params are used as they are.
-    """
-    _check_space(space)
-    alpha, _, _ = check_options(alpha, moment, "exact", 1)
-    leaves = [jnp.asarray(p) for p in space.leaves_of(params, "params")]
-    xs = check_inputs(space, inputs)
-    param_key = tuple((tuple(p.shape), str(p.dtype)) for p in leaves)
-    input_key = tuple(((1, *jnp.shape(x)[1:]), str(jnp.result_type(x))) for x in xs)
-    prog = squared.program(space, param_key, input_key, who="ddp_kappa", err=DDPUnsupportedError)
-    zs = jax.vmap(lambda *x: _forward(prog, leaves, [xi[None] for xi in x], prog.nodes))(*xs)
-    stats = {v: _moment(z, moment) for v, z in zip(prog.nodes, zs)}
-    found: dict = {}
-
-    def mix(v, val):
-        if v not in stats:
-            return val
-        found[v] = alpha * stats[v] + (1.0 - alpha) * val.m
-        return squared.V(found[v], None)
-
-    vals = [squared.V(p * p, None) for p in leaves] + [squared.V(o, None) for o in _ones(xs, leaves[0].dtype)]
-    squared.evaluate(prog, vals, 2.0, post=mix)
-    return [found[v][0] for v in prog.nodes]

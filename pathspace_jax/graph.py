@@ -185,10 +185,6 @@ class PathSpace:
             kinds[g.offset : g.offset + g.size] = code[g.kind]
         return kinds
 
-    def hidden_mask(self) -> np.ndarray:
-        """Bool array of length `num_nodes`, True at hidden nodes."""
-        return self.node_kinds() == 2
-
     def leaves_of(self, tree, what: str = "params") -> list[Any]:
         """The leaves of ``tree``, checked against the traced params' structure and shapes.
 

@@ -134,7 +134,7 @@ def _lag_sum(cin, nu, a):
 # ----------------------------------------------------------------------------- public API
 
 
-def _check_space(space: PathSpace, who: str) -> None:
+def check_kappa_space(space: PathSpace, who: str) -> None:
     check_path_space(space, who)
     squared.refuse_random(space, who, PathKappaUnsupportedError)
     for spec in jax.tree_util.tree_leaves(space.arg_specs):
@@ -234,9 +234,9 @@ def path_kappa(space: PathSpace, params, *, second_order: bool = True):
       Neyshabur et al., "Path-normalized optimization of recurrent neural networks with ReLU activations",
       NeurIPS 2016, Lemma 1, Thm 3; Neyshabur et al., "Path-SGD", NeurIPS 2015.
     """
-    _check_space(space, "path_kappa")
+    check_kappa_space(space, "path_kappa")
     leaves = [jnp.asarray(p) for p in space.leaves_of(params, "params")]
-    out = kappa_from_frame(space, *_kappa_jit(space, leaves, bool(second_order)))
+    out = kappa_from_frame(space, *kappa_canonical(space, leaves, bool(second_order)))
     return space.unflatten_like(params, [k.astype(p.dtype) for k, p in zip(out, leaves, strict=True)])
 
 
@@ -325,7 +325,7 @@ def _dense_sites(prog: squared.Program, param_pos: dict) -> dict:
 
 
 @functools.partial(jax.jit, static_argnums=(0, 2, 3))
-def _kappa_jit(space, leaves, second_order, factored=False):
+def kappa_canonical(space, leaves, second_order, factored=False):
     """κ in the canonical frame (`pathspace_jax.coords.to_canonical_frame`) and the frame's log-gauge l.
 
     ``factored``: the κ of a dense kernel that `_dense_sites` finds, with a single-row activation, as `RankOne`
@@ -445,7 +445,7 @@ def path_norm(space: PathSpace, params, p: float = 2.0):
       Neyshabur, Tomioka, Srebro, "Norm-based capacity control in neural networks", COLT 2015;
       Neyshabur et al., "Path-SGD", NeurIPS 2015.
     """
-    _check_space(space, "path_norm")
+    check_kappa_space(space, "path_norm")
     p = float(p)
     if not p > 0:
         raise ValueError(f"p must be > 0, got {p}")

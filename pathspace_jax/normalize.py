@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pathspace_jax import squared
-from pathspace_jax.ddp import _run as ddp_run
+from pathspace_jax.ddp import run_program
 from pathspace_jax.errors import DDPNormalizationError
 from pathspace_jax.graph import PathSpace, check_path_space
 
@@ -103,7 +103,7 @@ def _nodes(space: PathSpace, prog: squared.Program) -> dict[int, _Node]:
         acts = [x for x in e.ins if not isinstance(x, tuple) and kinds[x] == "act"]
         if name in ("dot_general", "conv_general_dilated") and params:
             chain[e.outs[0]] = params
-        elif any(x in chain for x in acts) and (name in squared._TRANSPARENT or name in squared._MERGE):
+        elif any(x in chain for x in acts) and (name in squared.TRANSPARENT or name in squared.MERGE):
             if name in ("add", "add_any", "sub") and any(x not in chain for x in acts):
                 where = e.where
                 raise DDPNormalizationError(
@@ -167,7 +167,7 @@ def _run(space, prog, nodes, leaves, xs, alpha, moment, eps, center, record=None
             return (z - mean) / gamma + (0.0 if node.bias is None else leaves[node.bias])
         return z / gamma
 
-    return ddp_run(prog, list(leaves) + list(xs), [], post=normalize)[0]
+    return run_program(prog, list(leaves) + list(xs), [], post=normalize)[0]
 
 
 @functools.lru_cache(maxsize=32)

@@ -52,6 +52,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import jax.numpy as jnp
 import numpy as np
 
 from pathspace_jax.graph import BIAS_NODE, PathSpace
@@ -90,8 +91,6 @@ class LeafIndex:
 
     def flat_iota(self, shape):
         """``arange(size).reshape(shape)`` as an XLA iota: fuses into elementwise code, no memory."""
-        import jax.numpy as jnp
-
         return jnp.arange(int(np.prod(shape, dtype=np.int64)), dtype=jnp.int32).reshape(shape)
 
     def gauge_mask(self, shape):
@@ -230,7 +229,7 @@ def _key(n, nodes, flats, node_r):
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class _Candidates:
+class Candidates:
     """The edges of a space flattened over its edge leaves, and which may be skeleton edges (numpy)."""
 
     src: np.ndarray
@@ -247,7 +246,7 @@ class _Candidates:
     rank: np.ndarray  # per node: index within its group
 
 
-def _candidates(space: PathSpace) -> _Candidates:
+def candidates(space: PathSpace) -> Candidates:
     n = space.num_nodes
     kinds = space.node_kinds()  # 0 bias, 1 input, 2 hidden, 3 output, 4 pinned
     hidden = kinds == 2
@@ -276,7 +275,7 @@ def _candidates(space: PathSpace) -> _Candidates:
     end = (kinds == 3) | (kinds == 4)
     depth = _bfs(n, start, src[ok], dst[ok])
     dist = _bfs(n, end, dst[ok], src[ok])
-    return _Candidates(
+    return Candidates(
         src=src,
         dst=dst,
         lid=cat(lids),
@@ -310,7 +309,7 @@ def choose_by_value(space: PathSpace, leaves) -> tuple[np.ndarray, np.ndarray]:
     Returns:
       ``(incoming, outgoing)``: int64 arrays of length ``space.num_nodes``.
     """
-    c = _candidates(space)
+    c = candidates(space)
     mag = [
         np.abs(np.asarray(w, np.float64)).reshape(-1) for w, leaf in zip(leaves, space.leaves) if leaf.kind != "other"
     ]
@@ -339,7 +338,7 @@ def choose_by_value(space: PathSpace, leaves) -> tuple[np.ndarray, np.ndarray]:
     )
 
 
-def _prefer(c: _Candidates, preferred, leaf, flat, other, other_end):
+def _prefer(c: Candidates, preferred, leaf, flat, other, other_end):
     """Replace the index rule's choice by ``preferred`` (ravel indices, -1: keep) where given."""
     if preferred is None or not (preferred >= 0).any():
         return leaf, flat, other
@@ -354,7 +353,7 @@ def _prefer(c: _Candidates, preferred, leaf, flat, other, other_end):
 def skeleton(space: PathSpace) -> Skeleton:
     """The skeleton of ``space`` (cached per space). See the module docstring for the rule."""
     n = space.num_nodes
-    c = _candidates(space)
+    c = candidates(space)
     src, dst, lid, flat, hidden, rank, is_bias = c.src, c.dst, c.lid, c.flat, c.hidden, c.rank, c.is_bias
     pref_in, pref_out = space.skeleton_edges or (None, None)
 

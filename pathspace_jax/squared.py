@@ -60,9 +60,9 @@ def nbytes(tree) -> int:
 
 
 # ops through which a pre-activation passes without becoming a node (one consumer)
-_TRANSPARENT = {"reshape", "squeeze", "expand_dims", "broadcast_in_dim", "transpose", "convert_element_type", "copy",
+TRANSPARENT = {"reshape", "squeeze", "expand_dims", "broadcast_in_dim", "transpose", "convert_element_type", "copy",
                 "copy_p", "reduce_precision", "neg"}  # fmt: skip
-_MERGE = {"add", "add_any", "sub", "mul", "div"}
+MERGE = {"add", "add_any", "sub", "mul", "div"}
 # ops evaluated as they are on the (non-negative) γ² values of the squared network
 _AS_IS = {"max", "select_n", "gt", "ge", "lt", "le", "eq", "ne", "reduce_window_max", "reduce_max", "reduce_sum",
           "reduce_window_sum", "reshape", "squeeze", "expand_dims", "broadcast_in_dim", "transpose",
@@ -275,7 +275,7 @@ def _find_nodes(prog: Program, body: bool = False) -> set[int]:
             continue
         if name in ("dot_general", "conv_general_dilated") and "param" in ins_k or e.outs[0] in prog.lookups:
             fresh.add(e.outs[0])
-        elif name in _TRANSPARENT or name in _MERGE:
+        elif name in TRANSPARENT or name in MERGE:
             if any((not isinstance(x, tuple)) and x in fresh for x in e.ins):
                 fresh.add(e.outs[0])
     outs = [x for x in prog.out_ids if not isinstance(x, tuple) and kinds[x] == "act"]
@@ -290,7 +290,7 @@ def _find_nodes(prog: Program, body: bool = False) -> set[int]:
                 continue
             if v not in fresh:
                 continue
-            merged = len(us) == 1 and (us[0].prim.name in _TRANSPARENT or us[0].prim.name in _MERGE)
+            merged = len(us) == 1 and (us[0].prim.name in TRANSPARENT or us[0].prim.name in MERGE)
             if merged and us[0].prim.name in ("mul", "div"):
                 other = [x for x in us[0].ins if x != v]
                 merged = all(isinstance(x, tuple) or kinds[x] == "const" for x in other)

@@ -292,7 +292,7 @@ class _Interpreter:
             return [self.degree0(eqn, ins)]
         if name.startswith(_RANDOM_PREFIX):
             return [_Val(CONST, self.fresh(v.aval.shape), random=True) for v in eqn.outvars]
-        if name in ("iota", "empty", "stop_gradient"):
+        if name in ("iota", "empty"):
             return [_Val(CONST, self.fresh(v.aval.shape)) for v in eqn.outvars]
         sub = jx.call_body(eqn)  # jit, custom_jvp_call, custom_vjp_call, checkpoint, ...: entered
         if sub is not None:
@@ -337,7 +337,7 @@ class _Interpreter:
                 self.pin(v, "nonlinear, not positively homogeneous")
             self.mark_other(v, "used in a nonlinear function")
         kind = ACT if any(v.kind == ACT for v in ins) else CONST
-        return self.ew(kind, eqn, ins, self.broadcast(eqn, ins, unify=False))
+        return self.ew(kind, ins, self.broadcast(eqn, ins, unify=False))
 
     def degree0(self, eqn, ins):
         acts = [v for v in ins if v.kind == ACT]
@@ -349,8 +349,8 @@ class _Interpreter:
                 for v in acts:
                     self.pin(v, "compared with a non-zero constant")
             unify = len(acts) > 1
-            return self.ew(CONST, eqn, ins, self.broadcast(eqn, ins, unify=unify))
-        return self.ew(CONST, eqn, ins, self.broadcast(eqn, ins, unify=False))
+            return self.ew(CONST, ins, self.broadcast(eqn, ins, unify=unify))
+        return self.ew(CONST, ins, self.broadcast(eqn, ins, unify=False))
 
     def broadcast(self, eqn, ins: Sequence[_Val], *, unify: bool) -> list[list[int]]:
         """Output axes of an elementwise op; with ``unify`` the operands' atoms are tied."""
@@ -367,9 +367,8 @@ class _Interpreter:
             out.append(list(lists[0]))
         return out
 
-    def ew(self, kind: str, eqn, ins: Sequence[_Val], axes, **kw) -> _Val:
+    def ew(self, kind: str, ins: Sequence[_Val], axes, **kw) -> _Val:
         """The result of an elementwise op; squeezed size-1 atoms of the operands carry over."""
-        del eqn
         return _Val(kind, axes, scalars=list(dict.fromkeys(a for v in ins for a in v.scalars)), **kw)
 
     # -- elementwise arithmetic -------------------------------------------------
@@ -381,15 +380,15 @@ class _Interpreter:
             if params:
                 for v in params:
                     self.mark_other(v, "combined with another parameter or constant")
-                return [self.ew(CONST, eqn, ins, self.broadcast(eqn, ins, unify=False))]
-            return [self.ew(CONST, eqn, ins, self.broadcast(eqn, ins, unify=False), zero=all(c.zero for c in consts))]
+                return [self.ew(CONST, ins, self.broadcast(eqn, ins, unify=False))]
+            return [self.ew(CONST, ins, self.broadcast(eqn, ins, unify=False), zero=all(c.zero for c in consts))]
         axes = self.broadcast(eqn, acts + params, unify=True)  # activations first: they name the output
         for v in params:
             self.use(v, self.all_atoms(v), "out")
         if any(not c.zero for c in consts):
             for v in acts:
                 self.pin(v, "adds a constant offset")
-        return [self.ew(ACT, eqn, ins, axes)]
+        return [self.ew(ACT, ins, axes)]
 
     rule_sub = rule_add
     rule_add_any = rule_add
@@ -407,24 +406,24 @@ class _Interpreter:
             for v in acts:
                 self.pin(v, "elementwise product with a parameter")
         if acts:
-            return [self.ew(ACT, eqn, ins, self.broadcast(eqn, acts + params + consts, unify=len(acts) > 1))]
+            return [self.ew(ACT, ins, self.broadcast(eqn, acts + params + consts, unify=len(acts) > 1))]
         if len(params) == 1 and eqn.primitive.name == "mul":
             # a parameter times a fixed coefficient is still a view of that parameter
-            return [self.ew(PARAM, eqn, ins, self.broadcast(eqn, params + consts, unify=False), leaf=params[0].leaf)]
+            return [self.ew(PARAM, ins, self.broadcast(eqn, params + consts, unify=False), leaf=params[0].leaf)]
         if params:
             for v in params:
                 self.mark_other(v, "product of parameters")
-            return [self.ew(CONST, eqn, ins, self.broadcast(eqn, ins, unify=False))]
-        return [self.ew(CONST, eqn, ins, self.broadcast(eqn, ins, unify=False), zero=any(c.zero for c in consts))]
+            return [self.ew(CONST, ins, self.broadcast(eqn, ins, unify=False))]
+        return [self.ew(CONST, ins, self.broadcast(eqn, ins, unify=False), zero=any(c.zero for c in consts))]
 
     def rule_div(self, eqn, ins):
         num, den = ins
         if den.kind == CONST and num.kind in (ACT, PARAM):
             if num.kind == PARAM:
-                return [self.ew(PARAM, eqn, ins, self.broadcast(eqn, [num, den], unify=False), leaf=num.leaf)]
-            return [self.ew(ACT, eqn, ins, self.broadcast(eqn, [num, den], unify=False))]
+                return [self.ew(PARAM, ins, self.broadcast(eqn, [num, den], unify=False), leaf=num.leaf)]
+            return [self.ew(ACT, ins, self.broadcast(eqn, [num, den], unify=False))]
         if num.kind == CONST and den.kind == CONST:
-            return [self.ew(CONST, eqn, ins, self.broadcast(eqn, ins, unify=False), zero=num.zero)]
+            return [self.ew(CONST, ins, self.broadcast(eqn, ins, unify=False), zero=num.zero)]
         return [self.nonlinear(eqn, ins)]
 
     def rule_max(self, eqn, ins):
@@ -438,7 +437,7 @@ class _Interpreter:
                 for a in acts:
                     self.pin(a, "max/min with a non-zero constant")
         return [
-            self.ew(ACT, eqn, ins, self.broadcast(eqn, acts + [v for v in ins if v.kind != ACT], unify=len(acts) > 1))
+            self.ew(ACT, ins, self.broadcast(eqn, acts + [v for v in ins if v.kind != ACT], unify=len(acts) > 1))
         ]
 
     rule_min = rule_max
@@ -457,13 +456,13 @@ class _Interpreter:
         if not acts:
             for v in cases:
                 self.mark_other(v, "selected")
-            return [self.ew(CONST, eqn, ins, self.broadcast(eqn, ins, unify=False), zero=all(v.zero for v in cases))]
+            return [self.ew(CONST, ins, self.broadcast(eqn, ins, unify=False), zero=all(v.zero for v in cases))]
         for v in cases:
             self.mark_other(v, "selected")
             if v.kind == CONST and not v.zero:
                 for a in acts:
                     self.pin(a, "selects a non-zero constant")
-        return [self.ew(ACT, eqn, ins, self.broadcast(eqn, acts + [pred] + cases, unify=len(acts) > 1))]
+        return [self.ew(ACT, ins, self.broadcast(eqn, acts + [pred] + cases, unify=len(acts) > 1))]
 
     def rule_clamp(self, eqn, ins):
         return [self.nonlinear(eqn, ins)]

@@ -10,7 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from pathspace_jax import coords
+from pathspace_jax.coords import balanced_frame, edge_factors, frame_factors, to_canonical_frame
+from pathspace_jax.ddp import check_ddp_space, check_inputs, check_options, ddp_kappa_canonical
 from pathspace_jax.graph import check_path_space, compute_dtype
+from pathspace_jax.kappa import RankOne, check_kappa_space, full, kappa_canonical
 
 # ---------------------------------------------------------------------------- optax.partition / optax.masked
 
@@ -145,12 +149,11 @@ def _kappa_state(space, params, every, factored=False):
     all None when κ is computed at each step (`_every_step`)."""
     if _every_step(every):
         return KeptKappa(None, None, None, None)
-    from pathspace_jax.kappa import RankOne, _kappa_jit
 
     leaves = space.leaves_of(params, "params")
     kappa = [jnp.zeros(jnp.shape(p), jnp.result_type(p)) for p in leaves]
     if factored:
-        shapes, _ = jax.eval_shape(lambda ls: _kappa_jit(space, ls, False, True), leaves)
+        shapes, _ = jax.eval_shape(lambda ls: kappa_canonical(space, ls, False, True), leaves)
         kappa = [
             RankOne(*(jnp.zeros(x.shape, jnp.result_type(p)) for x in k)) if isinstance(k, RankOne) else z
             for k, z, p in zip(shapes, kappa, leaves, strict=True)
@@ -179,8 +182,6 @@ class KeptKappa(NamedTuple):
 
 def _kept(space, params, kappa, lg) -> KeptKappa:
     """`KeptKappa` from κ in the canonical frame and its log-gauge, at ``params``."""
-    from pathspace_jax.coords import balanced_frame, frame_factors, to_canonical_frame
-    from pathspace_jax.kappa import RankOne, full
 
     leaves = space.leaves_of(params, "params")
     ct = compute_dtype(leaves)
@@ -226,8 +227,6 @@ def _divide_by_kappa(space, updates, kept: KeptKappa, normalize, damping, eps):
     and brought back, so nothing overflows where the update itself is representable. 0 where the denominator is 0
     (never NaN); leaves of kind "other" pass through.
     """
-    from pathspace_jax.coords import edge_factors, frame_factors
-    from pathspace_jax.kappa import RankOne, full
 
     out = []
     kappa = jax.tree_util.tree_leaves(kept.kappa, is_leaf=lambda k: isinstance(k, RankOne))
@@ -334,9 +333,8 @@ def scale_by_ddp(
       Neyshabur, Salakhutdinov, Tomioka, Srebro, "Data-dependent path normalization in neural networks",
       ICLR 2016.
     """
-    from pathspace_jax.ddp import _check_space, check_inputs, check_options
 
-    _check_space(space)
+    check_ddp_space(space)
     _check_every_eps(every, eps, damping)
     _check_static(
         "scale_by_ddp", alpha=alpha, num_probes=num_probes, probe_batch_size=probe_batch_size, normalize=normalize
@@ -368,14 +366,13 @@ def scale_by_ddp(
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _ddp_update(space, config, updates, state, params, xs, key, damping, eps, every, probe_damping):
     """One `scale_by_ddp` step (jitted, so that calls outside ``jit`` compile once); ``xs``: the batch's leaves."""
-    from pathspace_jax.ddp import _kappa_jit
 
     alpha, moment, estimator, num_probes, probe_batch_size, normalize = config
 
     def compute():
         leaves = [jnp.asarray(p) for p in space.leaves_of(params, "params")]
-        kappa, lg = _kappa_jit(space, leaves, xs, key, alpha, moment, estimator, num_probes, probe_damping, True,
-                               probe_batch_size, state.kappa is not None)  # fmt: skip
+        kappa, lg = ddp_kappa_canonical(space, leaves, xs, key, alpha, moment, estimator, num_probes, probe_damping,
+                                        True, probe_batch_size, state.kappa is not None)  # fmt: skip
         return _kept(space, params, space.unflatten_like(params, kappa), lg)
 
     kept = _current_kappa(compute, KeptKappa(*state[1:]), state.count, every)
@@ -482,7 +479,6 @@ def in_path_space(
       ICLR 2019; "Path Space for Recurrent Neural Networks with ReLU Activations" (Alg. 2, App. E
       G-Adam).
     """
-    from pathspace_jax import coords as _coords
 
     check_path_space(space, "in_path_space")
     _check_static("in_path_space", normalize=normalize, rebalance=rebalance)
@@ -498,8 +494,8 @@ def in_path_space(
         w = space.leaves_of(params, "params")
         g = space.leaves_of(grads, "updates")
         ct = compute_dtype(list(w) + list(g))
-        alpha = _coords.balanced_frame(space, w, ct) if normalize or rebalance else None
-        gphi, phi, nodes = _coords._chart(space, w, g, ct, alpha if normalize else None)
+        alpha = coords.balanced_frame(space, w, ct) if normalize or rebalance else None
+        gphi, phi, nodes = coords.chart(space, w, g, ct, alpha if normalize else None)
         phi_tree = space.unflatten_like(params, [x.astype(jnp.result_type(y)) for x, y in zip(phi, w)])
         return w, g, ct, gphi, phi_tree, nodes, alpha
 
@@ -508,7 +504,7 @@ def in_path_space(
     coords_of = jax.jit(lambda p: chart(p, p)[4])
 
     def init_fn(params):
-        _coords.check_chart(space, params, "in_path_space")
+        coords.check_chart(space, params, "in_path_space")
         return InPathSpaceState(inner_state=inner.init(coords_of(params)))
 
     def update_fn(updates, state, params=None, **extra_args):
@@ -518,7 +514,7 @@ def in_path_space(
         gphi = space.unflatten_like(updates, [x.astype(jnp.result_type(y)) for x, y in zip(gphi, g)])
         dphi, inner_state = inner.update(gphi, state.inner_state, phi, **extra_args)
         dphi = space.leaves_of(dphi, "inner updates")
-        u = _coords._allocate(space, w, dphi, nodes, ct, min_ratio, min_share, alpha if rebalance else None)
+        u = coords.allocate(space, w, dphi, nodes, ct, min_ratio, min_share, alpha if rebalance else None)
         out = [x.astype(jnp.result_type(y)) for x, y in zip(u, g)]
         return space.unflatten_like(updates, out), InPathSpaceState(inner_state=inner_state)
 
@@ -618,9 +614,8 @@ def scale_by_path_sgd(
       ReLU activations", NeurIPS 2016; Neyshabur, Salakhutdinov, Srebro, "Path-SGD: path-normalized
       optimization in deep neural networks", NeurIPS 2015.
     """
-    from pathspace_jax.kappa import _check_space
 
-    _check_space(space, "scale_by_path_sgd")
+    check_kappa_space(space, "scale_by_path_sgd")
     _check_every_eps(every, eps, damping)
     _check_static("scale_by_path_sgd", second_order=second_order, normalize=normalize)
     second_order, normalize = bool(second_order), bool(normalize)
@@ -640,10 +635,9 @@ def scale_by_path_sgd(
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
 def _path_sgd_update(space, second_order, normalize, updates, state, params, damping, eps, every):
     """One `scale_by_path_sgd` step (jitted, so that calls outside ``jit`` compile once)."""
-    from pathspace_jax.kappa import _kappa_jit
 
     def compute():  # dense kernels' κ as `RankOne` where it is kept between steps (read at every step)
-        kappa, lg = _kappa_jit(space, space.leaves_of(params, "params"), second_order, state.kappa is not None)
+        kappa, lg = kappa_canonical(space, space.leaves_of(params, "params"), second_order, state.kappa is not None)
         return _kept(space, params, space.unflatten_like(params, kappa), lg)
 
     kept = _current_kappa(compute, KeptKappa(*state[1:]), state.count, every)

@@ -208,7 +208,7 @@ def test_value_skeleton_takes_the_largest_paths_and_commutes_with_rescaling(name
     """trace(skeleton="values") (opt-in): each node's chosen chain carries the largest |path value| among the
     admissible edges (checked by multiplying along the chains in numpy), and a rescaled copy of the params gets
     the same; the default skeleton comes from the graph alone."""
-    from pathspace_jax.skeleton import _candidates, skeleton
+    from pathspace_jax.skeleton import candidates, skeleton
 
     case, by_index = ZOO[name], spaces[name]
     space = pj.trace(case.fn, case.params, case.inputs(2), skeleton="values")
@@ -223,7 +223,7 @@ def test_value_skeleton_takes_the_largest_paths_and_commutes_with_rescaling(name
         return np.prod(np.where(chains >= 0, flat[np.maximum(chains, 0)], 1.0), axis=1)
 
     a, b = chain_product(sk.chain_in_global()), chain_product(sk.chain_out_global())
-    c = _candidates(space)
+    c = candidates(space)
     e = np.flatnonzero(c.incoming)
     assert (flat[c.ravel[e]] * a[c.src[e]] <= a[c.dst[e]] * (1 + 1e-12)).all()
     e = np.flatnonzero(c.outgoing)

@@ -902,8 +902,8 @@ def test_strided_convolutions_inside_a_cond(estimator):
     leaves = space.leaves_of(p, "params")
 
     def kappa(in_cond):
-        k, lg = ddp._kappa_jit(space, leaves, [x], jax.random.key(6), alpha, "second", estimator, 2, 0.0, False,
-                               None, in_cond)  # fmt: skip
+        k, lg = ddp.ddp_kappa_canonical(space, leaves, [x], jax.random.key(6), alpha, "second", estimator, 2, 0.0,
+                                        False, None, in_cond)  # fmt: skip
         return space.unflatten_like(p, kappa_from_frame(space, k, lg))
 
     got = kappa(True)

@@ -640,10 +640,10 @@ def test_path_kappa_compiles_once_per_shape():
     fn, params, x = _model("rnn_last")
     space = pj.trace(fn, params, x)
     pj.path_kappa(space, params)
-    before = kappa_mod._kappa_jit._cache_size()
+    before = kappa_mod.kappa_canonical._cache_size()
     for s in range(3):
         pj.path_kappa(space, _tree_normal(params, 100 + s))
-    assert kappa_mod._kappa_jit._cache_size() == before
+    assert kappa_mod.kappa_canonical._cache_size() == before
 
 
 def test_weight_tying_refused_for_second_order_only():
