@@ -45,9 +45,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pathspace_jax.exact import pow2
 from pathspace_jax.graph import BIAS_NODE, PathSpace, compute_dtype
 from pathspace_jax.skeleton import Skeleton, candidates, skeleton
-from pathspace_jax.squared import pow2
 
 __all__ = [
     "to_coords",
@@ -246,7 +246,7 @@ def edge_factors(space: PathSpace, lg, sign: float = 1.0):
 
 
 def _pow2_pair(k):
-    """``(2^k, 2^-k)`` exactly, for an integer-valued node vector k (`pathspace_jax.squared.pow2`)."""
+    """``(2^k, 2^-k)`` exactly, for an integer-valued node vector k (`pathspace_jax.exact.pow2`)."""
     return pow2(k, k.dtype), pow2(-k, k.dtype)
 
 

@@ -95,6 +95,7 @@ from pathspace_jax import jaxpr as jx
 from pathspace_jax import squared
 from pathspace_jax.coords import kappa_from_frame, to_canonical_frame
 from pathspace_jax.errors import DDPUnsupportedError
+from pathspace_jax.exact import V
 from pathspace_jax.graph import PathSpace, check_path_space, compute_dtype
 from pathspace_jax.kappa import kappa_canonical
 
@@ -257,7 +258,7 @@ def _mixer(alpha: float, stats: dict):
     """The ``post`` hook of the γ² recursion: at a node v, γ_v² = α S(z_v) + (1 − α) (the squared sum)."""
 
     def mix(v, val):
-        return squared.V(alpha * stats[v] + (1.0 - alpha) * val.m, None) if v in stats else val
+        return V(alpha * stats[v] + (1.0 - alpha) * val.m, None) if v in stats else val
 
     return mix
 
@@ -267,7 +268,7 @@ def _gamma_net(prog: squared.Program, sq_params: Sequence, ones: Sequence, stats
     """γ²_net: the squared network with the node statistics ``stats`` mixed in at every node (eq. 4), and
     ``scan_stats[i][v]`` (stacked over the steps) at the node v of the body of scan equation i."""
     posts = {i: (d, functools.partial(_mixer, alpha)) for i, d in (scan_stats or {}).items()}
-    vals = [squared.V(x, None) for x in list(sq_params) + list(ones)]
+    vals = [V(x, None) for x in list(sq_params) + list(ones)]
     sinks: list = []
     mix = _mixer(alpha, dict(zip(prog.nodes, stats, strict=True)))
     outs = squared.evaluate(prog, vals, 2.0, post=mix, sinks=sinks, scan_posts=posts, unroll=_unrolled())

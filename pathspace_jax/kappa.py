@@ -98,8 +98,9 @@ from pathspace_jax import jaxpr as jx
 from pathspace_jax import squared
 from pathspace_jax.coords import kappa_from_frame, to_canonical_frame
 from pathspace_jax.errors import PathKappaUnsupportedError
+from pathspace_jax.exact import V, ldexp, renorm
 from pathspace_jax.graph import PathSpace, check_path_space, compute_dtype
-from pathspace_jax.squared import V, evaluate, raise_power, renorm
+from pathspace_jax.squared import evaluate, raise_power
 
 __all__ = ["path_norm", "path_kappa", "PathKappaUnsupportedError"]
 
@@ -461,7 +462,7 @@ def _power_v(w, p: float) -> V:
     _, k = jnp.frexp(jnp.max(jnp.abs(w)))
     pk = p * k.astype(w.dtype)
     e = jnp.floor(pk)
-    return renorm(V(raise_power(squared.ldexp(w, -k), p) * jnp.exp2(pk - e), e.astype(jnp.int32)))
+    return renorm(V(raise_power(ldexp(w, -k), p) * jnp.exp2(pk - e), e.astype(jnp.int32)))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 2))
@@ -476,4 +477,4 @@ def _norm_jit(space, leaves, p):
     top = zero if top is None else top
     a = jnp.floor(top.astype(dt) / p).astype(jnp.int32)
     b = (top - a).astype(dt) / p if p == 1.0 else (top.astype(dt) - a.astype(dt) * p) / p
-    return squared.ldexp(total ** (1.0 / p) * jnp.exp2(b), a)
+    return ldexp(total ** (1.0 / p) * jnp.exp2(b), a)

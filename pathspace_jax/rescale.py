@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pathspace_jax.exact import pow2
 from pathspace_jax.graph import PathSpace
-from pathspace_jax.squared import pow2
 
 __all__ = ["rescale", "random_alphas", "random_rescale", "describe", "node_vector"]
 

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pathspace_jax import jaxpr as jx
+from pathspace_jax.exact import V, align, is_float, ldexp, renorm
 from pathspace_jax.graph import PathSpace
 from pathspace_jax.trace import boundary_sites
 
@@ -429,71 +430,6 @@ def _squared_op(e: _Eqn, ks: Sequence[str], vals: list, out_kind: str, power: fl
 _MULTIPLICATIVE = {"mul", "div", "dot_general", "conv_general_dilated"}
 # ops that make a squared scan body non-linear in its carry (κ⁽²⁾ needs linearity)
 _NONLINEAR = {"max", "min", "reduce_max", "reduce_min", "reduce_window_max", "select_n", "argmax", "sort"}
-
-
-class V(NamedTuple):
-    """A non-constant value of the |·|^p network: mantissa ``m`` times 2^``e`` (``e`` None: not tracked)."""
-
-    m: Any
-    e: Any
-
-
-def is_float(x) -> bool:
-    return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
-
-
-def pow2(k, dtype) -> jax.Array:
-    """Exactly ``2^k`` in ``dtype`` for integer-valued ``k`` in the dtype's normal range (clipped to it).
-
-    Built from the float's exponent bits. ``jnp.exp2`` is not exact at integers (on CPU, float32
-    ``exp2(13.0)`` is off by an ulp; on GPU more often), and exactness is what makes power-of-two
-    rescalings commute bit for bit with the library's frames.
-    """
-    info = jnp.finfo(dtype)
-    bias = info.maxexp - 1
-    ity = jnp.dtype(f"int{info.bits}")
-    k = jnp.clip(jnp.asarray(k), 1 - bias, bias).astype(ity)
-    return jax.lax.bitcast_convert_type((k + bias) << info.nmant, dtype)
-
-
-def ldexp(x, k) -> jax.Array:
-    """``x · 2^k``, exact wherever ``x`` and the result are normal floats (XLA flushes subnormals to zero).
-
-    As `jnp.ldexp`, but with `pow2`'s exact powers: `jnp.ldexp` raises 2 to a float power, which GPUs
-    round in float64 (2^k off by an ulp at about one k in seven). Three factors ``2^k1 2^k2 2^k3`` with
-    ``k1 + k2 + k3 = k``, each a third of k: every one is a normal float, and every partial product's
-    exponent lies between x's and the result's, so each product is exact. No ``frexp`` of x: its
-    bit-level selects, repeated along the chains of renormalisations, made LLVM's loop vectoriser
-    take minutes on one fused kernel (jaxlib 0.12, CPU).
-    """
-    x = jnp.asarray(x)
-    k = jnp.asarray(k, jnp.int32)
-    k1 = k // 3
-    k2 = (k - k1) // 2
-    return x * pow2(k1, x.dtype) * pow2(k2, x.dtype) * pow2(k - k1 - k2, x.dtype)
-
-
-def renorm(v: V) -> V:
-    if v.e is None or not is_float(v.m) or jnp.size(v.m) == 0:
-        return v
-    _, k = jnp.frexp(jax.lax.stop_gradient(jnp.max(jnp.abs(v.m))))
-    k = k.astype(jnp.int32)
-    return V(ldexp(v.m, -k), v.e + k)
-
-
-def align(vals: list) -> tuple[list, Any]:
-    """Bring every tracked float operand to the largest exponent; returns mantissas and that exponent."""
-    es = [v.e for v in vals if isinstance(v, V) and v.e is not None and is_float(v.m)]
-    if not es:
-        return [v.m if isinstance(v, V) else v for v in vals], None
-    top = functools.reduce(jnp.maximum, es)
-    out = []
-    for v in vals:
-        if isinstance(v, V):
-            out.append(ldexp(v.m, v.e - top) if v.e is not None and is_float(v.m) else v.m)
-        else:
-            out.append(v)
-    return out, top
 
 
 def _is_relu(e, ks, vals) -> int | None:

@@ -17,7 +17,7 @@ import optax
 import pytest
 
 import pathspace_jax as pj
-from pathspace_jax.squared import ldexp, pow2
+from pathspace_jax.exact import ldexp, pow2
 from pathspace_jax.testing import assert_update_invariant
 
 F32, F64 = jnp.float32, jnp.float64
