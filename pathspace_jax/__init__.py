@@ -18,7 +18,6 @@ from pathspace_jax.coords import (
     basis_paths,
     canonicalize,
     coord_mask,
-    coord_scales,
     from_coords,
     skeleton_init,
     to_coords,
@@ -33,6 +32,7 @@ from pathspace_jax.errors import (
     UnsupportedModelError,
 )
 from pathspace_jax.graph import EdgeLeaf, NodeGroup, PathSpace
+from pathspace_jax.gsgd import coord_scales
 from pathspace_jax.kappa import path_kappa, path_norm
 from pathspace_jax.normalize import ddp_normalize, ddp_normalized_weights
 from pathspace_jax.rescale import describe, random_alphas, random_rescale, rescale

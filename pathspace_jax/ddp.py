@@ -93,9 +93,9 @@ import numpy as np
 
 from pathspace_jax import jaxpr as jx
 from pathspace_jax import squared
-from pathspace_jax.coords import kappa_from_frame, to_canonical_frame
 from pathspace_jax.errors import DDPUnsupportedError
 from pathspace_jax.exact import V
+from pathspace_jax.frames import kappa_from_frame, to_canonical_frame
 from pathspace_jax.graph import PathSpace, check_path_space, compute_dtype
 from pathspace_jax.kappa import kappa_canonical
 
@@ -441,7 +441,7 @@ def ddp_kappa_canonical(
     probe_batch_size=None,
     in_cond=False,
 ):
-    """κ in the canonical frame (`pathspace_jax.coords.to_canonical_frame`) and the frame's log-gauge l.
+    """κ in the canonical frame (`pathspace_jax.frames.to_canonical_frame`) and the frame's log-gauge l.
     ``clamp``: κ at the recurrent kernels (0 < α < 1) is clamped at 0 before the probe damping is added.
     ``probe_batch_size``: the probes run on that many examples drawn at random (`ddp_kappa`). ``in_cond``:
     computed inside a ``lax.cond`` (DDP-SGD at ``every > 1``; `_conv`)."""

@@ -73,7 +73,7 @@ themselves are refused. ``second_order=False`` (κ⁽¹⁾) needs none of these 
 exponent (an int32 scalar per tensor), renormalised after every operation, so intermediate products
 neither overflow nor underflow; only the final (Σ)^(1/p) is converted, and it is ``inf`` (or 0) only
 when the path norm itself is outside the dtype's range. Both are computed in the *canonical frame*
-(`pathspace_jax.coords.to_canonical_frame`: the params rescaled by powers of two so that their gauge
+(`pathspace_jax.frames.to_canonical_frame`: the params rescaled by powers of two so that their gauge
 weights are ±1), so no node-wise rescaling of the params can push them out of range; `path_kappa`
 maps κ back exactly and returns ``inf`` (never 0) where the value is beyond the params' dtype
 (bfloat16/float16 are computed in float32 and cast back). Without such a rescaling, κ_i overflows
@@ -96,9 +96,9 @@ import numpy as np
 
 from pathspace_jax import jaxpr as jx
 from pathspace_jax import squared
-from pathspace_jax.coords import kappa_from_frame, to_canonical_frame
 from pathspace_jax.errors import PathKappaUnsupportedError
 from pathspace_jax.exact import V, ldexp, renorm
+from pathspace_jax.frames import kappa_from_frame, to_canonical_frame
 from pathspace_jax.graph import PathSpace, check_path_space, compute_dtype
 from pathspace_jax.squared import evaluate, raise_power
 
@@ -327,7 +327,7 @@ def _dense_sites(prog: squared.Program, param_pos: dict) -> dict:
 
 @functools.partial(jax.jit, static_argnums=(0, 2, 3))
 def kappa_canonical(space, leaves, second_order, factored=False):
-    """κ in the canonical frame (`pathspace_jax.coords.to_canonical_frame`) and the frame's log-gauge l.
+    """κ in the canonical frame (`pathspace_jax.frames.to_canonical_frame`) and the frame's log-gauge l.
 
     ``factored``: the κ of a dense kernel that `_dense_sites` finds, with a single-row activation, as `RankOne`
     (the others as arrays); otherwise every κ as an array."""

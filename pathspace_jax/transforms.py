@@ -10,10 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from pathspace_jax import coords
-from pathspace_jax.coords import balanced_frame, edge_factors, frame_factors, to_canonical_frame
+from pathspace_jax import gsgd
 from pathspace_jax.ddp import check_ddp_space, check_inputs, check_options, ddp_kappa_canonical
+from pathspace_jax.frames import edge_factors, frame_factors, to_canonical_frame
 from pathspace_jax.graph import check_path_space, compute_dtype
+from pathspace_jax.gsgd import balanced_frame
 from pathspace_jax.kappa import RankOne, check_kappa_space, full, kappa_canonical
 
 # ---------------------------------------------------------------------------- optax.partition / optax.masked
@@ -167,9 +168,9 @@ class KeptKappa(NamedTuple):
     """κ and its frames, as `scale_by_path_sgd` and `scale_by_ddp` compute them (and keep them with ``every > 1``).
 
     ``kappa``: κ in the canonical frame (the params rescaled by powers of two so that their gauge weights are ±1
-    within √2; `pathspace_jax.coords.to_canonical_frame`), a tree like params. ``log2_gauge``: that frame's
-    per-node log2|B_v| (`pathspace_jax.coords.kappa_from_frame` gives κ of the params). ``frame``: per node, the
-    balanced frame of the canonical-frame params (`pathspace_jax.coords.balanced_frame`), in which a standard
+    within √2; `pathspace_jax.frames.to_canonical_frame`), a tree like params. ``log2_gauge``: that frame's
+    per-node log2|B_v| (`pathspace_jax.frames.kappa_from_frame` gives κ of the params). ``frame``: per node, the
+    balanced frame of the canonical-frame params (`pathspace_jax.gsgd.balanced_frame`), in which a standard
     initialisation is its own frame. ``kappa_mean``: per leaf, the mean of κ in that frame (0 for leaves of kind
     "other"). All four are the same for every power-of-two rescaling of the params, bit for bit.
     """
@@ -222,8 +223,8 @@ def _divide_by_kappa(space, updates, kept: KeptKappa, normalize, damping, eps):
     """``g m / (κ + damping · m (α_v / α_u)² + eps)`` per entry ``u -> v`` (``m = 1`` unless ``normalize``).
 
     α is the balanced frame and m the leaf's mean of κ in it (`KeptKappa`). With s = 2^(k_u − k_v)
-    (`pathspace_jax.coords.edge_factors`), κ = κ_c / s², so the update is ``g m s² / (κ_c + damping · m f² + eps
-    s²)`` (f: `pathspace_jax.coords.frame_factors` of α): the gradient taken to the canonical frame, divided there,
+    (`pathspace_jax.frames.edge_factors`), κ = κ_c / s², so the update is ``g m s² / (κ_c + damping · m f² + eps
+    s²)`` (f: `pathspace_jax.frames.frame_factors` of α): the gradient taken to the canonical frame, divided there,
     and brought back, so nothing overflows where the update itself is representable. 0 where the denominator is 0
     (never NaN); leaves of kind "other" pass through.
     """
@@ -254,7 +255,7 @@ class ScaleByDDPState(NamedTuple):
     """State of `scale_by_ddp`: the step count and the κ last computed (recomputed every ``every`` steps).
 
     As in `ScaleByPathSGDState`: ``kappa``, ``log2_gauge``, ``frame`` and ``kappa_mean`` are those of
-    `KeptKappa` (κ in the canonical frame; `pathspace_jax.coords.kappa_from_frame` gives κ of the params), all
+    `KeptKappa` (κ in the canonical frame; `pathspace_jax.frames.kappa_from_frame` gives κ of the params), all
     None with ``every=1`` (the default): κ is computed at each step and not kept.
     """
 
@@ -430,17 +431,17 @@ def in_path_space(
     as SGD (or ``inner``) would move its weight in the *balanced frame* of the current params (every
     hidden node rescaled so that its outgoing and incoming path norms are in the same ratio across its
     layer, at the level where a standard initialisation is its own frame:
-    `pathspace_jax.coords.frame_level`), and a node's incoming skeleton coordinate, which sets the
+    `pathspace_jax.gsgd.frame_level`), and a node's incoming skeleton coordinate, which sets the
     node's scale, moves multiplicatively, as SGD in that frame would move along the direction it
     changes the weights in (`pathspace_jax.coord_scales`). The learning rates of ``optax.sgd`` /
     ``optax.adam`` carry over. The cost is three more reduction passes over the weights per step
-    (`pathspace_jax.coords.path_norms` and ‖v_x‖).
+    (`pathspace_jax.gsgd.path_norms` and ‖v_x‖).
 
     **Rebalancing.** The step fixes every path value but not where the weights sit on their rescaling
     orbit: with the gauge held, the weights can drift far from balanced (entries of 70 where SGD's stay
     below 2 after 10⁴ steps of a ReLU RNN) and lose float32 accuracy. With ``rebalance=True`` (default)
     the new weights are also rescaled node-wise by the powers of two nearest to the current params'
-    balanced frame (`pathspace_jax.coords.balancing_factors`): the function and every coordinate are bit
+    balanced frame (`pathspace_jax.gsgd.balancing_factors`): the function and every coordinate are bit
     for bit those of the exact step, only the weights' place on the orbit changes (the gauge weights move
     by powers of two), and a step from a power-of-two rescaling of the params gives bit for bit the same
     new params. ``rebalance=False`` keeps the gauge weights fixed.
@@ -453,7 +454,7 @@ def in_path_space(
     coordinates entering x (if it is already smaller, c_x may only grow). A zero skeleton weight (a
     singular chart: the paths through it have coordinate 0) gives a zero update at the entries it
     divides, never NaN; `pathspace_jax.coord_scales` is 0 there. ``init`` refuses concrete params with a
-    zero skeleton weight (`pathspace_jax.coords.check_chart`).
+    zero skeleton weight (`pathspace_jax.gsgd.check_chart`).
 
     Args:
       inner: any optax transformation (``optax.sgd``, ``optax.adam``, a chain with clipping or a
@@ -494,8 +495,8 @@ def in_path_space(
         w = space.leaves_of(params, "params")
         g = space.leaves_of(grads, "updates")
         ct = compute_dtype(list(w) + list(g))
-        alpha = coords.balanced_frame(space, w, ct) if normalize or rebalance else None
-        gphi, phi, nodes = coords.chart(space, w, g, ct, alpha if normalize else None)
+        alpha = gsgd.balanced_frame(space, w, ct) if normalize or rebalance else None
+        gphi, phi, nodes = gsgd.chart(space, w, g, ct, alpha if normalize else None)
         phi_tree = space.unflatten_like(params, [x.astype(jnp.result_type(y)) for x, y in zip(phi, w)])
         return w, g, ct, gphi, phi_tree, nodes, alpha
 
@@ -504,7 +505,7 @@ def in_path_space(
     coords_of = jax.jit(lambda p: chart(p, p)[4])
 
     def init_fn(params):
-        coords.check_chart(space, params, "in_path_space")
+        gsgd.check_chart(space, params, "in_path_space")
         return InPathSpaceState(inner_state=inner.init(coords_of(params)))
 
     def update_fn(updates, state, params=None, **extra_args):
@@ -514,7 +515,7 @@ def in_path_space(
         gphi = space.unflatten_like(updates, [x.astype(jnp.result_type(y)) for x, y in zip(gphi, g)])
         dphi, inner_state = inner.update(gphi, state.inner_state, phi, **extra_args)
         dphi = space.leaves_of(dphi, "inner updates")
-        u = coords.allocate(space, w, dphi, nodes, ct, min_ratio, min_share, alpha if rebalance else None)
+        u = gsgd.allocate(space, w, dphi, nodes, ct, min_ratio, min_share, alpha if rebalance else None)
         out = [x.astype(jnp.result_type(y)) for x, y in zip(u, g)]
         return space.unflatten_like(updates, out), InPathSpaceState(inner_state=inner_state)
 
@@ -528,8 +529,8 @@ class ScaleByPathSGDState(NamedTuple):
     """State of `scale_by_path_sgd`: the step count and the κ last computed (recomputed every ``every`` steps).
 
     ``kappa`` is κ in the canonical frame (the params rescaled so that their gauge weights are ±1) and
-    ``log2_gauge`` the frame's per-node log2|B_v| (`pathspace_jax.coords.gauge_log2`) at that step:
-    `pathspace_jax.coords.kappa_from_frame` gives κ of the params (``kappa · 2^(2(k_v − k_u))`` on each
+    ``log2_gauge`` the frame's per-node log2|B_v| (`pathspace_jax.frames.gauge_log2`) at that step:
+    `pathspace_jax.frames.kappa_from_frame` gives κ of the params (``kappa · 2^(2(k_v − k_u))`` on each
     edge ``u -> v``, k the rounded log-gauge). ``frame`` (per node) and ``kappa_mean`` (per leaf) are the
     balanced frame and κ's leaf means in it (`KeptKappa`), for the normalisation and the damping. All stay in
     range whatever node-wise rescaling the params carry. A dense kernel's κ (a 2-D leaf that one product with a
@@ -564,7 +565,7 @@ def scale_by_path_sgd(
 
         u_{u->v} = m_ℓ · g / (κ + damping · m_ℓ (α_v / α_u)² + eps),
 
-    with α the *balanced frame* of G-SGD's normalised chart (`pathspace_jax.coords.balanced_frame`: every
+    with α the *balanced frame* of G-SGD's normalised chart (`pathspace_jax.gsgd.balanced_frame`: every
     hidden node rescaled so that its outgoing and incoming path norms are in the same ratio across its layer,
     at the level where a standard initialisation is its own frame) and m_ℓ the mean over leaf ℓ of κ in that
     frame, ``mean_e κ_e (α_u / α_v)²`` (``m_ℓ = 1`` in the numerator with ``normalize=False``).
@@ -584,7 +585,7 @@ def scale_by_path_sgd(
     damping`` of that mean. (Added in the skeleton's canonical frame instead, as before, a unit with a small
     outgoing skeleton weight is scaled up a lot and the same damping changed up to 5 % of Path-SGD's
     entries by more than 1 % on a digits MLP.) κ is computed in the canonical frame (gauge weights ±1 within
-    √2, `pathspace_jax.coords.to_canonical_frame`) and the gradient divided there and brought back, so
+    √2, `pathspace_jax.frames.to_canonical_frame`) and the gradient divided there and brought back, so
     neither κ nor the update overflows or underflows under any rescaling as long as the update itself is
     representable. ``eps`` is a plain additive constant in the params' own units, off by default: it breaks
     the invariance. An entry whose denominator is 0 (a dead unit with ``damping = eps = 0``) gets update 0,

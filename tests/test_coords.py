@@ -443,7 +443,7 @@ def test_zero_initialised_biases_and_float_dtypes():
 def test_static_node_gathers_and_sums_match_numpy():
     """The O(nodes) kernels' static slices and segment sums (contiguous, repeated, overlapping and scattered
     index arrays) against numpy's fancy indexing and ``np.add.at``."""
-    from pathspace_jax.coords import _node_sum, _take
+    from pathspace_jax.frames import node_sum, take
 
     rng = np.random.default_rng(0)
     vec = jnp.asarray(rng.normal(size=12))
@@ -458,9 +458,9 @@ def test_static_node_gathers_and_sums_match_numpy():
     want = np.zeros(12)
     for idx, vals in parts:
         np.add.at(want, idx.ravel(), np.asarray(vals).ravel())
-        np.testing.assert_array_equal(_take(vec, idx), np.asarray(vec)[idx])
-    np.testing.assert_allclose(_node_sum(12, parts, jnp.float64), want, rtol=1e-15, atol=1e-15)
-    np.testing.assert_array_equal(_node_sum(5, [], jnp.float64), np.zeros(5))
+        np.testing.assert_array_equal(take(vec, idx), np.asarray(vec)[idx])
+    np.testing.assert_allclose(node_sum(12, parts, jnp.float64), want, rtol=1e-15, atol=1e-15)
+    np.testing.assert_array_equal(node_sum(5, [], jnp.float64), np.zeros(5))
 
 
 # ---------------------------------------------------------------------------- jit, vmap, errors
@@ -634,7 +634,7 @@ def test_zero_skeleton_weight_is_a_clear_error_at_init_and_a_zero_update_inside_
     space = pj.trace(lambda p, x: model.apply({"params": p}, x), params, x)
     dead = jax.tree_util.tree_map(lambda a: a, params)
     dead["layers_2"]["kernel"] = dead["layers_2"]["kernel"].at[:, 3].set(0.0)  # unit 3 of the second layer
-    pj.coords.check_chart(space, params)  # the standard init is fine
+    pj.gsgd.check_chart(space, params)  # the standard init is fine
     with pytest.raises(ValueError, match=r"'layers_2/kernel' entry \(\d, 3\) \((incoming skeleton|gauge)"):
         pj.g_sgd(space, 0.1).init(dead)
     back = from_coords(space, to_coords(space, dead))
@@ -669,7 +669,7 @@ def test_coord_scales_match_the_balanced_frame_computed_by_hand(spaces):
     # 6 × 1/7 × 1/2 = 3/7 on layer 1; log2 λ = ¼ log2(q_in / q_out) (computed in float32 whatever the params'
     # dtype, so that it is the same constant in every process)
     levels = [2 ** (np.log2(7 / 3) / 4), 2 ** (np.log2(2) / 4)]
-    got = pj.coords.frame_level(space)
+    got = pj.gsgd.frame_level(space)
     np.testing.assert_allclose(got, np.concatenate([np.ones(5), np.repeat(levels, [7, 6]), np.ones(3)]), rtol=1e-6)
     levels = [got[5], got[12]]
     alpha = [np.ones(4), *(lv * (qo / qi) ** 0.25 for lv, qo, qi in zip(levels, q_out[:2], q_in[1:])), np.ones(3)]
@@ -722,8 +722,8 @@ def test_a_standard_flax_init_is_on_average_its_own_balanced_frame(model, shape)
     for seed in range(3):
         params = model.init(jax.random.key(seed), x)["params"]
         space = pj.trace(lambda p, x: model.apply({"params": p}, x), params, x)
-        alpha = np.asarray(pj.coords.balanced_frame(space, space.leaves_of(params), jnp.float32))
-        level = pj.coords.frame_level(space)
+        alpha = np.asarray(pj.gsgd.balanced_frame(space, space.leaves_of(params), jnp.float32))
+        level = pj.gsgd.frame_level(space)
         for g in (space.groups[i] for i in space.hidden_groups):
             units = slice(g.offset, g.offset + g.size)
             assert abs(np.log2(alpha[units]).mean()) < 0.15, (g.name, np.log2(alpha[units]).mean())
@@ -736,7 +736,7 @@ def test_path_norms_of_a_relu_rnn_count_paths_through_the_recurrent_kernel_by_en
     Enumerated path by path in float64."""
     import itertools
 
-    from pathspace_jax.coords import RECURRENT_STEPS, path_norms
+    from pathspace_jax.gsgd import RECURRENT_STEPS, path_norms
 
     model = _RNN()  # 4 inputs, 8 hidden ReLU units with a recurrent kernel, 3 outputs
     x = jnp.ones((2, 5, 4), jnp.float32)

@@ -25,7 +25,7 @@ from flax import nnx
 from jax.flatten_util import ravel_pytree
 
 import pathspace_jax as pj
-from pathspace_jax.coords import kappa_from_frame
+from pathspace_jax.frames import kappa_from_frame
 
 # ----------------------------------------------------------------------------- Flax / plain-JAX models
 # (tests/zoo.py takes ~50 s to import on this machine, so the models are repeated here, small.)

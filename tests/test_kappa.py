@@ -25,7 +25,8 @@ import optax
 import pytest
 
 import pathspace_jax as pj
-from pathspace_jax.coords import balanced_frame, kappa_from_frame
+from pathspace_jax.frames import kappa_from_frame
+from pathspace_jax.gsgd import balanced_frame
 from pathspace_jax.kappa import RankOne, full
 from pathspace_jax.testing import assert_update_invariant
 

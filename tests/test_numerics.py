@@ -244,7 +244,7 @@ def test_large_power_of_two_rescalings_are_bit_for_bit():
     scaled = pj.random_rescale(space, params, jax.random.key(5), max_exponent=40)
     assert max(float(jnp.max(jnp.abs(a))) for a in jax.tree_util.tree_leaves(scaled)) > 2.0**20
     np.testing.assert_array_equal(fn(scaled, x), fn(params, x))
-    frames = [pj.coords.to_canonical_frame(space, space.leaves_of(p), F64)[0] for p in (params, scaled)]
+    frames = [pj.frames.to_canonical_frame(space, space.leaves_of(p), F64)[0] for p in (params, scaled)]
     for a, b in zip(*frames):
         np.testing.assert_array_equal(a, b)
 

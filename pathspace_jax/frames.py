@@ -1,0 +1,213 @@
+"""Node vectors and frames: the machinery that coordinates, G-SGD and κ share.
+
+A *node vector* holds one number per node of the `PathSpace`; an edge leaf reads it at its source and
+destination nodes through static index arrays (`take`: a static slice where the nodes form a contiguous
+range, so XLA fuses it), and per-node sums over the edge leaves are concatenations where they can be
+(`node_sum`). A *frame* is a member of the params' rescaling orbit, given by a node vector of factors:
+
+- the **canonical frame** (`to_canonical_frame`): every gauge weight (outgoing skeleton edge) is ±1 up to a
+  factor √2, reached by exact powers of two (`edge_factors`), so that it is bit for bit the same for every
+  power-of-two rescaling of the params; quantities that scale under rescaling (κ, gradients) are computed
+  there, in range, and mapped back (`kappa_from_frame`);
+- any node vector α (`frame_factors`), such as G-SGD's balanced frame (`pathspace_jax.gsgd.balanced_frame`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pathspace_jax.exact import pow2
+from pathspace_jax.graph import PathSpace
+from pathspace_jax.skeleton import skeleton
+
+
+@functools.lru_cache(maxsize=64)
+def _gather_plan(space: PathSpace, which: str):
+    """Static plan to gather each hidden node's in- or out-skeleton weight into a node vector.
+
+    Returns ``(per_leaf, perm)``: ``per_leaf[i]`` the flat indices to read from leaf i, and ``perm``
+    the index into ``[1, *concat(reads)]`` giving the node vector (position 0, the 1, at boundary nodes).
+    """
+    sk = skeleton(space)
+    leaf_of = sk.in_leaf if which == "in" else sk.out_leaf
+    flat_of = sk.in_flat if which == "in" else sk.out_flat
+    per_leaf, nodes = [], []
+    for li in range(len(space.leaves)):
+        vs = np.flatnonzero(sk.hidden & (leaf_of == li))
+        per_leaf.append(flat_of[vs])
+        nodes.append(vs)
+    allnodes = np.concatenate(nodes) if nodes else np.zeros(0, np.int64)
+    perm = np.zeros(space.num_nodes, np.int32)
+    perm[allnodes] = 1 + np.arange(allnodes.size, dtype=np.int32)
+    return tuple(per_leaf), perm
+
+
+def node_gather(space, leaves, which, dtype):
+    """Node vector of the in/out skeleton weights (1 at boundary nodes), from a list of leaves."""
+    per_leaf, perm = _gather_plan(space, which)
+    parts = [jnp.ones((1,), dtype)]
+    for leaf, idx in zip(leaves, per_leaf):
+        if idx.size:
+            parts.append(jnp.reshape(leaf, (-1,))[idx].astype(dtype))
+    return jnp.concatenate(parts)[perm]
+
+
+def _range_start(idx: np.ndarray):
+    """``lo`` if the static index array, flattened, is ``lo, lo+1, …`` (a contiguous node range), else None."""
+    flat = np.ravel(idx)
+    if flat.size and np.array_equal(flat, flat[0] + np.arange(flat.size)):
+        return int(flat[0])
+    return None
+
+
+def take(vec, idx: np.ndarray):
+    """``vec[idx]`` for a static index array: a static slice (fused by XLA) when idx is a contiguous range."""
+    lo = _range_start(idx)
+    if lo is None:
+        return vec[idx]
+    return jax.lax.slice_in_dim(vec, lo, lo + idx.size).reshape(idx.shape)
+
+
+def node_sum(n: int, parts, dtype):
+    """Node vector of length n: ``Σ vals`` scattered at ``idx`` over ``parts = [(static idx, vals), …]``.
+
+    Parts on one contiguous node range are summed first and the disjoint ranges concatenated with zero
+    gaps (one fused op instead of a scatter per part); anything else is a scatter-add.
+    """
+    ranges, rest = {}, []
+    for idx, vals in parts:
+        vals = jnp.broadcast_to(vals, idx.shape).reshape(-1)
+        lo = _range_start(idx)
+        if lo is None:
+            rest.append((np.ravel(idx), vals))
+        else:
+            key = (lo, idx.size)
+            ranges[key] = ranges[key] + vals if key in ranges else vals
+    pieces, end = [], 0
+    for (lo, size), vals in sorted(ranges.items()):
+        if lo < end:  # overlapping ranges: scatter
+            rest.append((lo + np.arange(size), vals))
+            continue
+        pieces += [jnp.zeros((lo - end,), dtype), vals.astype(dtype)]
+        end = lo + size
+    out = jnp.concatenate([*pieces, jnp.zeros((n - end,), dtype)])
+    for idx, vals in rest:
+        out = out.at[idx].add(vals.astype(dtype))
+    return out
+
+
+def finite(x):
+    """x where finite, else 0: a product of inverse chain factors beyond the dtype's range is a singular chart."""
+    return jnp.where(jnp.isfinite(x), x, 0)
+
+
+def safe_inv(x):
+    """1/x, and 0 where x is 0 or so small that 1/x overflows (the chart is singular there in this dtype)."""
+    nz = x != 0
+    inv = 1.0 / jnp.where(nz, x, 1)
+    return jnp.where(nz & jnp.isfinite(inv), inv, 0)
+
+
+def gauge_log2(space: PathSpace, leaves, dtype):
+    """Per node, ``l_v = log2|B_v|`` (B_v: the product of the weights on v's outgoing skeleton chain, the gauge).
+
+    Summed as logarithms, so no product overflows or underflows. 0 at non-hidden nodes and where a gauge
+    weight on the chain is 0. Under a node-wise rescaling T_β, ``l_v ↦ l_v − log2 β_v``.
+    """
+    sk = skeleton(space)
+    lw = jnp.log2(jnp.abs(node_gather(space, leaves, "out", dtype)))
+    lb = jnp.zeros_like(lw)
+    for _ in range(sk.depth_out):
+        lb = lw + lb[sk.child]
+    return jnp.where(jnp.isfinite(lb), lb, 0)
+
+
+MAX_FRAME_EXPONENT = 60  # node factors 2^±60: an edge factor 2^±120 is a normal float32
+
+
+def frame_k(lg):
+    """Integer frame exponents per node: round(l), clipped so that every factor below is a normal float32."""
+    return jnp.clip(jnp.round(lg), -MAX_FRAME_EXPONENT, MAX_FRAME_EXPONENT)
+
+
+def edge_factors(space: PathSpace, lg, sign: float = 1.0):
+    """Per leaf, ``2^(sign · (k_dst − k_src))`` (k: `gauge_log2` rounded to integers, |k| ≤ 60), exact powers of
+    two broadcastable to the leaf (None for leaves of kind "other").
+
+    Built from two node vectors (one power of two per node, one product per entry), so applying it costs what
+    an elementwise product costs. ``sign=1`` takes the params to the canonical frame, ``sign=-1`` back.
+    """
+    return edge_products(space, *pow2_pair(sign * frame_k(lg)))
+
+
+def pow2_pair(k):
+    """``(2^k, 2^-k)`` exactly, for an integer-valued node vector k (`pathspace_jax.exact.pow2`)."""
+    return pow2(k, k.dtype), pow2(-k, k.dtype)
+
+
+def edge_products(space: PathSpace, up, down):
+    """Per leaf, ``up_dst · down_src`` from two node vectors: one product per entry.
+
+    The node vectors are materialised first (`materialize`): XLA:CPU would otherwise recompute their
+    powers of two (a clip, a rounding and bit operations) once per entry in every loop that reads them
+    (Path-SGD's step on a 784-2048-2048-10 MLP, A/B in one process: 1.23x SGD's step with, 1.17x without).
+    """
+    up, down = materialize(up, down)
+    return [
+        None if li.kind == "other" else take(up, li.dst_r) * take(down, li.src_r) for li in skeleton(space).leaves
+    ]
+
+
+def frame_factors(space: PathSpace, alpha):
+    """Per leaf, ``α_dst / α_src`` broadcastable to the leaf (None for leaves of kind "other"), from a node vector α.
+
+    The factor that takes an edge's weight to the frame α (a node-wise rescaling, e.g. `balanced_frame`):
+    ``w_{u->v} ↦ w_{u->v} α_v / α_u``; κ, which scales like ``(β_u / β_v)²``, is divided by its square. An α that
+    is 0 or not finite (a node on no path one way) counts as 1 there.
+    """
+    a = jnp.where((alpha > 0) & jnp.isfinite(alpha), alpha, 1)
+    return edge_products(space, a, 1 / a)
+
+
+def to_canonical_frame(space: PathSpace, leaves, dtype):
+    """``(leaves in the canonical frame, l)``: every edge ``u -> v`` times ``2^(k_v − k_u)``, in ``dtype``, with
+    ``l`` = `gauge_log2` and k its rounding (`edge_factors`); leaves of kind "other" unchanged.
+
+    The canonical frame is the member of the params' rescaling orbit whose gauge weights are ±1 within a
+    factor √2 (`canonicalize` up to powers of two). It computes the same function and, since the factors
+    are powers of two, is bit for bit the same for every power-of-two rescaling of ``leaves``: quantities
+    that scale under rescaling (κ, gradients) are computed there, in range, and mapped back.
+    """
+    lg = gauge_log2(space, leaves, dtype)
+    out = [jnp.asarray(w) if f is None else jnp.asarray(w, dtype) * f for w, f in zip(leaves, edge_factors(space, lg))]
+    return out, lg
+
+
+def kappa_from_frame(space: PathSpace, kappa, lg):
+    """κ of the params from κ in their canonical frame: ``κ_c · 2^(2(k_v − k_u))`` on each edge ``u -> v``.
+
+    κ_c = 0 stays 0; a value beyond the dtype's range is ``inf`` (never 0, never NaN).
+    """
+    return [
+        k if f is None else jnp.where(k == 0, 0, k * f * f).astype(jnp.result_type(k))
+        for k, f in zip(kappa, edge_factors(space, lg))
+    ]
+
+
+
+def materialize(*vecs):
+    """The node vectors ``vecs`` as computed arrays, through one gather.
+
+    XLA:CPU fuses a node vector's whole expression (frexp, powers of two, square roots) into every per-entry
+    loop that reads it, so it is recomputed once per entry, in each of those loops; a gather is never fused
+    there (an optimization barrier is removed before fusion). On the 784-512-512-10 MLP this took 0.15 ms of
+    G-SGD's 1.1 ms update. The vectors are stacked as columns and the gather takes whole rows: gathering along
+    the second axis of a row-wise stack made XLA:CPU transpose the stack first, one more kernel per call.
+    """
+    stack = jnp.stack(vecs, axis=1)
+    rows = jnp.take(stack, np.arange(stack.shape[0], dtype=np.int32), axis=0, mode="clip")
+    return tuple(rows[:, i] for i in range(len(vecs)))
