@@ -27,7 +27,7 @@ def ddp_sgd(
 ) -> optax.GradientTransformationExtraArgs:
     """DDP-SGD (Neyshabur et al., ICLR 2016): w ← w − η g / κ, κ = ½ ∂²γ²_net/∂w² on the current batch.
 
-    With the default ``normalize=True`` κ is divided by its mean over each leaf in the balanced frame
+    With the default ``normalize=True`` κ is divided by its geometric mean over each leaf in the balanced frame
     (`pathspace_jax.scale_by_ddp`), so the learning rates of ``optax.sgd`` carry over at every α.
 
     ``optax.chain(scale_by_ddp(...), [optax.trace(momentum)], optax.scale_by_learning_rate(lr))``: the
@@ -176,7 +176,7 @@ def path_sgd(
 ) -> optax.GradientTransformation:
     """Path-SGD: p ← p − η g / κ, κ = ½ ∂²γ²_net/∂p² (κ⁽¹⁾ + κ⁽²⁾ for recurrent kernels).
 
-    With the default ``normalize=True`` κ is divided by its mean over each leaf in the balanced frame
+    With the default ``normalize=True`` κ is divided by its geometric mean over each leaf in the balanced frame
     (`pathspace_jax.scale_by_path_sgd`), so the learning rates of ``optax.sgd`` carry over.
 
     ``optax.chain(scale_by_path_sgd(...), [optax.trace(momentum, nesterov)], optax.scale_by_learning_rate(lr))``:

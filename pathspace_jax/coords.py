@@ -38,7 +38,6 @@ References:
   weight allocation).
 """
 
-
 from __future__ import annotations
 
 import functools

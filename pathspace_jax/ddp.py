@@ -106,7 +106,6 @@ __all__ = ["ddp_kappa", "DDPUnsupportedError"]
 _PROBE_LOOP_MAX = 8
 
 
-
 # ----------------------------------------------------------------------------- evaluation
 
 
@@ -510,33 +509,8 @@ def ddp_kappa_canonical(
     # -- the second-order term Σ_t ν_t mean_i (∂z_t(x_i)/∂w)²
     if alpha > 0.0:
         if estimator == "probes":
-            scale = [jnp.sqrt(jnp.maximum(nu, 0.0)).astype(z.dtype) for nu, z in zip(nus, probe_zs, strict=False)]
-
-            def one(k):
-                ks = jax.random.split(k, len(probe_zs))
-                cots = []
-                for kk, z, s in zip(ks, probe_zs, scale, strict=False):
-                    r = jax.random.rademacher(kk, z.shape, z.dtype)
-                    if moment == "variance":
-                        r = r - jnp.mean(r, axis=0, keepdims=True)
-                    cots.append(r * s)
-                (g,) = vjp(cots)
-                return [gi * gi for gi in g]
-
-            keys = jax.random.split(key, int(num_probes))
-            if num_probes == 1:
-                sqs = one(key)
-            elif jax.default_backend() == "cpu" and num_probes <= _PROBE_LOOP_MAX:
-                # straight-line VJPs, summed: XLA:CPU runs a vmapped or looped convolution's backward pass
-                # several times slower than a plain one (4 probes, × SGD: CNN 5.8 -> 2.8, MLP 9.6 -> 3.6)
-                sqs = functools.reduce(lambda a, b: [x + y for x, y in zip(a, b, strict=True)], map(one, keys))
-                sqs = [s / num_probes for s in sqs]
-            else:  # one batched VJP (on an H100, 4 probes × SGD: MLP 1.29 against 1.67 looped, CNN 2.37 against 3.0)
-                sqs = [jnp.mean(s, axis=0) for s in jax.vmap(one)(keys)]
-            # the probes' sum over their b examples, as a mean over the batch (Σ_S (a − ā_S)² estimates
-            # (b − 1)/(n − 1) Σ (a − ā)² for a random subset S: the finite-population factor)
-            per = 1.0 / b if moment == "second" or b == n else (n - 1) / (n * (b - 1))
-            kappa = [k + s * per for k, s in zip(kappa, sqs, strict=False)]
+            sqs = _second_order_probes(vjp, probe_zs, nus, key, num_probes, moment, b, n)
+            kappa = [k + a for k, a in zip(kappa, sqs, strict=False)]
         else:
             second = _second_order_exact(prog, leaves, xs, want, zs, nus, moment, conv_vjp)
             kappa = [k + a for k, a in zip(kappa, second, strict=True)]
@@ -553,6 +527,38 @@ def ddp_kappa_canonical(
         kappa = [k + probe_damping * kp for k, kp in zip(kappa, k_path, strict=True)]
     kappa = [k.astype(p.dtype) for k, p in zip(kappa, leaves, strict=False)]
     return kappa, lg
+
+
+def _second_order_probes(vjp, probe_zs, nus, key, num_probes, moment, b, n) -> list:
+    """Σ_t ν_t mean_i (∂z_t(x_i)/∂w)² by ``num_probes`` random-sign probes, each one VJP of the forward pass
+    (``vjp``) from the nodes ``probe_zs`` of ``b`` of the batch's ``n`` examples."""
+    scale = [jnp.sqrt(jnp.maximum(nu, 0.0)).astype(z.dtype) for nu, z in zip(nus, probe_zs, strict=False)]
+
+    def one(k):
+        ks = jax.random.split(k, len(probe_zs))
+        cots = []
+        for kk, z, s in zip(ks, probe_zs, scale, strict=False):
+            r = jax.random.rademacher(kk, z.shape, z.dtype)
+            if moment == "variance":
+                r = r - jnp.mean(r, axis=0, keepdims=True)
+            cots.append(r * s)
+        (g,) = vjp(cots)
+        return [gi * gi for gi in g]
+
+    keys = jax.random.split(key, int(num_probes))
+    if num_probes == 1:
+        sqs = one(key)
+    elif jax.default_backend() == "cpu" and num_probes <= _PROBE_LOOP_MAX:
+        # straight-line VJPs, summed: XLA:CPU runs a vmapped or looped convolution's backward pass
+        # several times slower than a plain one (4 probes, × SGD: CNN 5.8 -> 2.8, MLP 9.6 -> 3.6)
+        sqs = functools.reduce(lambda a, b: [x + y for x, y in zip(a, b, strict=True)], map(one, keys))
+        sqs = [s / num_probes for s in sqs]
+    else:  # one batched VJP (on an H100, 4 probes × SGD: MLP 1.29 against 1.67 looped, CNN 2.37 against 3.0)
+        sqs = [jnp.mean(s, axis=0) for s in jax.vmap(one)(keys)]
+    # the probes' sum over their b examples, as a mean over the batch (Σ_S (a − ā_S)² estimates
+    # (b − 1)/(n − 1) Σ (a − ā)² for a random subset S: the finite-population factor)
+    per = 1.0 / b if moment == "second" or b == n else (n - 1) / (n * (b - 1))
+    return [s * per for s in sqs]
 
 
 _RELABEL = {"reshape", "broadcast_in_dim", "convert_element_type", "squeeze", "expand_dims"}
@@ -705,4 +711,3 @@ def _recurrent_term(leaves, kappa, kappa_a, rec, zs, lin, stats, gamma_net, mome
     for j, d in zip(rec, unravel(0.5 * diag), strict=True):
         kappa[j] = kappa[j] + d - kappa_a[j]
     return kappa
-

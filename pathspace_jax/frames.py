@@ -157,9 +157,7 @@ def edge_products(space: PathSpace, up, down):
     (Path-SGD's step on a 784-2048-2048-10 MLP, A/B in one process: 1.23x SGD's step with, 1.17x without).
     """
     up, down = materialize(up, down)
-    return [
-        None if li.kind == "other" else take(up, li.dst_r) * take(down, li.src_r) for li in skeleton(space).leaves
-    ]
+    return [None if li.kind == "other" else take(up, li.dst_r) * take(down, li.src_r) for li in skeleton(space).leaves]
 
 
 def frame_factors(space: PathSpace, alpha):
@@ -196,7 +194,6 @@ def kappa_from_frame(space: PathSpace, kappa, lg):
         k if f is None else jnp.where(k == 0, 0, k * f * f).astype(jnp.result_type(k))
         for k, f in zip(kappa, edge_factors(space, lg))
     ]
-
 
 
 def materialize(*vecs):

@@ -27,7 +27,7 @@ from pathspace_jax.graph import BIAS_NODE, PathSpace, compute_dtype
 from pathspace_jax.skeleton import Skeleton, candidates, skeleton
 
 __all__ = ["coord_scales", "check_chart", "path_norms", "balanced_frame", "frame_level", "balancing_factors",
-           "chart", "allocate"]  # fmt: skip
+           "chart", "chart_at", "allocate"]  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- G-SGD kernels (O(m))
@@ -364,6 +364,7 @@ class _Chart(NamedTuple):
     s_in: jax.Array  # σ at each node's incoming skeleton entry
     corr: jax.Array  # σ times the in-skeleton correction of ∂L/∂c (`_in_skeleton_correction`)
 
+
 def _pair(vecs, li, guard):
     f = take(vecs[0], li.src_r) * take(vecs[1], li.dst_r)
     return finite(f) if guard else f
@@ -412,6 +413,19 @@ def chart(space: PathSpace, w_leaves, g_leaves, ct, alpha):
         gphis.append(gphi)
         phis.append(phi)
     return gphis, phis, chart
+
+
+def chart_at(space: PathSpace, params, grads, normalize: bool, rebalance: bool):
+    """`chart` at a params tree for a gradient tree: ``(w, g, compute dtype, ∂L/∂φ, φ as a tree like params, the
+    chart's node vectors, the balanced frame α)`` (α None unless ``normalize`` or ``rebalance``; the chart is
+    the raw one of Meng et al. unless ``normalize``)."""
+    w = space.leaves_of(params, "params")
+    g = space.leaves_of(grads, "updates")
+    ct = compute_dtype(list(w) + list(g))
+    alpha = balanced_frame(space, w, ct) if normalize or rebalance else None
+    gphi, phi, nodes = chart(space, w, g, ct, alpha if normalize else None)
+    phi_tree = space.unflatten_like(params, [x.astype(jnp.result_type(y)) for x, y in zip(phi, w, strict=True)])
+    return w, g, ct, gphi, phi_tree, nodes, alpha
 
 
 def balancing_factors(space: PathSpace, alpha):

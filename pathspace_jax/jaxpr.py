@@ -62,7 +62,6 @@ _CALL_KEYS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 _CONTROL = {"scan", "while", "cond"}
 
 
-
 def where(eqn) -> str:
     """``file:line (function)`` of the user's code that produced ``eqn``.
 

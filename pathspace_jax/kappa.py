@@ -108,7 +108,6 @@ __all__ = ["path_norm", "path_kappa", "PathKappaUnsupportedError"]
 _WHO = "path_kappa"
 
 
-
 def _lag_sum(cin, nu, a):
     """Q[j, i] = Σ_{k≥0} (A^k)[j, i] · Σ_s cin[s, j] ν[s+1+k, i]: O(T n³ + T² n²) time, O(T n + n²) memory."""
     t, n = cin.shape

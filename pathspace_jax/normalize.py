@@ -53,7 +53,6 @@ from pathspace_jax.graph import PathSpace, check_path_space
 __all__ = ["ddp_normalize", "ddp_normalized_weights", "DDPNormalizationError"]
 
 
-
 class _Node(NamedTuple):
     """A hidden node group's pre-activation in the forward program."""
 

@@ -43,7 +43,6 @@ from pathspace_jax.skeleton import choose_by_value
 __all__ = ["trace", "UnsupportedModelError", "leaf_path_strings"]
 
 
-
 # ---------------------------------------------------------------------------
 # Atoms: a union-find over axis labels.
 # ---------------------------------------------------------------------------
@@ -436,9 +435,7 @@ class _Interpreter:
             if v.kind == CONST and not v.zero:
                 for a in acts:
                     self.pin(a, "max/min with a non-zero constant")
-        return [
-            self.ew(ACT, ins, self.broadcast(eqn, acts + [v for v in ins if v.kind != ACT], unify=len(acts) > 1))
-        ]
+        return [self.ew(ACT, ins, self.broadcast(eqn, acts + [v for v in ins if v.kind != ACT], unify=len(acts) > 1))]
 
     rule_min = rule_max
 
