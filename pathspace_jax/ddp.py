@@ -98,6 +98,7 @@ from pathspace_jax.exact import V
 from pathspace_jax.frames import kappa_from_frame, to_canonical_frame
 from pathspace_jax.graph import PathSpace, check_path_space, compute_dtype
 from pathspace_jax.kappa import kappa_canonical
+from pathspace_jax.rules import rule
 
 __all__ = ["ddp_kappa", "DDPUnsupportedError"]
 
@@ -561,9 +562,6 @@ def _second_order_probes(vjp, probe_zs, nus, key, num_probes, moment, b, n) -> l
     return [s * per for s in sqs]
 
 
-_RELABEL = {"reshape", "broadcast_in_dim", "convert_element_type", "squeeze", "expand_dims"}
-
-
 def _outer_product_leaves(prog: squared.Program, shapes: dict) -> dict:
     """The leaves whose per-example gradient is an outer product, as ``{leaf: (tap var, activation var or
     None)}``: a dense kernel W used once, in ``a @ W`` with a (1, k) per example (gradient a ⊗ δ, δ the
@@ -577,7 +575,7 @@ def _outer_product_leaves(prog: squared.Program, shapes: dict) -> dict:
     out = {}
     for j, p in enumerate(prog.in_ids[: prog.n_params]):
         v, size = p, int(np.prod(shapes[p], dtype=np.int64))
-        while len(uses.get(v, [])) == 1 and uses[v][0].prim.name in _RELABEL and len(uses[v][0].outs) == 1:
+        while len(uses.get(v, [])) == 1 and rule(uses[v][0].prim.name).same_entries and len(uses[v][0].outs) == 1:
             v = uses[v][0].outs[0]  # a relabelling of the same entries (a bias reshaped to (1, m))
         if len(uses.get(v, [])) != 1 or int(np.prod(shapes[v], dtype=np.int64)) != size:
             continue

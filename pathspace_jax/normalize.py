@@ -49,6 +49,7 @@ from pathspace_jax import squared
 from pathspace_jax.ddp import run_program
 from pathspace_jax.errors import DDPNormalizationError
 from pathspace_jax.graph import PathSpace, check_path_space
+from pathspace_jax.rules import rule
 
 __all__ = ["ddp_normalize", "ddp_normalized_weights", "DDPNormalizationError"]
 
@@ -102,7 +103,7 @@ def _nodes(space: PathSpace, prog: squared.Program) -> dict[int, _Node]:
         acts = [x for x in e.ins if not isinstance(x, tuple) and kinds[x] == "act"]
         if name in ("dot_general", "conv_general_dilated") and params:
             chain[e.outs[0]] = params
-        elif any(x in chain for x in acts) and (name in squared.TRANSPARENT or name in squared.MERGE):
+        elif any(x in chain for x in acts) and (rule(name).passes_node or rule(name).merges_node):
             if name in ("add", "add_any", "sub") and any(x not in chain for x in acts):
                 where = e.where
                 raise DDPNormalizationError(

@@ -15,11 +15,11 @@ a parameter by them an embedding lookup (`_lookup`).
 
 **The |·|^p network.** `evaluate` runs the program with every linear coefficient replaced by its |·|^p: the
 parameters arrive raised, fixed coefficients on a path (average pooling's 1/k, a constant scale) are raised
-here, ``sub``/``neg``/``abs`` become ``add``/identity, and ReLU, max pooling and the other operations of
-``_AS_IS`` are applied as they are to the non-negative values. On an all-ones input its outputs (and,
-with boundaries, the sums at the sinks: `total`) sum to Σ_paths Π |p_e|^p. Values are carried as `V` (a
-mantissa and an optional int32 power-of-two exponent renormalised after every operation, so products
-neither overflow nor underflow). Hooks let the callers
+here, ``sub``/``neg``/``abs`` become ``add``/identity, and ReLU, max pooling and the other primitives whose
+rule is ``as_is`` (`pathspace_jax.rules`) are applied as they are to the non-negative values. On an all-ones
+input its outputs (and, with boundaries, the sums at the sinks: `total`) sum to Σ_paths Π |p_e|^p. Values
+are carried as `V` (a mantissa and an optional int32 power-of-two exponent renormalised after every
+operation, so products neither overflow nor underflow). Hooks let the callers
 mix node statistics in (DDP), perturb a scan's carries and record what κ⁽²⁾ needs (Path-SGD).
 """
 
@@ -37,6 +37,7 @@ import numpy as np
 from pathspace_jax import jaxpr as jx
 from pathspace_jax.exact import V, align, is_float, ldexp, renorm
 from pathspace_jax.graph import PathSpace
+from pathspace_jax.rules import rule
 from pathspace_jax.trace import boundary_sites
 
 # The scans that κ and γ² add run a recurrence step by step, often at a tiny size (Path-SGD's |·|^p network on
@@ -58,17 +59,6 @@ def scan_unroll(length: int, carry_bytes: int) -> int:
 def nbytes(tree) -> int:
     """The bytes of the arrays in ``tree``."""
     return sum(int(np.prod(jnp.shape(a), dtype=np.int64)) * jnp.result_type(a).itemsize for a in jax.tree.leaves(tree))
-
-
-# ops through which a pre-activation passes without becoming a node (one consumer)
-TRANSPARENT = {"reshape", "squeeze", "expand_dims", "broadcast_in_dim", "transpose", "convert_element_type", "copy",
-                "copy_p", "reduce_precision", "neg"}  # fmt: skip
-MERGE = {"add", "add_any", "sub", "mul", "div"}
-# ops evaluated as they are on the (non-negative) γ² values of the squared network
-_AS_IS = {"max", "select_n", "gt", "ge", "lt", "le", "eq", "ne", "reduce_window_max", "reduce_max", "reduce_sum",
-          "reduce_window_sum", "reshape", "squeeze", "expand_dims", "broadcast_in_dim", "transpose",
-          "convert_element_type", "copy", "copy_p", "reduce_precision", "concatenate", "slice", "pad", "rev",
-          "dynamic_slice", "add", "add_any", "stop_gradient", "not", "and", "or"}  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -178,7 +168,7 @@ def _flatten(
                 and not inline_custom
                 and name.startswith("custom_")
                 and "param" not in ks
-                and jx.primitive_names(sub) <= (_AS_IS - {"add", "add_any", "reduce_sum", "reduce_window_sum"})
+                and all(rule(n).as_is and not rule(n).sums for n in jx.primitive_names(sub))
             )
             if sub is not None and not opaque:
                 sub_in = []
@@ -276,7 +266,7 @@ def _find_nodes(prog: Program, body: bool = False) -> set[int]:
             continue
         if name in ("dot_general", "conv_general_dilated") and "param" in ins_k or e.outs[0] in prog.lookups:
             fresh.add(e.outs[0])
-        elif name in TRANSPARENT or name in MERGE:
+        elif rule(name).passes_node or rule(name).merges_node:
             if any((not isinstance(x, tuple)) and x in fresh for x in e.ins):
                 fresh.add(e.outs[0])
     outs = [x for x in prog.out_ids if not isinstance(x, tuple) and kinds[x] == "act"]
@@ -291,7 +281,7 @@ def _find_nodes(prog: Program, body: bool = False) -> set[int]:
                 continue
             if v not in fresh:
                 continue
-            merged = len(us) == 1 and (us[0].prim.name in TRANSPARENT or us[0].prim.name in MERGE)
+            merged = len(us) == 1 and (rule(us[0].prim.name).passes_node or rule(us[0].prim.name).merges_node)
             if merged and us[0].prim.name in ("mul", "div"):
                 other = [x for x in us[0].ins if x != v]
                 merged = all(isinstance(x, tuple) or kinds[x] == "const" for x in other)
@@ -395,7 +385,8 @@ def _squared_op(e: _Eqn, ks: Sequence[str], vals: list, out_kind: str, power: fl
 
     Linear coefficients that are constants (average pooling's 1/k, a fixed scale) are raised to ``power``
     (parameters arrive already raised); ``sub``/``neg``/``abs`` become ``add``/identity; ReLU, max pooling
-    and the other ops of ``_AS_IS`` are applied as they are. Anything else raises ``err``.
+    and the other ops whose rule is ``as_is`` (`pathspace_jax.rules`) are applied as they are. Anything else raises
+    ``err``.
     """
     name = e.prim.name
     if out_kind == "const":
@@ -415,7 +406,7 @@ def _squared_op(e: _Eqn, ks: Sequence[str], vals: list, out_kind: str, power: fl
         return [jnp.add(*vals)]
     if name in ("neg", "abs"):
         return [vals[0]]
-    if name in _AS_IS or name.startswith("custom_"):  # custom_*: kept whole only around ReLU-like code
+    if rule(name).as_is or name.startswith("custom_"):  # custom_*: kept whole only around ReLU-like code
         if name in ("max", "min", "add", "add_any") and "act" in ks:
             for k, v in zip(ks, vals, strict=True):
                 if k == "const" and _nonzero(v):
@@ -425,11 +416,6 @@ def _squared_op(e: _Eqn, ks: Sequence[str], vals: list, out_kind: str, power: fl
         f"{who}: primitive {name!r} at {e.where} is not positively homogeneous (or not supported by "
         "the γ² recursion); it is defined here for ReLU networks only."
     )
-
-
-_MULTIPLICATIVE = {"mul", "div", "dot_general", "conv_general_dilated"}
-# ops that make a squared scan body non-linear in its carry (κ⁽²⁾ needs linearity)
-_NONLINEAR = {"max", "min", "reduce_max", "reduce_min", "reduce_window_max", "select_n", "argmax", "sort"}
 
 
 def _is_relu(e, ks, vals) -> int | None:
@@ -539,7 +525,7 @@ def evaluate(
         elif (r := _is_relu(e, ks, vals)) is not None:
             outs = [vals[r]]
         else:
-            if e.prim.name in _MULTIPLICATIVE:
+            if rule(e.prim.name).multiplicative:
                 es = [v.e for v in vals if isinstance(v, V) and v.e is not None]
                 top = functools.reduce(lambda a, b: a + b, es) if es else None
                 ms = [v.m if isinstance(v, V) else v for v in vals]
@@ -551,7 +537,7 @@ def evaluate(
             of_ones = not isinstance(e.ins[0], tuple) and e.ins[0] in ones_ids
             res = _dense_of_ones(e, ks, ms) if of_ones else None
             res = res or _squared_op(e, ks, ms, out_kind, power, prog.who, prog.err)
-            if of_ones and e.prim.name in _KEEPS_ONES and e.outs[0] not in sink_set:
+            if of_ones and rule(e.prim.name).keeps_ones and e.outs[0] not in sink_set:
                 ones_ids.add(e.outs[0])
             if tap is not None:
                 tap.seen.append(ms[tap.act])
@@ -567,9 +553,6 @@ def evaluate(
                 v = V(jnp.ones_like(v.m), None if v.e is None else jnp.zeros((), jnp.int32))
             env[o] = v
     return [rd(x) for x in prog.out_ids]
-
-
-_KEEPS_ONES = {"reshape", "squeeze", "expand_dims", "broadcast_in_dim", "convert_element_type", "copy", "copy_p"}
 
 
 def _dense_of_ones(e: _Eqn, ks, ms) -> list | None:
@@ -810,7 +793,7 @@ def _check_linear_body(bp: Program) -> None:
                 f"{bp.who}(second_order=True): nested scan at {e.where}; the exact κ⁽²⁾ is implemented for one level "
                 "of recurrence (use second_order=False for κ⁽¹⁾)"
             )
-        if e.prim.name in _NONLINEAR:
+        if rule(e.prim.name).breaks_linearity:
             zero = any(isinstance(x, tuple) and not np.any(np.asarray(x[1])) for x in e.ins)
             if not (e.prim.name == "max" and zero):
                 raise bp.err(

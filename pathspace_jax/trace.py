@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pathspace_jax import jaxpr as jx
+from pathspace_jax import rules
 from pathspace_jax.errors import UnsupportedModelError
 from pathspace_jax.graph import BIAS_NODE, EdgeLeaf, NodeGroup, PathSpace, leaf_path_strings
 from pathspace_jax.skeleton import choose_by_value
@@ -176,21 +177,6 @@ class _Val:
     random: bool = False  # a constant computed from random numbers (a dropout mask, a PRNG key)
 
 
-_STRUCTURAL_UNARY = {
-    "convert_element_type", "copy", "copy_p", "reduce_precision", "neg", "real",
-    "optimization_barrier", "pvary", "device_put", "sharding_constraint",
-}  # fmt: skip
-_NONLINEAR_UNARY = {
-    "tanh", "exp", "exp2", "log", "log1p", "expm1", "logistic", "sqrt", "rsqrt", "cbrt",
-    "integer_pow", "square", "sin", "cos", "tan", "asin", "acos", "atan", "sinh", "cosh",
-    "asinh", "acosh", "atanh", "erf", "erfc", "erf_inv", "lgamma", "digamma", "pow",
-    "atan2", "rem", "floor", "ceil", "round", "logaddexp", "reciprocal",
-}  # fmt: skip
-_DEGREE0_UNARY = {"sign", "is_finite", "not", "stop_gradient"}
-_COMPARE = {"eq", "ne", "lt", "le", "gt", "ge"}
-_RANDOM_PREFIX = ("random_", "threefry", "rng_")
-
-
 class _Interpreter:
     def __init__(self, leaf_paths: Sequence[str]):
         self.atoms = _Atoms()
@@ -280,18 +266,19 @@ class _Interpreter:
     # -- dispatch ------------------------------------------------------------
     def apply(self, eqn, ins: list[_Val]) -> list[_Val]:
         name = eqn.primitive.name
-        rule = getattr(self, "rule_" + name, None)
-        if rule is not None:
-            return rule(eqn, ins)
-        if name in _STRUCTURAL_UNARY:
+        structure = rules.rule(name).structure  # the rule table: one entry per primitive
+        method = getattr(self, "rule_" + name, None) if structure == "method" else None
+        if method is not None:
+            return method(eqn, ins)
+        if structure == "relabel":
             return [dataclasses.replace(v) for v in ins[: len(eqn.outvars)]]
-        if name in _NONLINEAR_UNARY:
+        if structure == "nonlinear":
             return [self.nonlinear(eqn, ins)]
-        if name in _DEGREE0_UNARY or name in _COMPARE:
+        if structure in ("degree0", "compare"):
             return [self.degree0(eqn, ins)]
-        if name.startswith(_RANDOM_PREFIX):
+        if rules.is_random(name):
             return [_Val(CONST, self.fresh(v.aval.shape), random=True) for v in eqn.outvars]
-        if name in ("iota", "empty"):
+        if structure == "source":
             return [_Val(CONST, self.fresh(v.aval.shape)) for v in eqn.outvars]
         sub = jx.call_body(eqn)  # jit, custom_jvp_call, custom_vjp_call, checkpoint, ...: entered
         if sub is not None:
@@ -342,7 +329,7 @@ class _Interpreter:
         acts = [v for v in ins if v.kind == ACT]
         for v in ins:
             self.mark_other(v, "compared")
-        if eqn.primitive.name in _COMPARE and acts:
+        if rules.rule(eqn.primitive.name).structure == "compare" and acts:
             consts = [v for v in ins if v.kind == CONST]
             if any(not c.zero for c in consts):
                 for v in acts:

@@ -515,10 +515,14 @@ def test_ddp_alpha_one_with_defaults_is_the_per_example_fisher():
 
 def test_exact_natural_gradient_is_stable_where_sgd_is():
     """DDP-SGD α = 1 with the exact estimator and default arguments on a regression MLP (8-32-32-4, MSE, 64
-    examples, full batch, 100 steps): finite at SGD's learning rates and at or below SGD's loss (without the
-    relative damping and the balanced-frame normalisation it reached 1e22 at 0.1 and NaN at 0.05). The inputs are
-    float64 and the params float32: the exact estimator's cotangents take the activations' dtype (they took the
-    params' and failed inside ``jax.vjp``)."""
+    examples, full batch, 100 steps): finite at SGD's learning rates, at or below SGD's loss at 0.1 and 0.05 (without
+    the relative damping and the balanced-frame normalisation it reached 1e22 at 0.1 and NaN at 0.05; now 0.32 and
+    0.56 against SGD's 0.43 and 0.61). At 0.01, where both are slow, within 10 % of SGD's loss (0.93 against 0.88):
+    κ is normalised by its geometric mean over each leaf, which for this Fisher is 1.2-2.4 times smaller than its
+    arithmetic mean, so the typical step is SGD's and the steps are smaller than with the arithmetic mean (0.86),
+    which made DDP-SGD diverge at SGD's rates elsewhere (benchmarks/lr_transfer.py). The inputs are float64 and the
+    params float32: the exact estimator's cotangents take the activations' dtype (they took the params' and failed
+    inside ``jax.vjp``)."""
     model = _MLP()
     kx, ky = jax.random.split(jax.random.key(0))
     x, y = jax.random.normal(kx, (64, 8)), jax.random.normal(ky, (64, 4))
@@ -538,6 +542,6 @@ def test_exact_natural_gradient_is_stable_where_sgd_is():
             p, s = step(p, s)
         return float(loss(p))
 
-    for lr in (0.1, 0.05, 0.01):
+    for lr, slack in ((0.1, 1.0), (0.05, 1.0), (0.01, 1.1)):
         sgd, ddp = run(optax.sgd(lr)), run(pj.ddp_sgd(space, lr, alpha=1.0, estimator="exact"), inputs=x)
-        assert np.isfinite(ddp) and ddp <= sgd, (lr, ddp, sgd)
+        assert np.isfinite(ddp) and ddp <= slack * sgd, (lr, ddp, sgd)

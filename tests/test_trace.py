@@ -11,10 +11,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend.core import Primitive
 from jax.flatten_util import ravel_pytree
+from jax.interpreters import ad, mlir
 from zoo import ZOO, Spaces
 
 import pathspace_jax as pj
+from pathspace_jax import rules
 from pathspace_jax.rescale import node_vector
 
 CASES = list(ZOO.values())
@@ -236,6 +239,36 @@ def test_strict_raises_on_tanh_naming_primitive_line_and_params():
     assert "tanh" in msg and "zoo.py" in msg and "Dense_0/kernel" in msg and "Dense_1/kernel" in msg
     # the homogeneous models pass strict mode
     pj.trace(ZOO["residual_cnn"].fn, ZOO["residual_cnn"].params, ZOO["residual_cnn"].inputs(2), strict=True)
+
+
+def test_a_rule_table_entry_teaches_trace_and_kappa_a_primitive():
+    """One `pathspace_jax.rules` entry is all a new primitive needs (docs/architecture.md): unknown, it pins
+    the layer around it; registered as a relabelling, the structure, path norm and κ are those of the same
+    network without it."""
+    name = f"pj_test_copy_{len(ZOO)}_{id(object())}"  # a fresh primitive: the table is global
+    copy_p = Primitive(name)
+    copy_p.def_impl(lambda x: x)
+    copy_p.def_abstract_eval(lambda aval: aval)
+    mlir.register_lowering(copy_p, mlir.lower_fun(lambda x: x, multiple_results=False))
+    ad.deflinear2(copy_p, lambda t, x: [t])
+
+    def fn(p, x, copy=True):
+        h = jax.nn.relu(x @ p["w1"] + p["b1"])
+        return (copy_p.bind(h) if copy else h) @ p["w2"]
+
+    keys = jax.random.split(jax.random.key(0), 3)
+    params = {"w1": jax.random.normal(keys[0], (4, 6)), "b1": jax.random.normal(keys[1], (6,)),
+              "w2": jax.random.normal(keys[2], (6, 2))}  # fmt: skip
+    x = jnp.ones((3, 4))
+    with pytest.raises(pj.UnsupportedModelError, match=name):
+        pj.trace(fn, params, x, strict=True)
+    rules.register(name, rules.Rule("relabel", as_is=True, passes_node=True, keeps_ones=True))
+    space, plain = pj.trace(fn, params, x, strict=True), pj.trace(lambda p, x: fn(p, x, False), params, x)
+    assert space.num_hidden == plain.num_hidden == 6
+    np.testing.assert_allclose(pj.path_norm(space, params), pj.path_norm(plain, params), rtol=1e-6)
+    chex.assert_trees_all_close(pj.path_kappa(space, params), pj.path_kappa(plain, params), rtol=1e-6)
+    with pytest.raises(ValueError, match="already has a rule"):
+        rules.register(name, rules.Rule("nonlinear"))
 
 
 def test_the_library_errors_share_one_base_and_keep_their_builtin_ones():

@@ -1,0 +1,141 @@
+"""The rule table: what each JAX primitive means to pathspace_jax, in one place.
+
+Every primitive the library understands has one `Rule`: how `pathspace_jax.trace` reads it when it finds the
+path structure of a network (``structure``), and how the |·|^p network behind path norms, κ and DDP's
+statistics treats it (the other fields, `pathspace_jax.squared`). A primitive with no entry is "not known to
+be positively homogeneous": ``trace`` pins the activations it touches and the |·|^p network refuses it.
+
+Adding support for a primitive is one entry, `register`; for example a custom primitive that copies its
+operand (`docs/architecture.md` walks through it, and ``tests/test_trace.py`` checks that the entry takes
+effect)::
+
+    rules.register("my_copy", rules.Rule(structure="relabel", as_is=True, passes_node=True, keeps_ones=True))
+
+The entries below are grouped by identical rules. Primitive names and parameters are JAX's jaxpr format,
+read in `pathspace_jax.jaxpr`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["Rule", "rule", "register", "is_random", "STRUCTURES"]
+
+STRUCTURES = ("method", "relabel", "nonlinear", "degree0", "compare", "source")
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """What one primitive means to the library.
+
+    ``structure``, how `pathspace_jax.trace` reads it:
+
+    - ``"method"``: a rule of its own, the tracer's ``rule_<name>`` (products, sums, shapes, control flow);
+    - ``"relabel"``: each output is its operand, same entries and axes (a dtype conversion, a copy, ``neg``);
+    - ``"nonlinear"``: not positively homogeneous (``tanh``, ``exp``): the activations it reads are pinned;
+    - ``"degree0"``: its output does not scale with its operands (``sign``): a constant of the structure;
+    - ``"compare"``: as ``"degree0"``, and comparing an activation with a non-zero constant pins it;
+    - ``"source"``: a fresh constant with no operands that matter (``iota``);
+    - None: unknown; the activations it touches are pinned ("not known to be positively homogeneous").
+
+    The |·|^p network (`pathspace_jax.squared`; all False for a primitive it refuses):
+
+    - ``as_is``: evaluated as it is on the network's non-negative values (shapes, ReLU's ``max``, sums);
+    - ``passes_node``: a pre-activation passes through it without becoming a node of its own;
+    - ``merges_node``: it combines a pre-activation with other values (a bias add, a scale), the node goes on;
+    - ``multiplicative``: a product whose constant factor is raised to the power p;
+    - ``sums``: it adds values (a custom call made of ``as_is`` primitives without sums is kept whole);
+    - ``keeps_ones``: maps an all-ones operand to all ones (the all-ones input's shortcuts);
+    - ``same_entries``: a relabelling of the same entries (a bias reshaped to (1, m)), for DDP's outer products;
+    - ``breaks_linearity``: makes a scan body non-linear in its carry (κ⁽²⁾ needs it linear; ReLU's
+      ``max(x, 0)`` is allowed).
+    """
+
+    structure: str | None = None
+    as_is: bool = False
+    passes_node: bool = False
+    merges_node: bool = False
+    multiplicative: bool = False
+    sums: bool = False
+    keeps_ones: bool = False
+    same_entries: bool = False
+    breaks_linearity: bool = False
+
+    def __post_init__(self):
+        if self.structure is not None and self.structure not in STRUCTURES:
+            raise ValueError(f"Rule.structure must be one of {STRUCTURES} or None, got {self.structure!r}")
+
+
+_TABLE: dict[str, Rule] = {}
+_UNKNOWN = Rule()
+_RANDOM_PREFIXES = ("random_", "threefry", "rng_")
+
+
+def rule(name: str) -> Rule:
+    """The `Rule` of the primitive ``name`` (an empty rule, structure None, for a primitive with no entry)."""
+    return _TABLE.get(name, _UNKNOWN)
+
+
+def is_random(name: str) -> bool:
+    """Whether the primitive ``name`` draws or handles random numbers (its results are pinned constants)."""
+    return name.startswith(_RANDOM_PREFIXES)
+
+
+def register(name: str, entry: Rule, *, replace: bool = False) -> None:
+    """Add the rule of the primitive ``name`` (``replace=True`` to change an existing entry).
+
+    A ``"method"`` structure needs a ``rule_<name>`` method on the tracer; the other structures need nothing
+    else. Programs already traced keep the rules they were traced with (`pathspace_jax.trace` and the |·|^p
+    programs are cached per function and shapes).
+    """
+    if not isinstance(entry, Rule):
+        raise TypeError(f"register: entry must be a pathspace_jax.rules.Rule, got {type(entry).__name__}")
+    if name in _TABLE and not replace:
+        raise ValueError(f"register: primitive {name!r} already has a rule; pass replace=True to change it")
+    _TABLE[name] = entry
+
+
+def _group(entry: Rule, *names: str) -> None:
+    for name in names:
+        register(name, entry)
+
+
+# ---------------------------------------------------------------------------- the table
+
+_SHAPE = dict(as_is=True, passes_node=True, keeps_ones=True, same_entries=True)
+_group(Rule("method", **_SHAPE), "reshape", "squeeze", "broadcast_in_dim")
+_group(Rule(None, **_SHAPE), "expand_dims")
+_group(Rule("relabel", **_SHAPE), "convert_element_type")
+_group(Rule("relabel", as_is=True, passes_node=True, keeps_ones=True), "copy", "copy_p")
+_group(Rule("relabel", as_is=True, passes_node=True), "reduce_precision")
+_group(Rule("method", as_is=True, passes_node=True), "transpose")
+_group(Rule("relabel", passes_node=True), "neg")
+_group(Rule("relabel"), "device_put", "optimization_barrier", "pvary", "real", "sharding_constraint")
+
+_group(Rule("method", as_is=True, merges_node=True, sums=True), "add", "add_any")
+_group(Rule("method", merges_node=True), "sub")
+_group(Rule("method", merges_node=True, multiplicative=True), "mul", "div")
+_group(Rule("method", multiplicative=True), "dot_general", "conv_general_dilated")
+_group(Rule("method", as_is=True, sums=True), "reduce_sum", "reduce_window_sum")
+_group(Rule("method", as_is=True), "concatenate", "dynamic_slice", "pad", "rev", "slice")
+
+_group(Rule("method", as_is=True, breaks_linearity=True), "max", "reduce_max", "reduce_window_max", "select_n")
+_group(Rule("method", breaks_linearity=True), "argmax", "min", "reduce_min")
+_group(Rule(None, breaks_linearity=True), "sort")
+_group(
+    Rule("method"),
+    "abs", "argmin", "clamp", "cummax", "cummin", "cumsum", "dynamic_update_slice", "gather", "reduce_prod",
+    "reduce_window_min", "split", "scan", "while", "cond",
+)  # fmt: skip
+
+_group(Rule("compare", as_is=True), "eq", "ne", "lt", "le", "gt", "ge")
+_group(Rule("degree0", as_is=True), "not", "stop_gradient")
+_group(Rule("degree0"), "sign", "is_finite")
+_group(Rule(None, as_is=True), "and", "or")
+_group(Rule("source"), "iota", "empty")
+_group(
+    Rule("nonlinear"),
+    "tanh", "exp", "exp2", "log", "log1p", "expm1", "logistic", "sqrt", "rsqrt", "cbrt", "integer_pow", "square",
+    "sin", "cos", "tan", "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh", "erf", "erfc",
+    "erf_inv", "lgamma", "digamma", "pow", "atan2", "rem", "floor", "ceil", "round", "logaddexp", "reciprocal",
+)  # fmt: skip
