@@ -1,0 +1,143 @@
+"""The tracer's abstract values: axis labels ("atoms") in a union-find, and the values that carry them.
+
+Every array axis of a traced value carries a list of atoms (an axis flattened from several axes carries
+several, in row-major order). Unifying two atoms says that two axes index the same nodes; pinning one says
+its nodes are not part of the homogeneous network. `pathspace_jax.tracer` runs the rules that unify and pin.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+# ---------------------------------------------------------------------------
+# Atoms: a union-find over axis labels.
+# ---------------------------------------------------------------------------
+
+
+class Atoms:
+    def __init__(self):
+        self.parent: list[int] = []
+        self.size: list[int] = []
+        self.expand: list[list[int] | None] = []  # product structure (row-major)
+        self.alias: list[list[int] | None] = []  # concatenation of whole atoms
+        self.position: list[bool] = []
+        self.input: list[bool] = []
+        self.output: list[bool] = []
+        self.reasons: list[list[str]] = []
+
+    def new(self, size: int, *, position=False, input=False) -> int:
+        i = len(self.parent)
+        self.parent.append(i)
+        self.size.append(int(size))
+        self.expand.append(None)
+        self.alias.append(None)
+        self.position.append(position)
+        self.input.append(input)
+        self.output.append(False)
+        self.reasons.append([])
+        return i
+
+    def find(self, a: int) -> int:
+        root = a
+        while self.parent[root] != root:
+            root = self.parent[root]
+        while self.parent[a] != root:
+            self.parent[a], a = root, self.parent[a]
+        return root
+
+    def factors(self, atoms: Sequence[int]) -> list[int]:
+        """Fully expanded roots of a list of atoms."""
+        out: list[int] = []
+        for a in atoms:
+            r = self.find(a)
+            if self.expand[r] is None:
+                out.append(r)
+            else:
+                out.extend(self.factors(self.expand[r]))
+        return out
+
+    def pin(self, atoms: Sequence[int], reason: str) -> None:
+        for r in self.factors(atoms):
+            if reason not in self.reasons[r]:
+                self.reasons[r].append(reason)
+
+    def _set_expand(self, r: int, children: list[int]) -> None:
+        self.expand[r] = list(children)
+        for c in self.factors(children):
+            self.position[c] |= self.position[r]
+            self.input[c] |= self.input[r]
+            self.output[c] |= self.output[r]
+            self.reasons[c].extend(x for x in self.reasons[r] if x not in self.reasons[c])
+
+    def union(self, a: int, b: int, reason: str) -> None:
+        ra, rb = self.find(a), self.find(b)
+        if ra == rb:
+            return
+        if ra > rb:
+            ra, rb = rb, ra
+        assert self.size[ra] == self.size[rb], "union of atoms of different sizes"
+        self.parent[rb] = ra
+        self.position[ra] |= self.position[rb]
+        self.input[ra] |= self.input[rb]
+        self.output[ra] |= self.output[rb]
+        self.reasons[ra].extend(x for x in self.reasons[rb] if x not in self.reasons[ra])
+        ea, eb = self.expand[ra], self.expand[rb]
+        if ea is None and eb is not None:
+            self.expand[ra] = eb
+        elif ea is not None and eb is not None:
+            self.unify(ea, eb, reason)
+        la, lb = self.alias[ra], self.alias[rb]
+        if la is None:
+            self.alias[ra] = lb
+        elif lb is not None and la != lb:
+            self.pin([ra], reason + " (two different concatenations tied together)")
+
+    def unify(self, xs: Sequence[int], ys: Sequence[int], reason: str) -> None:
+        """Make two axes (atom lists of equal total size) the same, factor by factor."""
+        fa, fb = self.factors(xs), self.factors(ys)
+        i = j = 0
+        while i < len(fa) and j < len(fb):
+            a, b = self.find(fa[i]), self.find(fb[j])
+            sa, sb = self.size[a], self.size[b]
+            if sa == sb:
+                self.union(a, b, reason)
+                i, j = i + 1, j + 1
+                continue
+            # split the larger atom into the run of smaller ones that makes it up
+            small, big, k0, swap = (fa, b, i, False) if sa < sb else (fb, a, j, True)
+            k, p = k0, 1
+            while k < len(small) and p < self.size[big]:
+                p *= self.size[self.find(small[k])]
+                k += 1
+            if p != self.size[big] or self.alias[big] is not None:
+                self.pin(list(fa) + list(fb), reason + " (axes reshaped incompatibly)")
+                return
+            self._set_expand(big, [self.find(s) for s in small[k0:k]])
+            if swap:
+                i, j = i + 1, k
+            else:
+                i, j = k, j + 1
+
+
+# ---------------------------------------------------------------------------
+# Abstract values.
+# ---------------------------------------------------------------------------
+
+ACT, PARAM, CONST = "act", "param", "const"
+
+
+@dataclasses.dataclass
+class Val:
+    """kind: 'act' (depends on inputs and is rescaled with its nodes), 'param'
+    (a view of one parameter leaf) or 'const' (fixed, or scale invariant: literals,
+    integer inputs, predicates, masks). ``axes`` is one atom list per array axis
+    ``scalars`` keeps the atoms of size-1 axes that were squeezed away (a single
+    output unit read as ``y[:, 0]`` is still an output node)."""
+
+    kind: str
+    axes: list[list[int]]
+    leaf: int | None = None
+    zero: bool = False
+    scalars: list[int] = dataclasses.field(default_factory=list)  # atoms of squeezed size-1 axes
+    random: bool = False  # a constant computed from random numbers (a dropout mask, a PRNG key)

@@ -1,0 +1,237 @@
+"""The tracer's rules for primitives that move entries between axes: reshapes, transposes, broadcasts,
+slices, pads, concatenations, splits and gathers (a mixin of `pathspace_jax.tracer.Interpreter`).
+
+Each rule maps the atoms of its operands' axes to the atoms of its results' axes: kept, merged into one
+axis (a product structure in `pathspace_jax.atoms.Atoms`), split, or fresh where the result's entries are
+positions (a slice of positions, a padding) rather than nodes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from pathspace_jax import jaxpr as jx
+from pathspace_jax.atoms import ACT, CONST, PARAM, Val
+
+
+class ShapeRules:
+    """``rule_<primitive>`` methods for the primitives that rearrange entries (see the module docstring)."""
+
+    # -- structure ---------------------------------------------------------------
+    def rule_reshape(self, eqn, ins):
+        """Factors are matched right to left (numpy's broadcasting convention), so
+        ``(C,) -> (1, C)`` keeps the parameter's atom on the last axis."""
+        v = ins[0]
+        new_sizes = jx.param(eqn, "new_sizes")
+        if jx.param(eqn, "dimensions", None) is not None:
+            return self.unknown(eqn, ins)
+        flat = [x for ax in v.axes for a in ax for x in self._ids(a)]
+        scalars = list(v.scalars)
+        # a new unit axis of a function input (x.reshape(b, 8, 8, 1) of a (b, 64) input, the channel axis
+        # of a conv) holds input nodes
+        from_input = bool(flat) and all(self.atoms.input[self.atoms.find(a)] for a in flat)
+        out: list[list[int]] = []
+        k = len(flat) - 1
+        for d in reversed(new_sizes):
+            if d == 1:
+                if k >= 0 and self.size([flat[k]]) == 1:
+                    out.append([flat[k]])
+                    k -= 1
+                else:
+                    out.append([scalars.pop()] if scalars else [self.atoms.new(1, input=from_input)])
+                continue
+            cur: list[int] = []
+            p = 1
+            while p < d and k >= 0:
+                f = flat[k]
+                s = self.size([f])
+                if s == 1:
+                    scalars.append(f)
+                    k -= 1
+                elif p * s <= d:
+                    cur.insert(0, f)
+                    p *= s
+                    k -= 1
+                elif d % p == 0 and s % (d // p) == 0 and self.atoms.alias[self.atoms.find(f)] is None:
+                    need = d // p
+                    first, rest = self.atoms.new(s // need), self.atoms.new(need)
+                    self.atoms._set_expand(self.atoms.find(f), [first, rest])
+                    flat[k : k + 1] = [first, rest]
+                    k += 1
+                else:
+                    return self.unknown(eqn, ins)
+            if p != d:
+                return self.unknown(eqn, ins)
+            out.append(cur)
+        scalars.extend(flat[: k + 1])
+        return [dataclasses.replace(v, axes=out[::-1], scalars=scalars)]
+
+    def _ids(self, a: int) -> list[int]:
+        """Like `Atoms.factors` but keeps atom ids where there is no product structure."""
+        r = self.atoms.find(a)
+        if self.atoms.expand[r] is None:
+            return [a]
+        return [x for c in self.atoms.expand[r] for x in self._ids(c)]
+
+    def rule_squeeze(self, eqn, ins):
+        v = ins[0]
+        dims = {d % len(v.axes) for d in jx.param(eqn, "dimensions")}
+        gone = [a for k in sorted(dims) for a in v.axes[k]]
+        return [
+            dataclasses.replace(v, axes=[ax for k, ax in enumerate(v.axes) if k not in dims], scalars=v.scalars + gone)
+        ]
+
+    def rule_transpose(self, eqn, ins):
+        v = ins[0]
+        return [dataclasses.replace(v, axes=[v.axes[p] for p in jx.param(eqn, "permutation")])]
+
+    def rule_broadcast_in_dim(self, eqn, ins):
+        v = ins[0]
+        shape = jx.param(eqn, "shape")
+        out = self.fresh(shape)
+        in_shape = eqn.invars[0].aval.shape
+        for k, d in enumerate(jx.param(eqn, "broadcast_dimensions")):
+            if in_shape[k] == shape[d]:
+                out[d] = list(v.axes[k])
+        return [dataclasses.replace(v, axes=out)]
+
+    def _reslice(self, eqn, v: Val, keep: Sequence[bool], out_shape, why: str) -> Val:
+        """Axes that are not kept get fresh atoms; the old atoms are pinned (a node
+        group may not be cut), which does nothing to positions (batch, time, space)."""
+        out = []
+        for k, d in enumerate(out_shape):
+            if keep[k] or self.size(v.axes[k]) == d == 1:
+                out.append(list(v.axes[k]))
+            else:
+                if v.kind == PARAM:
+                    self.mark_other(v, why)
+                self.atoms.pin(v.axes[k], self.reason(why))
+                out.append([self.atoms.new(d, position=True)])
+        return dataclasses.replace(v, axes=out)
+
+    def rule_slice(self, eqn, ins):
+        v = ins[0]
+        in_shape, out_shape = eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
+        keep = [a == b for a, b in zip(in_shape, out_shape)]
+        return [self._reslice(eqn, v, keep, out_shape, "slices part of an axis")]
+
+    def rule_rev(self, eqn, ins):
+        v = ins[0]
+        keep = [k not in jx.param(eqn, "dimensions") for k in range(len(v.axes))]
+        return [self._reslice(eqn, v, keep, eqn.outvars[0].aval.shape, "reverses the nodes of a group")]
+
+    def rule_dynamic_slice(self, eqn, ins):
+        return self.rule_slice(eqn, ins[:1])
+
+    def rule_pad(self, eqn, ins):
+        v, pad = ins
+        if v.kind == ACT and not pad.zero:
+            self.pin(v, "pads with a non-zero value")
+        out_shape = eqn.outvars[0].aval.shape
+        keep = [cfg == (0, 0, 0) for cfg in jx.param(eqn, "padding_config")]
+        return [self._reslice(eqn, v, keep, out_shape, "pads an axis")]
+
+    def rule_dynamic_update_slice(self, eqn, ins):
+        op, upd = ins[0], ins[1]
+        shape = eqn.outvars[0].aval.shape
+        kind = ACT if ACT in (op.kind, upd.kind) else CONST
+        for v in (op, upd):
+            self.mark_other(v, "updated in place")
+        if kind == ACT and not (op.kind == CONST and op.zero) and op.kind != ACT:
+            self.pin(upd, "written into a non-zero constant")
+        out = []
+        for k, d in enumerate(shape):
+            if eqn.invars[1].aval.shape[k] == d:
+                self.atoms.unify(op.axes[k], upd.axes[k], self.reason())
+                out.append(list(op.axes[k]))
+            else:
+                self.atoms.pin(op.axes[k] + upd.axes[k], self.reason("partial update of an axis"))
+                out.append(list(op.axes[k]))
+        return [Val(kind, out)]
+
+    def rule_concatenate(self, eqn, ins):
+        dim = jx.param(eqn, "dimension")
+        shape = eqn.outvars[0].aval.shape
+        acts = [v for v in ins if v.kind == ACT]
+        for v in ins:
+            self.mark_other(v, "concatenated")
+        kind = ACT if acts else CONST
+        out = []
+        for k, d in enumerate(shape):
+            if k != dim:
+                lists = [v.axes[k] for v in ins]
+                for other in lists[1:]:
+                    self.atoms.unify(lists[0], other, self.reason())
+                out.append(list(lists[0]))
+                continue
+            new = self.atoms.new(d)
+            segs = []
+            for v, var in zip(ins, eqn.invars):
+                fs = self.atoms.factors(v.axes[k])
+                if len(fs) == 1 and v.kind == ACT:
+                    segs.append(fs[0])
+                elif var.aval.shape[k] > 0:
+                    segs = None
+                    break
+            if segs is None:
+                for v in ins:
+                    self.atoms.pin(v.axes[k], self.reason("concatenates along an axis of mixed structure"))
+                self.atoms.position[new] = True
+            else:
+                self.atoms.alias[new] = segs
+            out.append([new])
+        zero = kind == CONST and all(v.zero for v in ins)
+        return [Val(kind, out, zero=zero)]
+
+    def rule_split(self, eqn, ins):
+        v = ins[0]
+        axis = jx.param(eqn, "axis")
+        outs = []
+        for var in eqn.outvars:
+            shape = var.aval.shape
+            keep = [k != axis for k in range(len(shape))]
+            outs.append(self._reslice(eqn, v, keep, shape, "splits an axis"))
+        return outs
+
+    def rule_gather(self, eqn, ins):
+        op, idx = ins[0], ins[1]
+        dn = jx.param(eqn, "dimension_numbers")
+        slice_sizes = jx.param(eqn, "slice_sizes")
+        in_shape = eqn.invars[0].aval.shape
+        out_shape = eqn.outvars[0].aval.shape
+        if idx.kind != CONST or dn.operand_batching_dims:
+            return self.unknown(eqn, ins)
+        # operand axes that survive as slices, in order
+        offset_src = [
+            k for k in range(len(in_shape)) if k not in dn.collapsed_slice_dims and k not in dn.operand_batching_dims
+        ]
+        batch_axes = [ax for ax in idx.axes[:-1]]
+        out: list[list[int]] = []
+        b = o = 0
+        for k in range(len(out_shape)):
+            if k in dn.offset_dims:
+                src = offset_src[o]
+                o += 1
+                if slice_sizes[src] == in_shape[src]:
+                    out.append(list(op.axes[src]))
+                    if op.kind == PARAM:
+                        self.use(op, op.axes[src], "out")
+                else:
+                    if op.kind == PARAM:
+                        self.mark_other(op, "gathered in part")
+                    self.atoms.pin(op.axes[src], self.reason("gathers part of an axis"))
+                    out.append([self.atoms.new(out_shape[k], position=True)])
+            else:
+                ax = batch_axes[b] if b < len(batch_axes) else []
+                b += 1
+                out.append(list(ax) if self.size(ax) == out_shape[k] else [self.atoms.new(out_shape[k], position=True)])
+        for k in dn.start_index_map:
+            if op.kind == PARAM:
+                # an embedding lookup: rows of the table are edges from one-hot inputs
+                for a in self.atoms.factors(op.axes[k]):
+                    self.atoms.input[a] = True
+                self.use(op, op.axes[k], "in")
+            elif op.axes[k]:
+                self.atoms.pin(op.axes[k], self.reason("indexes into an axis"))
+        return [Val(ACT if op.kind in (ACT, PARAM) else CONST, out)]

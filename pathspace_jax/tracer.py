@@ -1,0 +1,521 @@
+"""The abstract interpreter that finds a network's structure (`Interpreter`, run by `pathspace_jax.trace`).
+
+Each primitive has one small rule saying how atoms flow (`pathspace_jax.rules` gives each its kind; the
+primitives that rearrange entries have theirs in `pathspace_jax.shape_rules`):
+
+* ``dot_general`` / ``conv_general_dilated`` with a parameter operand unify the contracted activation axis
+  with the parameter's input axis and give the result the parameter's output axis: an edge tensor between
+  two node groups (a convolution kernel's spatial axes are taps: each tap its own edge);
+* ``add`` unifies the atoms of its operands: a parameter added to an activation is a bias, two activations
+  added together (a residual, a recurrence) tie their groups into one;
+* ReLU (``max(x, 0)``), leaky ReLU (``select_n``), pooling, reshape, transpose, slicing of positions and
+  concatenation keep or re-arrange atoms;
+* ``scan`` / ``while`` tie the carry to itself (recurrent kernels become edges from a group to itself);
+  calls (``pjit``, ``custom_jvp_call``, ``custom_vjp_call``, ``checkpoint``) and ``cond`` are entered;
+* anything that is not positively homogeneous per node (``tanh``, ``exp``, ``rsqrt``, a product of
+  activations, adding a non-zero constant, a reduction over nodes, an unknown primitive) **pins** the atoms
+  it touches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from pathspace_jax import jaxpr as jx
+from pathspace_jax import rules
+from pathspace_jax.atoms import ACT, CONST, PARAM, Atoms, Val
+from pathspace_jax.shape_rules import ShapeRules
+
+
+class Interpreter(ShapeRules):
+    """The abstract interpreter behind `pathspace_jax.trace`: runs a jaxpr on `Val`s, one rule per equation
+    (`pathspace_jax.rules` says which), unifying and pinning atoms; records every equation's output atoms by
+    site (the chain of equation indices through calls and loop bodies) for `pathspace_jax.squared`."""
+
+    def __init__(self, leaf_paths: Sequence[str]):
+        self.atoms = Atoms()
+        self.leaf_paths = list(leaf_paths)
+        self.uses: list[list[tuple[int, str, int]]] = [[] for _ in leaf_paths]
+        self.other: list[list[str]] = [[] for _ in leaf_paths]
+        self.leaf_axes: list[list[list[int]]] = []
+        self.step = 0
+        self.eqn = None
+        # the atoms of every equation's outputs, keyed by the chain of equation indices through calls and
+        # loop bodies (``site``); `boundary_sites` turns them into pinned flags for `pathspace_jax.squared`
+        self.site: tuple = ()
+        self.sites: dict[tuple, list[list[int] | None]] = {}
+
+    # -- helpers -------------------------------------------------------------
+    def reason(self, what: str = "") -> str:
+        name = self.eqn.primitive.name if self.eqn is not None else "?"
+        where = jx.where(self.eqn) if self.eqn is not None else ""
+        return f"{name}{': ' + what if what else ''} at {where}"
+
+    def fresh(self, shape, *, position=False, input=False) -> list[list[int]]:
+        return [[self.atoms.new(d, position=position, input=input)] for d in shape]
+
+    def size(self, axis: Sequence[int]) -> int:
+        return int(np.prod([self.atoms.size[self.atoms.find(a)] for a in axis], dtype=np.int64))
+
+    def use(self, v: Val, atoms: Sequence[int], role: str) -> None:
+        for a in atoms:
+            self.uses[v.leaf].append((a, role, self.step))
+
+    def mark_other(self, v: Val, why: str) -> None:
+        if v.kind == PARAM:
+            self.other[v.leaf].append(self.reason(why))
+            self.atoms.pin(self.all_atoms(v), self.reason(why))
+
+    def pin(self, v: Val, why: str) -> None:
+        self.atoms.pin(self.all_atoms(v), self.reason(why))
+
+    def all_atoms(self, v: Val) -> list[int]:
+        return [a for ax in v.axes for a in ax] + list(v.scalars)
+
+    # -- running jaxprs ------------------------------------------------------
+    def read(self, env, x) -> Val:
+        if jx.is_literal(x):
+            val = jx.literal_value(x)
+            return Val(CONST, self.fresh(np.shape(val)), zero=not np.any(val))
+        return env[x]
+
+    def run(self, jaxpr: jx.Jaxpr, consts: Sequence[Val], args: Sequence[Val]) -> list[Val]:
+        env: dict[Any, Val] = {}
+        for var, val in zip(jaxpr.constvars, consts):
+            env[var] = val
+        for var, val in zip(jaxpr.invars, args):
+            env[var] = val
+        prefix = self.site
+        for idx, eqn in enumerate(jaxpr.eqns):
+            self.eqn = eqn
+            self.step += 1
+            self.site = prefix + (idx,)
+            ins = [self.read(env, x) for x in eqn.invars]
+            outs = self.apply(eqn, ins)
+            if any(v.random for v in ins):
+                self.randomness(ins, outs)
+            for var, val in zip(eqn.outvars, outs):
+                shape = getattr(var.aval, "shape", ())
+                assert len(val.axes) == len(shape), (eqn.primitive.name, val.axes, shape)
+                env[var] = val
+            self.sites[self.site] = [self.all_atoms(v) if v.kind == ACT else None for v in outs]
+        self.site = prefix
+        return [self.read(env, x) for x in jaxpr.outvars]
+
+    def run_closed(self, cj: jx.ClosedJaxpr, args: Sequence[Val]) -> list[Val]:
+        """Run a sub-jaxpr (``self.eqn`` is restored afterwards: reasons name the calling equation's line)."""
+        eqn = self.eqn
+        outs = self.run(cj.jaxpr, [self.const_val(c) for c in cj.consts], args)
+        self.eqn = eqn
+        return outs
+
+    def const_val(self, c) -> Val:
+        shape = np.shape(c)
+        try:
+            zero = not np.any(np.asarray(c))
+        except Exception:
+            zero = False
+        return Val(CONST, self.fresh(shape), zero=zero)
+
+    # -- dispatch ------------------------------------------------------------
+    def apply(self, eqn, ins: list[Val]) -> list[Val]:
+        name = eqn.primitive.name
+        structure = rules.rule(name).structure  # the rule table: one entry per primitive
+        method = getattr(self, "rule_" + name, None) if structure == "method" else None
+        if method is not None:
+            return method(eqn, ins)
+        if structure == "relabel":
+            return [dataclasses.replace(v) for v in ins[: len(eqn.outvars)]]
+        if structure == "nonlinear":
+            return [self.nonlinear(eqn, ins)]
+        if structure in ("degree0", "compare"):
+            return [self.degree0(eqn, ins)]
+        if rules.is_random(name):
+            return [Val(CONST, self.fresh(v.aval.shape), random=True) for v in eqn.outvars]
+        if structure == "source":
+            return [Val(CONST, self.fresh(v.aval.shape)) for v in eqn.outvars]
+        sub = jx.call_body(eqn)  # jit, custom_jvp_call, custom_vjp_call, checkpoint, ...: entered
+        if sub is not None:
+            return self.run_closed(sub, ins)
+        return self.unknown(eqn, ins)
+
+    def randomness(self, ins: Sequence[Val], outs: Sequence[Val]) -> None:
+        """Random numbers reach the network (dropout, noise): the groups they touch are pinned, since κ, path
+        norms and the skeleton are defined for one deterministic network."""
+        why = (
+            "uses random numbers (dropout or noise in the traced function): trace the deterministic function "
+            "instead, e.g. deterministic=True or train=False, and apply dropout only in the loss"
+        )
+        for o in outs:
+            if o.kind == CONST:
+                o.random = True
+            elif o.kind == ACT:
+                self.pin(o, why)
+                for v in ins:
+                    if v.kind == ACT:
+                        self.pin(v, why)
+
+    def unknown(self, eqn, ins):
+        why = "not known to be positively homogeneous"
+        for v in ins:
+            if v.kind == ACT:
+                self.pin(v, why)
+            self.mark_other(v, why)
+        kind = ACT if any(v.kind == ACT for v in ins) else CONST
+        outs = []
+        for var in eqn.outvars:
+            axes = self.fresh(getattr(var.aval, "shape", ()))
+            val = Val(kind, axes)
+            if kind == ACT:
+                self.pin(val, why)
+            outs.append(val)
+        return outs
+
+    def nonlinear(self, eqn, ins):
+        for v in ins:
+            if v.kind == ACT:
+                self.pin(v, "nonlinear, not positively homogeneous")
+            self.mark_other(v, "used in a nonlinear function")
+        kind = ACT if any(v.kind == ACT for v in ins) else CONST
+        return self.ew(kind, ins, self.broadcast(eqn, ins, unify=False))
+
+    def degree0(self, eqn, ins):
+        acts = [v for v in ins if v.kind == ACT]
+        for v in ins:
+            self.mark_other(v, "compared")
+        if rules.rule(eqn.primitive.name).structure == "compare" and acts:
+            consts = [v for v in ins if v.kind == CONST]
+            if any(not c.zero for c in consts):
+                for v in acts:
+                    self.pin(v, "compared with a non-zero constant")
+            unify = len(acts) > 1
+            return self.ew(CONST, ins, self.broadcast(eqn, ins, unify=unify))
+        return self.ew(CONST, ins, self.broadcast(eqn, ins, unify=False))
+
+    def broadcast(self, eqn, ins: Sequence[Val], *, unify: bool) -> list[list[int]]:
+        """Output axes of an elementwise op; with ``unify`` the operands' atoms are tied."""
+        shape = eqn.outvars[0].aval.shape
+        out = []
+        for k, d in enumerate(shape):
+            lists = [v.axes[k] for v in ins if len(v.axes) == len(shape) and self.size(v.axes[k]) == d]
+            if not lists:
+                out.append([self.atoms.new(d)])
+                continue
+            if unify:
+                for other in lists[1:]:
+                    self.atoms.unify(lists[0], other, self.reason())
+            out.append(list(lists[0]))
+        return out
+
+    def ew(self, kind: str, ins: Sequence[Val], axes, **kw) -> Val:
+        """The result of an elementwise op; squeezed size-1 atoms of the operands carry over."""
+        return Val(kind, axes, scalars=list(dict.fromkeys(a for v in ins for a in v.scalars)), **kw)
+
+    # -- elementwise arithmetic -------------------------------------------------
+    def rule_add(self, eqn, ins):
+        acts = [v for v in ins if v.kind == ACT]
+        params = [v for v in ins if v.kind == PARAM]
+        consts = [v for v in ins if v.kind == CONST]
+        if not acts:
+            if params:
+                for v in params:
+                    self.mark_other(v, "combined with another parameter or constant")
+                return [self.ew(CONST, ins, self.broadcast(eqn, ins, unify=False))]
+            return [self.ew(CONST, ins, self.broadcast(eqn, ins, unify=False), zero=all(c.zero for c in consts))]
+        axes = self.broadcast(eqn, acts + params, unify=True)  # activations first: they name the output
+        for v in params:
+            self.use(v, self.all_atoms(v), "out")
+        if any(not c.zero for c in consts):
+            for v in acts:
+                self.pin(v, "adds a constant offset")
+        return [self.ew(ACT, ins, axes)]
+
+    rule_sub = rule_add
+    rule_add_any = rule_add
+
+    def rule_mul(self, eqn, ins):
+        acts = [v for v in ins if v.kind == ACT]
+        params = [v for v in ins if v.kind == PARAM]
+        consts = [v for v in ins if v.kind == CONST]
+        if len(acts) > 1:
+            for v in acts:
+                self.pin(v, "product of activations")
+        if acts and params:
+            for v in params:
+                self.mark_other(v, "elementwise product of a parameter and an activation")
+            for v in acts:
+                self.pin(v, "elementwise product with a parameter")
+        if acts:
+            return [self.ew(ACT, ins, self.broadcast(eqn, acts + params + consts, unify=len(acts) > 1))]
+        if len(params) == 1 and eqn.primitive.name == "mul":
+            # a parameter times a fixed coefficient is still a view of that parameter
+            return [self.ew(PARAM, ins, self.broadcast(eqn, params + consts, unify=False), leaf=params[0].leaf)]
+        if params:
+            for v in params:
+                self.mark_other(v, "product of parameters")
+            return [self.ew(CONST, ins, self.broadcast(eqn, ins, unify=False))]
+        return [self.ew(CONST, ins, self.broadcast(eqn, ins, unify=False), zero=any(c.zero for c in consts))]
+
+    def rule_div(self, eqn, ins):
+        num, den = ins
+        if den.kind == CONST and num.kind in (ACT, PARAM):
+            if num.kind == PARAM:
+                return [self.ew(PARAM, ins, self.broadcast(eqn, [num, den], unify=False), leaf=num.leaf)]
+            return [self.ew(ACT, ins, self.broadcast(eqn, [num, den], unify=False))]
+        if num.kind == CONST and den.kind == CONST:
+            return [self.ew(CONST, ins, self.broadcast(eqn, ins, unify=False), zero=num.zero)]
+        return [self.nonlinear(eqn, ins)]
+
+    def rule_max(self, eqn, ins):
+        acts = [v for v in ins if v.kind == ACT]
+        if not acts:
+            return [self.nonlinear(eqn, ins)]
+        for v in ins:
+            if v.kind == PARAM:
+                self.mark_other(v, "max with a parameter")
+            if v.kind == CONST and not v.zero:
+                for a in acts:
+                    self.pin(a, "max/min with a non-zero constant")
+        return [self.ew(ACT, ins, self.broadcast(eqn, acts + [v for v in ins if v.kind != ACT], unify=len(acts) > 1))]
+
+    rule_min = rule_max
+
+    def rule_abs(self, eqn, ins):
+        (v,) = ins
+        if v.kind == ACT:
+            return [Val(ACT, [list(a) for a in v.axes])]
+        return [self.nonlinear(eqn, ins)]
+
+    def rule_select_n(self, eqn, ins):
+        pred, cases = ins[0], ins[1:]
+        acts = [v for v in cases if v.kind == ACT]
+        if pred.kind == ACT:
+            self.pin(pred, "selects on an activation")
+        if not acts:
+            for v in cases:
+                self.mark_other(v, "selected")
+            return [self.ew(CONST, ins, self.broadcast(eqn, ins, unify=False), zero=all(v.zero for v in cases))]
+        for v in cases:
+            self.mark_other(v, "selected")
+            if v.kind == CONST and not v.zero:
+                for a in acts:
+                    self.pin(a, "selects a non-zero constant")
+        return [self.ew(ACT, ins, self.broadcast(eqn, acts + [pred] + cases, unify=len(acts) > 1))]
+
+    def rule_clamp(self, eqn, ins):
+        return [self.nonlinear(eqn, ins)]
+
+    # -- reductions and pooling ------------------------------------------------
+    def _reduce(self, eqn, ins, why):
+        v = ins[0]
+        axes = set(jx.param(eqn, "axes"))
+        self.mark_other(v, "reduced")
+        gone = []
+        for k in axes:
+            if self.size(v.axes[k]) > 1:
+                self.atoms.pin(v.axes[k], self.reason(why))
+            else:
+                gone += v.axes[k]
+        kind = v.kind if v.kind != PARAM else CONST
+        return [Val(kind, [ax for k, ax in enumerate(v.axes) if k not in axes], zero=v.zero, scalars=v.scalars + gone)]
+
+    def rule_reduce_sum(self, eqn, ins):
+        return self._reduce(eqn, ins, "sums over the nodes of a group")
+
+    def rule_reduce_max(self, eqn, ins):
+        return self._reduce(eqn, ins, "takes a maximum over the nodes of a group")
+
+    rule_reduce_min = rule_reduce_max
+
+    def rule_reduce_prod(self, eqn, ins):
+        return [self.nonlinear(eqn, ins)]
+
+    def rule_argmax(self, eqn, ins):
+        v = ins[0]
+        axes = set(jx.param(eqn, "axes"))
+        return [Val(CONST, [ax for k, ax in enumerate(v.axes) if k not in axes])]
+
+    rule_argmin = rule_argmax
+
+    def _cumulative(self, eqn, ins):
+        v = ins[0]
+        self.mark_other(v, "cumulative op")
+        self.atoms.pin(v.axes[jx.param(eqn, "axis")], self.reason("accumulates along the nodes of a group"))
+        return [dataclasses.replace(v, kind=v.kind if v.kind != PARAM else CONST)]
+
+    rule_cumsum = rule_cummax = rule_cummin = _cumulative
+
+    def _pool(self, eqn, ins):
+        v = ins[0]
+        windows, strides, padding = (jx.param(eqn, k) for k in ("window_dimensions", "window_strides", "padding"))
+        out_shape = eqn.outvars[0].aval.shape
+        in_shape = eqn.invars[0].aval.shape
+        self.mark_other(v, "pooled")
+        keep = []
+        for k in range(len(out_shape)):
+            trivial = (
+                windows[k] == 1 and strides[k] == 1 and tuple(padding[k]) == (0, 0) and in_shape[k] == out_shape[k]
+            )
+            keep.append(trivial)
+            if not trivial:
+                for a in self.atoms.factors(v.axes[k]):
+                    self.atoms.position[a] = True
+        kind = v.kind if v.kind != PARAM else CONST
+        return [
+            dataclasses.replace(self._reslice(eqn, v, keep, out_shape, "pools over the nodes of a group"), kind=kind)
+        ]
+
+    rule_reduce_window_sum = rule_reduce_window_max = rule_reduce_window_min = _pool
+
+    # -- linear maps with parameters ------------------------------------------------
+    def rule_dot_general(self, eqn, ins):
+        lhs, rhs = ins
+        (lc, rc), (lb, rb) = jx.param(eqn, "dimension_numbers")
+        lfree = [k for k in range(len(lhs.axes)) if k not in lc and k not in lb]
+        rfree = [k for k in range(len(rhs.axes)) if k not in rc and k not in rb]
+        out = [list(lhs.axes[k]) for k in lb] + [list(lhs.axes[k]) for k in lfree] + [list(rhs.axes[k]) for k in rfree]
+        kinds = (lhs.kind, rhs.kind)
+        if PARAM in kinds and (ACT in kinds or CONST in kinds):
+            p, x, pc, xc, pb, xb, pfree = (
+                (rhs, lhs, rc, lc, rb, lb, rfree) if rhs.kind == PARAM else (lhs, rhs, lc, rc, lb, rb, lfree)
+            )
+            for a, b in zip(pc, xc):
+                self.atoms.unify(x.axes[b], p.axes[a], self.reason())
+                self.use(p, p.axes[a], "in")
+                if x.kind == CONST:
+                    for f in self.atoms.factors(x.axes[b]):
+                        self.atoms.input[f] = True
+            for a, b in zip(pb, xb):
+                self.atoms.unify(x.axes[b], p.axes[a], self.reason())
+                for f in self.atoms.factors(p.axes[a]):
+                    self.atoms.position[f] = True
+                self.use(p, p.axes[a], "tap")
+            for a in pfree:
+                self.use(p, p.axes[a], "out")
+            return [Val(ACT, out)]
+        if kinds == (CONST, CONST):
+            return [Val(CONST, out)]
+        for v in ins:
+            self.mark_other(v, "multiplied by a parameter")
+        if ACT in kinds:
+            if kinds == (ACT, ACT):
+                for v in ins:
+                    self.pin(v, "product of activations")
+            else:
+                x, xc = (lhs, lc) if lhs.kind == ACT else (rhs, rc)
+                for b in xc:
+                    self.atoms.pin(x.axes[b], self.reason("mixes nodes with fixed coefficients"))
+            for a, b in zip(lb, rb):
+                self.atoms.unify(lhs.axes[a], rhs.axes[b], self.reason())
+            return [Val(ACT, out)]
+        return [Val(CONST, out)]
+
+    def rule_conv_general_dilated(self, eqn, ins):
+        lhs, rhs = ins
+        dn = jx.param(eqn, "dimension_numbers")
+        lspec, rspec, ospec = dn.lhs_spec, dn.rhs_spec, dn.out_spec
+        out_shape = eqn.outvars[0].aval.shape
+        out = [[] for _ in out_shape]
+        out[ospec[0]] = list(lhs.axes[lspec[0]])
+        for k in ospec[2:]:
+            out[k] = [self.atoms.new(out_shape[k], position=True)]
+        grouped = jx.param(eqn, "feature_group_count") != 1 or jx.param(eqn, "batch_group_count") != 1
+        if rhs.kind == PARAM and lhs.kind in (ACT, CONST) and not grouped:
+            self.atoms.unify(lhs.axes[lspec[1]], rhs.axes[rspec[1]], self.reason())
+            self.use(rhs, rhs.axes[rspec[1]], "in")
+            if lhs.kind == CONST:
+                for f in self.atoms.factors(lhs.axes[lspec[1]]):
+                    self.atoms.input[f] = True
+            self.use(rhs, rhs.axes[rspec[0]], "out")
+            for k in rspec[2:]:
+                self.use(rhs, rhs.axes[k], "tap")
+                for f in self.atoms.factors(rhs.axes[k]):
+                    self.atoms.position[f] = True
+            for k in lspec[2:]:
+                for f in self.atoms.factors(lhs.axes[k]):
+                    self.atoms.position[f] = True
+            out[ospec[1]] = list(rhs.axes[rspec[0]])
+            return [Val(ACT, out)]
+        if lhs.kind == CONST and rhs.kind == CONST:
+            out[ospec[1]] = [self.atoms.new(out_shape[ospec[1]])]
+            return [Val(CONST, out)]
+        why = "grouped convolution" if grouped else "convolution without a parameter kernel"
+        for v in ins:
+            self.mark_other(v, why)
+            if v.kind == ACT:
+                self.pin(v, why)
+        out[ospec[1]] = [self.atoms.new(out_shape[ospec[1]])]
+        val = Val(ACT, out)
+        self.pin(val, why)
+        return [val]
+
+    # -- control flow ---------------------------------------------------------------
+    def _carry_in(self, v: Val) -> Val:
+        if v.kind == CONST:
+            return Val(ACT, [list(ax) for ax in v.axes]) if v.zero else v
+        if v.kind == PARAM:
+            self.mark_other(v, "carried through a loop")
+            return Val(CONST, [list(ax) for ax in v.axes])
+        return v
+
+    def _tie_carry(self, init: Sequence[Val], carry_in: Sequence[Val], carry_out: Sequence[Val]):
+        for i0, ci, co in zip(init, carry_in, carry_out):
+            if ci.kind == ACT or co.kind == ACT:
+                for a, b in zip(ci.axes, co.axes):
+                    self.atoms.unify(a, b, self.reason("loop carry"))
+                if i0.kind == CONST and not i0.zero:
+                    self.atoms.pin(self.all_atoms(ci), self.reason("loop carry starts from a non-zero constant"))
+                if co.kind == PARAM:
+                    self.mark_other(co, "carried through a loop")
+
+    def rule_scan(self, eqn, ins):
+        sc = jx.scan(eqn)
+        nc, nk = sc.num_consts, sc.num_carry
+        consts, init, xs = ins[:nc], ins[nc : nc + nk], ins[nc + nk :]
+        carry = [self._carry_in(v) for v in init]
+        body_xs = []
+        for v in xs:
+            if v.axes:
+                for f in self.atoms.factors(v.axes[0]):
+                    self.atoms.position[f] = True
+            if v.kind == PARAM:
+                self.mark_other(v, "sliced by a scan")
+                body_xs.append(Val(CONST, [list(ax) for ax in v.axes[1:]]))
+            else:
+                body_xs.append(dataclasses.replace(v, axes=[list(ax) for ax in v.axes[1:]]))
+        outs = self.run_closed(sc.body, list(consts) + carry + body_xs)
+        self._tie_carry(init, carry, outs[:nk])
+        time = [self.atoms.new(sc.length, position=True)]
+        ys = [
+            dataclasses.replace(v, axes=[list(time)] + v.axes, kind=v.kind if v.kind != PARAM else CONST)
+            for v in outs[nk:]
+        ]
+        return carry + ys
+
+    def rule_while(self, eqn, ins):
+        w = jx.while_loop(eqn)
+        cn, bn = w.cond_nconsts, w.body_nconsts
+        bconsts, init = ins[cn : cn + bn], ins[cn + bn :]
+        carry = [self._carry_in(v) for v in init]
+        outs = self.run_closed(w.body, list(bconsts) + carry)
+        self._tie_carry(init, carry, outs)
+        return carry
+
+    def rule_cond(self, eqn, ins):
+        ops = ins[1:]
+        results = [self.run_closed(br, ops) for br in jx.cond_branches(eqn)]
+        outs = []
+        for vals in zip(*results):
+            acts = [v for v in vals if v.kind == ACT]
+            if not acts:
+                outs.append(Val(CONST, [list(a) for a in vals[0].axes]))
+                continue
+            for v in acts[1:]:
+                for a, b in zip(acts[0].axes, v.axes):
+                    self.atoms.unify(a, b, self.reason("branches of cond"))
+            outs.append(acts[0])
+        return outs
