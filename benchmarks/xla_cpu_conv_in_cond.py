@@ -3,7 +3,7 @@
 At the top level of a program XLA:CPU rewrites autodiff's filter gradient (a convolution with the batch as
 its contracted feature axis) into the axis order its convolution library takes; inside a nested computation
 it leaves it as it is, and it runs tens of times slower. This is why DDP-SGD's refresh at ``every > 1``
-takes a convolution's gradients through `pathspace_jax.ddp._conv` on the CPU (benchmarks/README.md).
+takes a convolution's gradients through `pathspace_jax.forward.conv` on the CPU (benchmarks/README.md).
 Run: ``python benchmarks/xla_cpu_conv_in_cond.py`` (prints milliseconds; about a minute on 2 cores).
 """
 
@@ -14,7 +14,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from pathspace_jax import ddp
+from pathspace_jax import forward
 
 
 def _ms(fn, *args) -> float:
@@ -36,13 +36,13 @@ def main() -> None:
 
     (eqn,) = jax.make_jaxpr(conv)(x, w).jaxpr.eqns
 
-    class Eqn:  # what ddp._conv reads of a traced equation
+    class Eqn:  # what forward.conv reads of a traced equation
         prim, params = eqn.primitive, eqn.params
 
     dy = jax.random.normal(jax.random.key(2), (64, 28, 28, 64))
     grads = {
         "autodiff": lambda x, w: jax.vjp(conv, x, w)[1](dy),
-        "ddp._conv": lambda x, w: jax.vjp(lambda x, w: ddp._conv(Eqn, x, w), x, w)[1](dy),
+        "forward.conv": lambda x, w: jax.vjp(lambda x, w: forward.conv(Eqn, x, w), x, w)[1](dy),
     }
     print(f"{jax.default_backend()}, jax {jax.__version__}: both gradients of a 3x3 convolution, 32 -> 64 channels, "
           "batch 64 at 28 x 28 (ms)")  # fmt: skip

@@ -91,10 +91,13 @@ import jax.flatten_util
 import jax.numpy as jnp
 import numpy as np
 
+from pathspace_jax import forward as fw
 from pathspace_jax import jaxpr as jx
+from pathspace_jax import program as flat
 from pathspace_jax import squared
 from pathspace_jax.errors import DDPUnsupportedError
 from pathspace_jax.exact import V
+from pathspace_jax.forward import forward, run_program, scan_nodes
 from pathspace_jax.frames import kappa_from_frame, to_canonical_frame
 from pathspace_jax.graph import PathSpace, check_path_space, compute_dtype
 from pathspace_jax.kappa import kappa_canonical
@@ -108,140 +111,6 @@ _PROBE_LOOP_MAX = 8
 
 
 # ----------------------------------------------------------------------------- evaluation
-
-
-def _forward(prog: squared.Program, params: Sequence, inputs: Sequence, want: Sequence, batch: int = 1,
-             conv_vjp: bool = False) -> list:  # fmt: skip
-    """The real forward pass (one example, batch of one); returns the values of ``want``: var ids, or
-    ``(scan equation index, body var id)`` for a node inside a scan body (stacked over the steps).
-    ``batch``: how many examples a ``vmap`` around the call runs at once (it sizes the scans' unrolling);
-    ``conv_vjp``: the convolutions go through `_conv` (a pass differentiated in reverse mode only)."""
-    return run_program(prog, list(params) + list(inputs), want, batch=batch, conv_vjp=conv_vjp)[1]
-
-
-def run_program(prog: squared.Program, invals: list, want: Sequence, post=None, batch: int = 1,
-         conv_vjp: bool = False) -> tuple[list, list]:  # fmt: skip
-    """`_forward` on ``prog``'s inputs; returns the values of ``prog.out_ids`` and of ``want``. Boundary
-    values (`squared._find_boundary`) are held fixed (``stop_gradient``) for what comes after them.
-    ``post(var, value, eqn)`` replaces every value where it is produced (DDP-Normalization)."""
-    env = dict(prog.consts)
-    env.update(zip(prog.in_ids, invals, strict=False))
-    boundary, kept, got = prog.bnd | set(prog.sinks), {}, {}
-    for idx, e in enumerate(prog.eqns):
-        vals = [jnp.asarray(x[1]) if isinstance(x, tuple) else env[x] for x in e.ins]
-        if e.body is not None:  # a scan, step by step: the wanted body nodes are stacked over the steps
-            inner = [w[1] for w in want if isinstance(w, tuple) and w[0] == idx]
-            outs, got_scan = _run_scan(e, vals, inner, batch)
-            got.update({(idx, v): g for v, g in zip(inner, got_scan, strict=True)})
-        elif e.prim.name == "max" and prog.kinds[e.outs[0]] == "act" and _is_relu(e):
-            # a ReLU max(x, 0): use jax.nn.relu (derivative 0 at 0, as the user's model has)
-            outs = [jax.nn.relu(vals[0] if isinstance(e.ins[1], tuple) else vals[1])]
-        else:
-            outs = [_conv(e, *vals)] if conv_vjp and e.prim.name == "conv_general_dilated" else squared.bind(e, vals)
-        for o, v in zip(e.outs, outs, strict=False):
-            env[o] = v = v if post is None else post(o, v, e)
-            if o in boundary:  # a boundary value: downstream, an input of the homogeneous part
-                kept[o], env[o] = v, jax.lax.stop_gradient(v)
-    outs = [jnp.asarray(x[1]) if isinstance(x, tuple) else env[x] for x in prog.out_ids]
-    return outs, [got[w] if isinstance(w, tuple) else kept.get(w, env[w]) for w in want]
-
-
-def _scan_nodes(prog: squared.Program, which: str = "sinks") -> list:
-    """The boundary nodes (``"sinks"``) or all the nodes (``"nodes"``) inside scan bodies, as ``(scan
-    equation index, body var)`` (see `_forward`)."""
-    out = []
-    for i, e in enumerate(prog.eqns):
-        if e.body is None:
-            continue
-        if any(x.body is not None and (which == "nodes" or x.body.sinks or _scan_nodes(x.body)) for x in e.body.eqns):
-            raise DDPUnsupportedError(f"ddp_kappa: a nested scan at {e.where} (one level of recurrence is supported)")
-        out += [(i, v) for v in getattr(e.body, which)]
-    return out
-
-
-def _is_relu(e) -> bool:
-    zero = [x for x in e.ins if isinstance(x, tuple)]
-    return len(zero) == 1 and not np.any(np.asarray(zero[0][1])) and np.ndim(zero[0][1]) == 0
-
-
-def _run_scan(e, vals, inner: list, batch: int) -> tuple[list, list]:
-    bp, nc, ncar = e.body, e.scan.num_consts, e.scan.num_carry
-    consts, init, xs = vals[:nc], vals[nc : nc + ncar], vals[nc + ncar :]
-
-    def step(carry, x):
-        outs, got = run_program(bp, list(consts) + list(carry) + list(x), inner, batch=batch)
-        return outs[:ncar], (outs[ncar:], got)
-
-    # unrolled off the CPU (`_unrolled`) within `squared.scan_unroll`'s memory budget, counting the carries of the
-    # whole batch (the scan runs per example under a vmap, where they look ``batch`` times smaller) in its three
-    # passes (forward, linearised and transposed): counted per example, the language model's DDP step took 502 MB
-    # of temporaries, not 177 MB
-    unroll = squared.scan_unroll(e.scan.length, 3 * batch * squared.nbytes(init)) if _unrolled() else 1
-    carry, (ys, got) = jax.lax.scan(
-        step, list(init), list(xs), length=e.scan.length, reverse=e.scan.reverse, unroll=unroll
-    )
-    return list(carry) + list(ys), list(got)
-
-
-def _conv(e, x, w):
-    """The convolution of equation ``e``, as `squared.bind`, with its gradients in the form XLA:CPU gives them
-    at the top level of a program but not inside a ``cond`` or a loop, where
-    autodiff's filter gradient runs 50× slower and its input gradient 3× (DDP-SGD's refresh at
-    ``every > 1``; at the top level this form is slower than XLA's own: small CNN, one probe, 1.96 -> 2.17×
-    SGD's step).
-
-    Both are forward convolutions with the axes in the order the convolution library takes: the filter
-    gradient ``dW[k, i, o] = Σ_{b,s} x_pad[b, s·stride + k, i] dy[b, s, o]`` convolves the input, batch and
-    feature axes swapped, with the output cotangent as kernel, dilated by the strides; the input gradient
-    convolves the cotangent, dilated by the strides, with the kernel flipped and its features swapped.
-    Convolutions with dilations or groups use `squared.bind`. `ddp_kappa_canonical` takes this form on the CPU only.
-    """
-    specs = jx.plain_conv_specs(e.params)
-    if specs is None:
-        return squared.bind(e, [x, w])[0]
-    lhs_spec, rhs_spec, out_spec, strides, pads = specs
-    n = len(strides)
-    sp = tuple(range(1, n + 1))
-    # both gradients as convolutions of [batch, spatial..., feature] with kernels [spatial..., in, out]
-    dn = jax.lax.ConvDimensionNumbers((0, n + 1, *sp), (n + 1, n, *range(n)), (0, n + 1, *sp))
-    ksz = [jnp.shape(w)[rhs_spec[2 + k]] for k in range(n)]
-    size = [jnp.shape(x)[lhs_spec[2 + k]] for k in range(n)]
-    rem = [(size[k] + pads[k][0] + pads[k][1] - ksz[k]) % strides[k] for k in range(n)]
-    pads_dx = [(ksz[k] - 1 - pads[k][0], ksz[k] - 1 - pads[k][1] + rem[k]) for k in range(n)]
-
-    @jax.custom_vjp
-    def conv(x, w):
-        return squared.bind(e, [x, w])[0]
-
-    def fwd(x, w):
-        return conv(x, w), (x, w)
-
-    def bwd(res, dy):
-        x, w = res
-        # dx: dy dilated by the strides, convolved with the kernel flipped, in and out features swapped
-        dyn = jnp.transpose(dy, (out_spec[0], *out_spec[2:], out_spec[1]))  # [batch, spatial..., out feature]
-        zero = jnp.zeros((), dy.dtype)
-        dyn = jax.lax.pad(dyn, zero, [(0, 0, 0), *((0, 0, s - 1) for s in strides), (0, 0, 0)])
-        wf = jnp.flip(jnp.transpose(w, (*rhs_spec[2:], rhs_spec[0], rhs_spec[1])), tuple(range(n)))  # [k..., out, in]
-        dxn = jax.lax.conv_general_dilated(dyn, wf, (1,) * n, pads_dx, dimension_numbers=dn)  # [batch, spatial.., in]
-        dx = jnp.transpose(dxn, np.argsort((lhs_spec[0], *lhs_spec[2:], lhs_spec[1]))).astype(x.dtype)
-        xc = jnp.transpose(x, (lhs_spec[1], *lhs_spec[2:], lhs_spec[0]))  # [in feature, spatial..., batch]
-        dyc = jnp.transpose(dy, (*out_spec[2:], out_spec[0], out_spec[1]))  # [spatial..., batch, out feature]
-        # dW: the input's batch axis is x's in feature, its feature axis x's batch; the kernel is dy
-        dwc = jax.lax.conv_general_dilated(xc, dyc, (1,) * n, pads, rhs_dilation=strides, dimension_numbers=dn)
-        dwc = dwc[(slice(None), *(slice(0, k) for k in ksz))]  # [in, spatial..., out]
-        perm = (rhs_spec[1], *rhs_spec[2:], rhs_spec[0])  # w's axes in dwc's order
-        return dx, jnp.transpose(dwc, np.argsort(perm)).astype(w.dtype)
-
-    conv.defvjp(fwd, bwd)
-    return conv(x, w)
-
-
-def _unrolled() -> bool:
-    """Whether DDP's scans are unrolled: off the CPU, where a loop pays a kernel launch per iteration. On the CPU
-    they ran slower unrolled (ReLU RNN h100 T28, × SGD in one process: one probe 2.31 -> 2.41, the exact
-    estimator 19.8 -> 49.3, α = 0.5 4.54 -> 5.09)."""
-    return jax.default_backend() != "cpu"
 
 
 def _moment(z, moment: str):
@@ -263,7 +132,7 @@ def _mixer(alpha: float, stats: dict):
     return mix
 
 
-def _gamma_net(prog: squared.Program, sq_params: Sequence, ones: Sequence, stats: Sequence, alpha: float,
+def _gamma_net(prog: flat.Program, sq_params: Sequence, ones: Sequence, stats: Sequence, alpha: float,
                scan_stats: dict | None = None):  # fmt: skip
     """γ²_net: the squared network with the node statistics ``stats`` mixed in at every node (eq. 4), and
     ``scan_stats[i][v]`` (stacked over the steps) at the node v of the body of scan equation i."""
@@ -271,7 +140,7 @@ def _gamma_net(prog: squared.Program, sq_params: Sequence, ones: Sequence, stats
     vals = [V(x, None) for x in list(sq_params) + list(ones)]
     sinks: list = []
     mix = _mixer(alpha, dict(zip(prog.nodes, stats, strict=True)))
-    outs = squared.evaluate(prog, vals, 2.0, post=mix, sinks=sinks, scan_posts=posts, unroll=_unrolled())
+    outs = squared.evaluate(prog, vals, 2.0, post=mix, sinks=sinks, scan_posts=posts, unroll=fw.unrolled())
     return squared.total(prog, outs, sinks).m
 
 
@@ -280,7 +149,7 @@ def _gamma_net(prog: squared.Program, sq_params: Sequence, ones: Sequence, stats
 
 def check_ddp_space(space: PathSpace) -> None:
     check_path_space(space, "ddp_kappa")
-    squared.refuse_random(space, "ddp_kappa", DDPUnsupportedError)
+    flat.refuse_random(space, "ddp_kappa", DDPUnsupportedError)
 
 
 def _as_tuple(inputs) -> tuple:
@@ -444,10 +313,10 @@ def ddp_kappa_canonical(
     """κ in the canonical frame (`pathspace_jax.frames.to_canonical_frame`) and the frame's log-gauge l.
     ``clamp``: κ at the recurrent kernels (0 < α < 1) is clamped at 0 before the probe damping is added.
     ``probe_batch_size``: the probes run on that many examples drawn at random (`ddp_kappa`). ``in_cond``:
-    computed inside a ``lax.cond`` (DDP-SGD at ``every > 1``; `_conv`)."""
+    computed inside a ``lax.cond`` (DDP-SGD at ``every > 1``; `conv`)."""
     param_key = tuple((tuple(p.shape), str(p.dtype)) for p in leaves)
     input_key = tuple(((1, *jnp.shape(x)[1:]), str(jnp.result_type(x))) for x in xs)
-    prog = squared.program(space, param_key, input_key, who="ddp_kappa", err=DDPUnsupportedError, allow_scan=True)
+    prog = flat.program(space, param_key, input_key, who="ddp_kappa", err=DDPUnsupportedError, allow_scan=True)
     scans = any(e.body is not None for e in prog.eqns)
     if scans and alpha == 0.0:  # Path-SGD's κ, with the κ⁽²⁾ of the recurrent kernels
         return kappa_canonical(space, leaves, True)
@@ -473,14 +342,14 @@ def ddp_kappa_canonical(
 
     # -- the real forward pass, per example, keeping every node's pre-activation
     # (the nodes inside a scan body: stacked over the steps)
-    inner = _scan_nodes(prog, "nodes") if recurrent else []
-    want = prog.nodes + inner if alpha < 1.0 else prog.outputs + prog.sinks + _scan_nodes(prog)
+    inner = scan_nodes(prog, "nodes") if recurrent else []
+    want = prog.nodes + inner if alpha < 1.0 else prog.outputs + prog.sinks + scan_nodes(prog)
 
-    conv_vjp = in_cond and jax.default_backend() == "cpu"  # XLA:CPU's slow gradients inside the cond: `_conv`
+    conv_vjp = in_cond and jax.default_backend() == "cpu"  # XLA:CPU's slow gradients inside the cond: `conv`
     zs_vjp = conv_vjp and not recurrent  # the recurrent term takes forward mode, which a custom VJP does not have
 
     def zs_of(ps, xs=xs):
-        return jax.vmap(lambda *x: _forward(prog, ps, [xi[None] for xi in x], want, len(xs[0]), zs_vjp))(*xs)
+        return jax.vmap(lambda *x: forward(prog, ps, [xi[None] for xi in x], want, len(xs[0]), zs_vjp))(*xs)
 
     def gamma_net(sq, stats):  # stats: one per entry of want
         scan_stats: dict = {}
@@ -562,7 +431,7 @@ def _second_order_probes(vjp, probe_zs, nus, key, num_probes, moment, b, n) -> l
     return [s * per for s in sqs]
 
 
-def _outer_product_leaves(prog: squared.Program, shapes: dict) -> dict:
+def _outer_product_leaves(prog: flat.Program, shapes: dict) -> dict:
     """The leaves whose per-example gradient is an outer product, as ``{leaf: (tap var, activation var or
     None)}``: a dense kernel W used once, in ``a @ W`` with a (1, k) per example (gradient a ⊗ δ, δ the
     cotangent of the product: the tap), and a bias used once (after a reshape) in ``z + b`` with z of

@@ -95,6 +95,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pathspace_jax import jaxpr as jx
+from pathspace_jax import program as flat
 from pathspace_jax import squared
 from pathspace_jax.errors import PathKappaUnsupportedError
 from pathspace_jax.exact import V, ldexp, renorm
@@ -126,7 +127,7 @@ def _lag_sum(cin, nu, a):
         body,
         (jnp.eye(n, dtype=cin.dtype), q0),
         jnp.arange(t - 1),
-        unroll=squared.scan_unroll(t - 1, 2 * squared.nbytes(q0)),
+        unroll=flat.scan_unroll(t - 1, 2 * flat.nbytes(q0)),
     )
     return q
 
@@ -136,7 +137,7 @@ def _lag_sum(cin, nu, a):
 
 def check_kappa_space(space: PathSpace, who: str) -> None:
     check_path_space(space, who)
-    squared.refuse_random(space, who, PathKappaUnsupportedError)
+    flat.refuse_random(space, who, PathKappaUnsupportedError)
     for spec in jax.tree_util.tree_leaves(space.arg_specs):
         if jax.dtypes.issubdtype(spec.dtype, jax.dtypes.prng_key):
             raise PathKappaUnsupportedError(
@@ -160,7 +161,7 @@ def _setup(space, leaves):
         for x in specs
     )
     param_key = tuple((tuple(p.shape), str(p.dtype)) for p in leaves)
-    prog = squared.program(
+    prog = flat.program(
         space, param_key, input_key, who=_WHO, err=PathKappaUnsupportedError, allow_scan=True, inline_custom=True
     )
     ones = [jnp.ones(s, d) for s, d in input_key]  # token ids: 1 (any id; `squared._lookup` sums the rows)
@@ -178,7 +179,7 @@ def _live(eqns, out_ids) -> list:
     return kept[::-1]
 
 
-def _check_second_order(prog: squared.Program) -> None:
+def _check_second_order(prog: flat.Program) -> None:
     """Weight tying (one parameter used by two operations) puts it twice on some paths: refuse for κ⁽²⁾."""
     todo = [(set(prog.in_ids[: prog.n_params]), prog, "")]
     for e in prog.eqns:
@@ -240,7 +241,7 @@ def path_kappa(space: PathSpace, params, *, second_order: bool = True):
     return space.unflatten_like(params, [k.astype(p.dtype) for k, p in zip(out, leaves, strict=True)])
 
 
-def _param_product(prog: squared.Program, e) -> tuple[int, int] | None:
+def _param_product(prog: flat.Program, e) -> tuple[int, int] | None:
     """``(param operand, activation operand)`` of ``e`` when it is a product of an activation and a parameter
     that the |·|^p network evaluates as a product (not a boundary value or a lookup), else None."""
     if e.prim.name not in ("dot_general", "conv_general_dilated") or len(e.ins) != 2:
@@ -254,7 +255,7 @@ def _param_product(prog: squared.Program, e) -> tuple[int, int] | None:
     return jp, 1 - jp
 
 
-def _tap_sites(prog: squared.Program, param_pos: dict) -> dict:
+def _tap_sites(prog: flat.Program, param_pos: dict) -> dict:
     """``{top-level scan index: ({body equation index: (param operand, activation operand, param position)},
     shapes)}``: the products of an activation and a params leaf inside a scan body (`pathspace_jax.squared.Tap`),
     e.g. an RNN cell's input and recurrent kernels. ``shapes`` is filled by the first (abstract) evaluation."""
@@ -284,7 +285,7 @@ def _tapped_grad(e, jp: int, ja: int, p, x, ybar, over_steps: bool):
         def one(x):
             operands = [None, None]
             operands[jp], operands[ja] = p, x
-            return squared.bind(e, operands)[0]
+            return flat.bind(e, operands)[0]
 
         return jax.vmap(one)(x) if over_steps else one(x)
 
@@ -306,7 +307,7 @@ def full(k):
     return k.a[:, None] * k.b[None, :] if isinstance(k, RankOne) else k
 
 
-def _dense_sites(prog: squared.Program, param_pos: dict) -> dict:
+def _dense_sites(prog: flat.Program, param_pos: dict) -> dict:
     """``{top-level equation index: (param operand, activation operand, param position)}``: the ``dot_general``
     products of an activation and a params leaf, outside any scan, whose leaf the program uses nowhere else.
     Their κ⁽¹⁾ is ``(∂(x·W)/∂W)ᵀ ȳ``; for a dense layer (W 2-D, contracted on its first axis with x's last)

@@ -45,9 +45,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pathspace_jax import squared
-from pathspace_jax.ddp import run_program
+from pathspace_jax import program as flat
 from pathspace_jax.errors import DDPNormalizationError
+from pathspace_jax.forward import run_program
 from pathspace_jax.graph import PathSpace, check_path_space
 from pathspace_jax.rules import rule
 
@@ -80,7 +80,7 @@ def _check(space: PathSpace, alpha, moment, eps) -> float:
     return alpha
 
 
-def _param_leaf(prog: squared.Program) -> dict[int, int]:
+def _param_leaf(prog: flat.Program) -> dict[int, int]:
     """For every var of kind param that is a view of one params leaf (a reshape of a bias), that leaf."""
     leaf = {v: j for j, v in enumerate(prog.in_ids[: prog.n_params])}
     for e in prog.eqns:
@@ -90,7 +90,7 @@ def _param_leaf(prog: squared.Program) -> dict[int, int]:
     return leaf
 
 
-def _nodes(space: PathSpace, prog: squared.Program) -> dict[int, _Node]:
+def _nodes(space: PathSpace, prog: flat.Program) -> dict[int, _Node]:
     """The pre-activation var of every hidden node group, with the edge leaves that enter it."""
     leaf_of = _param_leaf(prog)
     kinds = prog.kinds
@@ -172,7 +172,7 @@ def _run(space, prog, nodes, leaves, xs, alpha, moment, eps, center, record=None
 
 @functools.lru_cache(maxsize=32)
 def _program(space: PathSpace, param_key: tuple, input_key: tuple):
-    prog = squared.program(space, param_key, input_key, who="ddp_normalize", err=DDPNormalizationError)
+    prog = flat.program(space, param_key, input_key, who="ddp_normalize", err=DDPNormalizationError)
     if prog.sinks or prog.bnd:
         raise DDPNormalizationError(
             "ddp_normalize: the network has pinned node groups (see pj.describe); DDP-Normalization is "

@@ -694,9 +694,9 @@ def test_recurrent_networks_at_every_alpha(unrolled, monkeypatch):
     its κ⁽²⁾, and 0 < α < 1 is ½ diag ∇² of the Gauss–Newton recursion (jax.hessian of it written out by
     hand), continuous at both ends; with DDP's scans rolled (the CPU's default) and, for the α that run them
     (the per-example scans at α > 0, the γ² recursion at α < 1), unrolled (other backends')."""
-    from pathspace_jax import ddp
+    from pathspace_jax import forward
 
-    monkeypatch.setattr(ddp, "_unrolled", lambda: unrolled)
+    monkeypatch.setattr(forward, "unrolled", lambda: unrolled)
     jax.clear_caches()  # traces cached under the other setting would hide it
     p, x, relu_space = _rnn_case()
     assert any(leaf.recurrent for leaf in relu_space.leaves)
@@ -884,7 +884,7 @@ def _strided_conv_fn(p, x):  # x: [N, C, H, W]; strided convolutions in two layo
 @pytest.mark.parametrize("estimator", ["exact", "probes"])
 def test_strided_convolutions_inside_a_cond(estimator):
     """Inside a ``cond`` on the CPU (DDP-SGD's refresh at ``every > 1``) DDP takes a plain convolution's
-    gradients in XLA's top-level form (`ddp._conv`): κ is what autodiff's own gradients give with the same
+    gradients in XLA's top-level form (`forward.conv`): κ is what autodiff's own gradients give with the same
     probes, which at α = 1 with the exact estimator is the per-example Fisher; strided convolutions in
     NCHW / OIHW and NCHW / HWIO / NHWC, uneven padding."""
     from pathspace_jax import ddp
@@ -921,11 +921,11 @@ def test_strided_convolutions_inside_a_cond(estimator):
     ],
 )
 def test_conv_gradients_in_top_level_form(dims, x_shape, w_shape, strides, padding):
-    """`ddp._conv`'s two gradients (forward convolutions in the axis order XLA:CPU's library takes) equal
+    """`forward.conv`'s two gradients (forward convolutions in the axis order XLA:CPU's library takes) equal
     autodiff's, for 1-, 2- and 3-D convolutions with strides, padding and mixed layouts (float64)."""
     import types
 
-    from pathspace_jax import ddp
+    from pathspace_jax import forward
 
     def conv(x, w):
         return jax.lax.conv_general_dilated(x, w, strides, padding, dimension_numbers=dims)
@@ -935,7 +935,7 @@ def test_conv_gradients_in_top_level_form(dims, x_shape, w_shape, strides, paddi
     (eqn,) = jax.make_jaxpr(conv)(x, w).jaxpr.eqns
     e = types.SimpleNamespace(prim=eqn.primitive, params=eqn.params)
     y, vjp = jax.vjp(conv, x, w)
-    got_y, got_vjp = jax.vjp(lambda x, w: ddp._conv(e, x, w), x, w)
+    got_y, got_vjp = jax.vjp(lambda x, w: forward.conv(e, x, w), x, w)
     dy = jax.random.normal(jax.random.key(2), y.shape, jnp.float64)
     chex.assert_trees_all_close(got_y, y, rtol=1e-14)
     chex.assert_trees_all_close(got_vjp(dy), vjp(dy), rtol=1e-12, atol=1e-12)
