@@ -153,14 +153,7 @@ def _flatten(
                     "feed-forward networks, where every path uses a parameter at most once (a recurrent kernel "
                     "is used at every time step, so γ²_net is not quadratic in it)."
                 )
-            opaque = (
-                sub is not None
-                and not inline_custom
-                and name.startswith("custom_")
-                and "param" not in ks
-                and all(rule(n).as_is and not rule(n).sums for n in jx.primitive_names(sub))
-            )
-            if sub is not None and not opaque:
+            if sub is not None and not (not inline_custom and _kept_whole(name, sub, ks)):
                 sub_in = []
                 for x in ins:
                     if isinstance(x, tuple):
@@ -210,6 +203,16 @@ def _flatten(
     prog = Program(eqns, n_params, in_ids, out_ids, consts, kinds, [], [], who, err, pinned, lookups=lookups)
     _find_boundary(prog, _find_nodes(prog, body=in_kinds is not None))
     return prog
+
+
+def _kept_whole(name: str, sub, ks) -> bool:
+    """Whether a custom_jvp/custom_vjp call is kept as one equation (not entered): ReLU-like code (``jax.nn.relu``)
+    whose primitives the |·|^p network evaluates as they are, without sums and without parameters."""
+    return (
+        name.startswith("custom_")
+        and "param" not in ks
+        and all(rule(n).as_is and not rule(n).sums for n in jx.primitive_names(sub))
+    )
 
 
 def _flatten_scan(e, ins, ks, kinds, counter, who, err, inline_custom, sites, key, ins_pinned):

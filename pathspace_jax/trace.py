@@ -197,11 +197,24 @@ def _resolve_alias_roots(atoms: Atoms, xs: Sequence[int]) -> list[int]:
 
 
 def _build(interp: Interpreter, treedef, leaves, paths, fn, arg_specs, strict) -> PathSpace:
+    """The `PathSpace` from the interpreter's atoms: each leaf's role (`_leaf_roles`), the node groups
+    (`_node_groups`), then every entry's source and destination nodes (`_edge_leaves`)."""
+    leaf_info = _leaf_roles(interp, leaves, paths)
+    groups, key_index, num_nodes = _node_groups(interp, leaf_info)
+    edge_leaves = _edge_leaves(interp.atoms, leaves, paths, leaf_info, groups, key_index)
+    space = PathSpace(treedef, tuple(edge_leaves), tuple(groups), num_nodes, fn, arg_specs)
+    if strict:
+        _check_strict(space)
+    return space
+
+
+def _leaf_roles(interp: Interpreter, leaves, paths) -> list[tuple]:
+    """Per leaf ``(kind, factor roots, node_in, node_out, note, first_step)``: the role of every factor of every
+    axis; a leaf that is not an edge tensor is "other" (its atoms pinned, ``note`` says why)."""
     atoms = interp.atoms
     find = atoms.find
 
-    # 1. the role of every factor of every leaf. Roles are kept per atom id (not
-    # per root): a recurrent kernel's two axes share a root but not an id.
+    # Roles are kept per atom id (not per root): a recurrent kernel's two axes share a root but not an id.
     def expand_roles(a: int, role: str | None, roles: dict[int, str]) -> list[tuple[int, str | None]]:
         role = roles.get(a, role)
         r = find(a)
@@ -237,8 +250,14 @@ def _build(interp: Interpreter, treedef, leaves, paths, fn, arg_specs, strict) -
             leaf_info.append(("other", roots, None, None, note, first_step))
         else:
             leaf_info.append((kind, roots, node_in, node_out, "", first_step))
+    return leaf_info
 
-    # 2. node groups: keys are tuples of atom roots (aliases resolved)
+
+def _node_groups(interp: Interpreter, leaf_info) -> tuple[list[NodeGroup], dict, int]:
+    """The node groups (keys: tuples of atom roots, aliases resolved), ordered by first use, each input,
+    output, hidden or pinned (with its reasons); also the key of each group and the number of nodes. Sets
+    ``interp.pinned_roots``."""
+    atoms = interp.atoms
     group_order: dict[tuple[int, ...], float] = {}
     fed: set[tuple[int, ...]] = set()  # groups that some edge enters
 
@@ -292,7 +311,11 @@ def _build(interp: Interpreter, treedef, leaves, paths, fn, arg_specs, strict) -
         offset += size
     interp.pinned_roots = {r for key, gi in key_index.items() if groups[gi].reasons and groups[gi].kind != "input"
                            for r in key}  # fmt: skip
-    num_nodes = offset
+    return groups, key_index, offset
+
+
+def _edge_leaves(atoms: Atoms, leaves, paths, leaf_info, groups, key_index) -> list[EdgeLeaf]:
+    """Every leaf as an `EdgeLeaf`: the source and destination node of each entry."""
     offsets = np.array([g.offset for g in groups])
 
     def node_ids(root: int) -> np.ndarray:
@@ -302,7 +325,6 @@ def _build(interp: Interpreter, treedef, leaves, paths, fn, arg_specs, strict) -
         g = groups[key_index[(root,)]]
         return g.offset + np.arange(g.size)
 
-    # 3. per-entry source and destination nodes
     edge_leaves = []
     for i, (leaf, (kind, factors, node_in, node_out, note, _)) in enumerate(zip(leaves, leaf_info)):
         shape = tuple(int(d) for d in leaf.shape)
@@ -339,11 +361,7 @@ def _build(interp: Interpreter, treedef, leaves, paths, fn, arg_specs, strict) -
         src.setflags(write=False)
         dst.setflags(write=False)
         edge_leaves.append(EdgeLeaf(paths[i], shape, str(leaf.dtype), kind, sg, dg, src, dst))
-
-    space = PathSpace(treedef, tuple(edge_leaves), tuple(groups), num_nodes, fn, arg_specs)
-    if strict:
-        _check_strict(space)
-    return space
+    return edge_leaves
 
 
 def _check_strict(space: PathSpace) -> None:
