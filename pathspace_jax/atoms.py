@@ -62,7 +62,7 @@ class Atoms:
             if reason not in self.reasons[r]:
                 self.reasons[r].append(reason)
 
-    def _set_expand(self, r: int, children: list[int]) -> None:
+    def set_expand(self, r: int, children: list[int]) -> None:
         self.expand[r] = list(children)
         for c in self.factors(children):
             self.position[c] |= self.position[r]
@@ -113,7 +113,7 @@ class Atoms:
             if p != self.size[big] or self.alias[big] is not None:
                 self.pin(list(fa) + list(fb), reason + " (axes reshaped incompatibly)")
                 return
-            self._set_expand(big, [self.find(s) for s in small[k0:k]])
+            self.set_expand(big, [self.find(s) for s in small[k0:k]])
             if swap:
                 i, j = i + 1, k
             else:

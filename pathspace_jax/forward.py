@@ -35,7 +35,7 @@ def forward(prog: flat.Program, params: Sequence, inputs: Sequence, want: Sequen
 def run_program(prog: flat.Program, invals: list, want: Sequence, post=None, batch: int = 1,
          conv_vjp: bool = False) -> tuple[list, list]:  # fmt: skip
     """`forward` on ``prog``'s inputs; returns the values of ``prog.out_ids`` and of ``want``. Boundary
-    values (`squared._find_boundary`) are held fixed (``stop_gradient``) for what comes after them.
+    values (the boundary of `pathspace_jax.program`) are held fixed (``stop_gradient``) for what comes after them.
     ``post(var, value, eqn)`` replaces every value where it is produced (DDP-Normalization)."""
     env = dict(prog.consts)
     env.update(zip(prog.in_ids, invals, strict=False))

@@ -164,7 +164,7 @@ def _setup(space, leaves):
     prog = flat.program(
         space, param_key, input_key, who=_WHO, err=PathKappaUnsupportedError, allow_scan=True, inline_custom=True
     )
-    ones = [jnp.ones(s, d) for s, d in input_key]  # token ids: 1 (any id; `squared._lookup` sums the rows)
+    ones = [jnp.ones(s, d) for s, d in input_key]  # token ids: 1 (any id; the |·|^p lookup sums the rows)
     return dt, leaves, lg, prog, ones
 
 

@@ -56,7 +56,7 @@ class ShapeRules:
                 elif d % p == 0 and s % (d // p) == 0 and self.atoms.alias[self.atoms.find(f)] is None:
                     need = d // p
                     first, rest = self.atoms.new(s // need), self.atoms.new(need)
-                    self.atoms._set_expand(self.atoms.find(f), [first, rest])
+                    self.atoms.set_expand(self.atoms.find(f), [first, rest])
                     flat[k : k + 1] = [first, rest]
                     k += 1
                 else:
