@@ -25,6 +25,7 @@ class Atoms:
         self.input: list[bool] = []
         self.output: list[bool] = []
         self.reasons: list[list[str]] = []
+        self.random: list[bool] = []  # pinned because random numbers reach it (a reason code, not its text)
 
     def new(self, size: int, *, position=False, input=False) -> int:
         i = len(self.parent)
@@ -36,6 +37,7 @@ class Atoms:
         self.input.append(input)
         self.output.append(False)
         self.reasons.append([])
+        self.random.append(False)
         return i
 
     def find(self, a: int) -> int:
@@ -57,10 +59,11 @@ class Atoms:
                 out.extend(self.factors(self.expand[r]))
         return out
 
-    def pin(self, atoms: Sequence[int], reason: str) -> None:
+    def pin(self, atoms: Sequence[int], reason: str, *, random: bool = False) -> None:
         for r in self.factors(atoms):
             if reason not in self.reasons[r]:
                 self.reasons[r].append(reason)
+            self.random[r] |= random
 
     def set_expand(self, r: int, children: list[int]) -> None:
         self.expand[r] = list(children)
@@ -68,6 +71,7 @@ class Atoms:
             self.position[c] |= self.position[r]
             self.input[c] |= self.input[r]
             self.output[c] |= self.output[r]
+            self.random[c] |= self.random[r]
             self.reasons[c].extend(x for x in self.reasons[r] if x not in self.reasons[c])
 
     def union(self, a: int, b: int, reason: str) -> None:
@@ -81,6 +85,7 @@ class Atoms:
         self.position[ra] |= self.position[rb]
         self.input[ra] |= self.input[rb]
         self.output[ra] |= self.output[rb]
+        self.random[ra] |= self.random[rb]
         self.reasons[ra].extend(x for x in self.reasons[rb] if x not in self.reasons[ra])
         ea, eb = self.expand[ra], self.expand[rb]
         if ea is None and eb is not None:

@@ -83,6 +83,7 @@ class NodeGroup:
       kind: ``"input"``, ``"hidden"`` (rescalable), ``"output"`` or ``"pinned"``.
       offset: global index of the group's first node (node 0 is the bias node).
       reasons: why the group is pinned (primitive and source line), if it is.
+      random: whether random numbers reach it (dropout in the traced function): Path-SGD and DDP-SGD refuse it.
     """
 
     name: str
@@ -90,6 +91,7 @@ class NodeGroup:
     kind: GroupKind
     offset: int
     reasons: tuple[str, ...] = ()
+    random: bool = False
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -362,6 +362,5 @@ def refuse_random(space: PathSpace, who: str, err: type) -> None:
     """Path sums and DDP's statistics are defined for one deterministic network: a group pinned because
     random numbers reach it (dropout in the traced function) is an error, not a boundary."""
     for g in space.groups:
-        why = [r for r in g.reasons if "random numbers" in r]
-        if why:
-            raise err(f"{who}: node group {g.name} (size {g.size}) {why[0]}")
+        if g.random:
+            raise err(f"{who}: node group {g.name} (size {g.size}) {'; '.join(g.reasons)}")

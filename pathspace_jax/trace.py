@@ -306,7 +306,9 @@ def _node_groups(interp: Interpreter, leaf_info) -> tuple[list[NodeGroup], dict,
             kind = "pinned"
         else:
             kind = "hidden"
-        groups.append(NodeGroup(f"g{gi}", size, kind, offset, reasons if kind != "input" else ()))
+        pinned = kind != "input"  # an input group's reasons do not apply: inputs are never rescaled
+        random = pinned and any(atoms.random[r] for r in key)
+        groups.append(NodeGroup(f"g{gi}", size, kind, offset, reasons if pinned else (), random))
         key_index[key] = gi
         offset += size
     interp.pinned_roots = {r for key, gi in key_index.items() if groups[gi].reasons and groups[gi].kind != "input"

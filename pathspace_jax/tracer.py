@@ -70,8 +70,8 @@ class Interpreter(ShapeRules):
             self.other[v.leaf].append(self.reason(why))
             self.atoms.pin(self.all_atoms(v), self.reason(why))
 
-    def pin(self, v: Val, why: str) -> None:
-        self.atoms.pin(self.all_atoms(v), self.reason(why))
+    def pin(self, v: Val, why: str, *, random: bool = False) -> None:
+        self.atoms.pin(self.all_atoms(v), self.reason(why), random=random)
 
     def all_atoms(self, v: Val) -> list[int]:
         return [a for ax in v.axes for a in ax] + list(v.scalars)
@@ -154,10 +154,10 @@ class Interpreter(ShapeRules):
             if o.kind == CONST:
                 o.random = True
             elif o.kind == ACT:
-                self.pin(o, why)
+                self.pin(o, why, random=True)
                 for v in ins:
                     if v.kind == ACT:
-                        self.pin(v, why)
+                        self.pin(v, why, random=True)
 
     def unknown(self, eqn, ins):
         why = "not known to be positively homogeneous"
