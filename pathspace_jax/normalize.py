@@ -103,7 +103,7 @@ def _nodes(space: PathSpace, prog: flat.Program) -> dict[int, _Node]:
         acts = [x for x in e.ins if not isinstance(x, tuple) and kinds[x] == "act"]
         if name in ("dot_general", "conv_general_dilated") and params:
             chain[e.outs[0]] = params
-        elif any(x in chain for x in acts) and (rule(name).passes_node or rule(name).merges_node):
+        elif any(x in chain for x in acts) and rule(name).continues_node:
             if name in ("add", "add_any", "sub") and any(x not in chain for x in acts):
                 where = e.where
                 raise DDPNormalizationError(

@@ -259,7 +259,7 @@ def _find_nodes(prog: Program, body: bool = False) -> set[int]:
             continue
         if name in ("dot_general", "conv_general_dilated") and "param" in ins_k or e.outs[0] in prog.lookups:
             fresh.add(e.outs[0])
-        elif rule(name).passes_node or rule(name).merges_node:
+        elif rule(name).continues_node:
             if any((not isinstance(x, tuple)) and x in fresh for x in e.ins):
                 fresh.add(e.outs[0])
     outs = [x for x in prog.out_ids if not isinstance(x, tuple) and kinds[x] == "act"]
@@ -274,7 +274,7 @@ def _find_nodes(prog: Program, body: bool = False) -> set[int]:
                 continue
             if v not in fresh:
                 continue
-            merged = len(us) == 1 and (rule(us[0].prim.name).passes_node or rule(us[0].prim.name).merges_node)
+            merged = len(us) == 1 and rule(us[0].prim.name).continues_node
             if merged and us[0].prim.name in ("mul", "div"):
                 other = [x for x in us[0].ins if x != v]
                 merged = all(isinstance(x, tuple) or kinds[x] == "const" for x in other)

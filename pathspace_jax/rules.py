@@ -61,6 +61,11 @@ class Rule:
     same_entries: bool = False
     breaks_linearity: bool = False
 
+    @property
+    def continues_node(self) -> bool:
+        """A pre-activation's expression goes on through it (``passes_node`` or ``merges_node``)."""
+        return self.passes_node or self.merges_node
+
     def __post_init__(self):
         if self.structure is not None and self.structure not in STRUCTURES:
             raise ValueError(f"Rule.structure must be one of {STRUCTURES} or None, got {self.structure!r}")
