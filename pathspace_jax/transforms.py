@@ -547,7 +547,7 @@ class ScaleByPathSGDState(NamedTuple):
     ``log2_gauge`` the frame's per-node log2|B_v| (`pathspace_jax.frames.gauge_log2`) at that step:
     `pathspace_jax.frames.kappa_from_frame` gives κ of the params (``kappa · 2^(2(k_v − k_u))`` on each
     edge ``u -> v``, k the rounded log-gauge). ``frame`` (per node) and ``kappa_mean`` (per leaf) are the
-    balanced frame and κ's leaf means in it (`KeptKappa`), for the normalisation and the damping. All stay in
+    balanced frame and κ's geometric leaf means in it (`KeptKappa`), for the normalisation and the damping. All stay in
     range whatever node-wise rescaling the params carry. A dense kernel's κ (a 2-D leaf that one product with a
     single-row activation of the |·|^p network uses) is kept as `pathspace_jax.kappa.RankOne` vectors ``(a, b)``
     with κ = a bᵀ (`pathspace_jax.kappa.full` expands it): the state then holds nothing of that kernel's size, and
