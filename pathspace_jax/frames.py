@@ -181,8 +181,12 @@ def to_canonical_frame(space: PathSpace, leaves, dtype):
     that scale under rescaling (κ, gradients) are computed there, in range, and mapped back.
     """
     lg = gauge_log2(space, leaves, dtype)
-    out = [jnp.asarray(w) if f is None else jnp.asarray(w, dtype) * f for w, f in zip(leaves, edge_factors(space, lg))]
-    return out, lg
+    return in_canonical_frame(space, leaves, lg, dtype), lg
+
+
+def in_canonical_frame(space: PathSpace, leaves, lg, dtype):
+    """`to_canonical_frame`'s leaves when their log-gauge ``lg`` is already known (a κ pass returns it)."""
+    return [jnp.asarray(w) if f is None else jnp.asarray(w, dtype) * f for w, f in zip(leaves, edge_factors(space, lg))]
 
 
 def kappa_from_frame(space: PathSpace, kappa, lg):

@@ -12,7 +12,7 @@ import optax
 
 from pathspace_jax import gsgd
 from pathspace_jax.ddp import check_ddp_space, check_inputs, check_options, ddp_kappa_canonical
-from pathspace_jax.frames import edge_factors, frame_factors, to_canonical_frame
+from pathspace_jax.frames import edge_factors, frame_factors, in_canonical_frame
 from pathspace_jax.graph import check_path_space, compute_dtype
 from pathspace_jax.gsgd import balanced_frame
 from pathspace_jax.kappa import RankOne, check_kappa_space, full, kappa_canonical
@@ -183,12 +183,11 @@ class KeptKappa(NamedTuple):
 
 
 def _kept(space, params, kappa, lg) -> KeptKappa:
-    """`KeptKappa` from κ in the canonical frame and its log-gauge, at ``params``."""
-
+    """`KeptKappa` from κ in the canonical frame and its log-gauge ``lg`` (that of ``params``, from the κ pass:
+    the canonical frame is not searched for again)."""
     leaves = space.leaves_of(params, "params")
     ct = compute_dtype(leaves)
-    canonical, _ = to_canonical_frame(space, leaves, ct)
-    frame = balanced_frame(space, canonical, ct)
+    frame = balanced_frame(space, in_canonical_frame(space, leaves, lg.astype(ct), ct), ct)
     ks = jax.tree_util.tree_leaves(kappa, is_leaf=lambda k: isinstance(k, RankOne))
     means = [
         jnp.zeros([], ct) if f is None else _geometric_mean(jnp.asarray(full(k), ct) / (f * f))
