@@ -22,7 +22,8 @@ def ddp_sgd(
     momentum: float | None = None,
     every: int = 1,
     normalize: bool = True,
-    damping: float = 1e-8,
+    damping: float = 0.0,
+    floor: float = 1e-6,
     eps: float = 0.0,
 ) -> optax.GradientTransformationExtraArgs:
     """DDP-SGD (Neyshabur et al., ICLR 2016): w ← w − η g / κ, κ = ½ ∂²γ²_net/∂w² on the current batch.
@@ -36,8 +37,8 @@ def ddp_sgd(
     Args:
       space: the `PathSpace` of the network (``pathspace_jax.trace``).
       learning_rate: η, a float or an optax schedule.
-      alpha, moment, estimator, num_probes, probe_damping, probe_batch_size, every, normalize, damping, eps:
-        see `pathspace_jax.scale_by_ddp`.
+      alpha, moment, estimator, num_probes, probe_damping, probe_batch_size, every, normalize, damping, floor,
+        eps: see `pathspace_jax.scale_by_ddp`.
       momentum: heavy-ball decay (``optax.trace``), or None.
 
     Returns:
@@ -62,6 +63,7 @@ def ddp_sgd(
             probe_batch_size=probe_batch_size,
             normalize=normalize,
             damping=damping,
+            floor=floor,
             eps=eps,
             every=every,
         )
@@ -171,7 +173,8 @@ def path_sgd(
     second_order: bool = True,
     every: int = 1,
     normalize: bool = True,
-    damping: float = 1e-8,
+    damping: float = 0.0,
+    floor: float = 1e-6,
     eps: float = 0.0,
 ) -> optax.GradientTransformation:
     """Path-SGD: p ← p − η g / κ, κ = ½ ∂²γ²_net/∂p² (κ⁽¹⁾ + κ⁽²⁾ for recurrent kernels).
@@ -187,8 +190,8 @@ def path_sgd(
       learning_rate: η, a float or an optax schedule.
       momentum: momentum decay (``optax.trace``), or None.
       nesterov: Nesterov momentum (with ``momentum``).
-      second_order, every, normalize, damping, eps: see `pathspace_jax.scale_by_path_sgd` (the default
-        damping keeps the step rescaling invariant; ``eps`` does not).
+      second_order, every, normalize, damping, floor, eps: see `pathspace_jax.scale_by_path_sgd` (``floor`` and
+        ``damping`` keep the step rescaling invariant; ``eps`` does not).
 
     Returns:
       An `optax.GradientTransformation`; call ``update(grads, state, params)``.
@@ -204,7 +207,7 @@ def path_sgd(
     """
     parts = [
         transforms.scale_by_path_sgd(
-            space, second_order=second_order, normalize=normalize, damping=damping, eps=eps, every=every
+            space, second_order=second_order, normalize=normalize, damping=damping, floor=floor, eps=eps, every=every
         )
     ]
     if momentum is not None:

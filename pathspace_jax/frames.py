@@ -167,8 +167,15 @@ def frame_factors(space: PathSpace, alpha):
     ``w_{u->v} ↦ w_{u->v} α_v / α_u``; κ, which scales like ``(β_u / β_v)²``, is divided by its square. An α that
     is 0 or not finite (a node on no path one way) counts as 1 there.
     """
+    return [None if parts is None else parts[0] * parts[1] for parts in frame_factor_parts(space, alpha)]
+
+
+def frame_factor_parts(space: PathSpace, alpha):
+    """Per leaf, `frame_factors` as two factors ``(α_dst, 1 / α_src)``, each broadcastable to the leaf (None for
+    leaves of kind "other"): for a dense kernel a row and a column, whose product is the factor."""
     a = jnp.where((alpha > 0) & jnp.isfinite(alpha), alpha, 1)
-    return edge_products(space, a, 1 / a)
+    a, inv = materialize(a, 1 / a)
+    return [None if li.kind == "other" else (take(a, li.dst_r), take(inv, li.src_r)) for li in skeleton(space).leaves]
 
 
 def to_canonical_frame(space: PathSpace, leaves, dtype):

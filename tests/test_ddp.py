@@ -792,7 +792,7 @@ def _state_kappa(space, st):
 @pytest.mark.slow
 def test_every_k_reuses_kappa():
     fn, params, x, space, grads = _setup()
-    tx = pj.scale_by_ddp(space, alpha=0.5, every=3, normalize=False, damping=0.0, estimator="exact")
+    tx = pj.scale_by_ddp(space, alpha=0.5, every=3, normalize=False, floor=0.0, estimator="exact")
     state = tx.init(params)
     upd = jax.jit(lambda g, s, p, x: tx.update(g, s, p, inputs=x))
     k0 = pj.ddp_kappa(space, params, x, alpha=0.5)

@@ -452,7 +452,7 @@ def test_update_differs_from_sgd_on_unbalanced_network():
     space = pj.trace(fn, params, x)
     params = pj.random_rescale(space, params, jax.random.key(1), max_exponent=4)
     g = jax.grad(_loss(fn))(params, (x, jnp.zeros((5, 2), F64)))
-    tx = pj.path_sgd(space, 1.0, normalize=False, damping=0.0)
+    tx = pj.path_sgd(space, 1.0, normalize=False, floor=0.0)
     u, _ = tx.update(g, tx.init(params), params)
     ratio = np.concatenate(
         [np.ravel(-a / b) for a, b in zip(jax.tree_util.tree_leaves(u), jax.tree_util.tree_leaves(g))]
@@ -475,7 +475,7 @@ def test_normalized_step_is_path_sgd_times_a_leaf_constant(name):
     space = pj.trace(fn, params, x)
     params = pj.random_rescale(space, params, jax.random.key(1), max_exponent=4)
     g = jax.grad(_loss(fn))(params, (x, jnp.zeros_like(fn(params, x))))
-    tx = pj.path_sgd(space, 1.0, damping=0.0)
+    tx = pj.path_sgd(space, 1.0, floor=0.0)
     u, _ = tx.update(g, tx.init(params), params)
     alpha = np.asarray(balanced_frame(space, space.leaves_of(params), F64))
     kappa = space.leaves_of(pj.path_kappa(space, params))

@@ -79,7 +79,7 @@ def _mse(fn):
 @pytest.mark.parametrize("max_exponent", [2, 4, 8, 20])
 @pytest.mark.parametrize("name", ["mlp", "res", "cnn", "rnn"])
 def test_path_sgd_defaults_are_invariant_in_float32(name, max_exponent):
-    """The default damping scales like κ: one step from any power-of-two rescaling gives the same function."""
+    """The default floor scales like κ: one step from any power-of-two rescaling gives the same function."""
     fn, params, x, y, space = _setup(name)
     tx = pj.path_sgd(space, 0.03)
     assert_update_invariant(tx, _mse(fn), space, params, (x, y), max_exponent=max_exponent, rtol=1e-5, atol=1e-6)
@@ -415,7 +415,7 @@ def test_ddp_alpha_one_with_probes_trains_the_digits_mlp_like_the_exact_estimato
         assert all(np.all(np.isfinite(np.asarray(a))) for a in jax.tree_util.tree_leaves(p))
         return float(jnp.mean(fn(p, x_te).argmax(-1) != y_te))
 
-    # the exact diagonal natural gradient (default damping) diverges from 0.03 on these centred pixels, some of
+    # the exact diagonal natural gradient (default floor) fails from 0.1 on these centred pixels, some of
     # which are almost always 0: a batch's Fisher of their weights is almost 0 where a later batch's gradient is
     # not (docs/ddp_sgd.md); the probes' floor δ·κ_path bounds that
     exact = min(test_error(pj.ddp_sgd(space, lr, alpha=1.0, estimator="exact")) for lr in (0.003, 0.01))
@@ -477,17 +477,18 @@ def _step_of_ones(tx, params, **kw):
 
 @pytest.mark.parametrize("name", ["mlp", "cnn", "rnn"])
 @pytest.mark.parametrize("algo", ["path_sgd", "ddp_alpha_0", "ddp_alpha_1"])
-def test_default_damping_leaves_kappa_alone(name, algo):
+def test_default_floor_leaves_kappa_alone(name, algo):
     """With default arguments κ is the algorithm's κ: within 1 % of the undamped κ on at least 99.9 % of the
-    entries whose κ is at least 1e-6 of their leaf's largest (the damping is relative to the leaf's mean of κ in
-    the balanced frame; in the skeleton's canonical frame, as before, it changed up to 12 % of them, 1,440× off)."""
+    entries whose κ is at least 1e-6 of their leaf's largest (the floor is 1e-6 of the leaf's geometric mean of κ
+    in the balanced frame; a damping of 1e-8 added in the skeleton's canonical frame, as before, changed up to 12 %
+    of them, 1,440× off)."""
     fn, params, x, space = _digits_after_sgd(name)
     if algo == "path_sgd":
         make, kw = functools.partial(pj.path_sgd, space, 1.0), {}
     else:
         alpha = float(algo[-1])
         make, kw = functools.partial(pj.ddp_sgd, space, 1.0, alpha=alpha, estimator="exact"), {"inputs": x}
-    damped, undamped = _step_of_ones(make(), params, **kw), _step_of_ones(make(damping=0.0), params, **kw)
+    damped, undamped = _step_of_ones(make(), params, **kw), _step_of_ones(make(floor=0.0), params, **kw)
     counted = off = 0
     for d, u in zip(damped, undamped, strict=True):
         if not np.any(u):
@@ -495,13 +496,13 @@ def test_default_damping_leaves_kappa_alone(name, algo):
         inv_kappa = np.abs(u)  # ∝ 1/κ within a leaf
         keep = (u != 0) & (inv_kappa <= 1e6 * inv_kappa[u != 0].min())
         counted += keep.sum()
-        off += np.sum(np.abs(u[keep] / d[keep] - 1) > 0.01)  # (κ + damping) / κ
+        off += np.sum(np.abs(u[keep] / d[keep] - 1) > 0.01)  # max(κ, floor) / κ
     assert counted > 1000
     assert off <= 1e-3 * counted, f"{off} of {counted} entries off by more than 1 %"
 
 
 def test_ddp_alpha_one_with_defaults_is_the_per_example_fisher():
-    """DDP-SGD α = 1 exact, default damping: its divisor is the diagonal of the per-example Fisher
+    """DDP-SGD α = 1 exact, default floor: its divisor is the diagonal of the per-example Fisher
     ``mean_i Σ_out (∂f_out(x_i)/∂w)²`` to 1e-3 on the entries above 1e-6 of their leaf's largest (float64)."""
     fn, params, x, space = _digits_after_sgd("mlp", F64)
     u = _step_of_ones(pj.ddp_sgd(space, 1.0, alpha=1.0, estimator="exact", normalize=False), params, inputs=x)
@@ -515,33 +516,34 @@ def test_ddp_alpha_one_with_defaults_is_the_per_example_fisher():
 
 def test_exact_natural_gradient_is_stable_where_sgd_is():
     """DDP-SGD α = 1 with the exact estimator and default arguments on a regression MLP (8-32-32-4, MSE, 64
-    examples, full batch, 100 steps): finite at SGD's learning rates, at or below SGD's loss at 0.1 and 0.05 (without
-    the relative damping and the balanced-frame normalisation it reached 1e22 at 0.1 and NaN at 0.05; now 0.32 and
-    0.56 against SGD's 0.43 and 0.61). At 0.01, where both are slow, within 10 % of SGD's loss (0.93 against 0.88):
-    κ is normalised by its geometric mean over each leaf, which for this Fisher is 1.2-2.4 times smaller than its
-    arithmetic mean, so the typical step is SGD's and the steps are smaller than with the arithmetic mean (0.86),
-    which made DDP-SGD diverge at SGD's rates elsewhere (benchmarks/lr_transfer.py). The inputs are float64 and the
-    params float32: the exact estimator's cotangents take the activations' dtype (they took the params' and failed
-    inside ``jax.vjp``)."""
+    examples, full batch, 100 steps), four draws of data and init: finite at SGD's learning rates, below SGD's loss
+    at 0.1. Draw 2 went to NaN at 0.1 with a damping of 1e-8 of the leaf's mean instead of the floor (0.50 against
+    SGD's 0.62 with it); without the relative scale and the normalisation the step reached 1e22 at 0.1 and NaN at
+    0.05. At 0.05 and 0.01 within 5 % and 10 % of SGD's loss (16 draws: at or below SGD's loss at 0.1 on all, at
+    0.05 on 11, 4-9 % above it at 0.01 on all): the natural gradient's step, normalised to SGD's typical size, is
+    smaller than SGD's in its high-curvature directions, and at small rates it falls behind. The inputs are float64
+    and the params float32: the exact estimator's cotangents take the activations' dtype (they took the params' and
+    failed inside ``jax.vjp``)."""
     model = _MLP()
-    kx, ky = jax.random.split(jax.random.key(0))
-    x, y = jax.random.normal(kx, (64, 8)), jax.random.normal(ky, (64, 4))
-    params = model.init(jax.random.key(1), x)["params"]
     fn = lambda p, x: model.apply({"params": p}, x)  # noqa: E731
-    space = pj.trace(fn, params, x)
-    loss = jax.jit(lambda p: jnp.mean((fn(p, x) - y) ** 2))
+    for draw in range(4):
+        kx, ky = jax.random.split(jax.random.key(draw))
+        x, y = jax.random.normal(kx, (64, 8)), jax.random.normal(ky, (64, 4))
+        params = model.init(jax.random.key(draw + 100), x)["params"]
+        space = pj.trace(fn, params, x)
+        loss = jax.jit(functools.partial(lambda p, x, y: jnp.mean((fn(p, x) - y) ** 2), x=x, y=y))
 
-    def run(tx, **kw):
-        @jax.jit
-        def step(p, s):
-            u, s = tx.update(jax.grad(loss)(p), s, p, **kw)
-            return optax.apply_updates(p, u), s
+        def run(tx, loss=loss, params=params, **kw):
+            @jax.jit
+            def step(p, s):
+                u, s = tx.update(jax.grad(loss)(p), s, p, **kw)
+                return optax.apply_updates(p, u), s
 
-        p, s = params, tx.init(params)
-        for _ in range(100):
-            p, s = step(p, s)
-        return float(loss(p))
+            p, s = params, tx.init(params)
+            for _ in range(100):
+                p, s = step(p, s)
+            return float(loss(p))
 
-    for lr, slack in ((0.1, 1.0), (0.05, 1.0), (0.01, 1.1)):
-        sgd, ddp = run(optax.sgd(lr)), run(pj.ddp_sgd(space, lr, alpha=1.0, estimator="exact"), inputs=x)
-        assert np.isfinite(ddp) and ddp <= slack * sgd, (lr, ddp, sgd)
+        for lr, slack in ((0.1, 1.0), (0.05, 1.05), (0.01, 1.1)):
+            sgd, ddp = run(optax.sgd(lr)), run(pj.ddp_sgd(space, lr, alpha=1.0, estimator="exact"), inputs=x)
+            assert np.isfinite(ddp) and ddp <= slack * sgd, (draw, lr, ddp, sgd)
