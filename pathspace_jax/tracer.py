@@ -405,10 +405,17 @@ class Interpreter(ShapeRules):
             if kinds == (ACT, ACT):
                 for v in ins:
                     self.pin(v, "product of activations")
-            else:
-                x, xc = (lhs, lc) if lhs.kind == ACT else (rhs, rc)
+            else:  # fixed coefficients (a constant, or parameters that are not an edge): new nodes, pinned
+                why = self.reason("mixes nodes with fixed coefficients")
+                if lhs.kind == ACT:
+                    x, xc, c, cfree, first = lhs, lc, rhs, rfree, len(lb) + len(lfree)
+                else:
+                    x, xc, c, cfree, first = rhs, rc, lhs, lfree, len(lb)
                 for b in xc:
-                    self.atoms.pin(x.axes[b], self.reason("mixes nodes with fixed coefficients"))
+                    self.atoms.pin(x.axes[b], why)
+                for j, k in enumerate(cfree):  # never the coefficients' own atoms (a concatenation's positions)
+                    out[first + j] = [self.atoms.new(self.size(c.axes[k]))]
+                    self.atoms.pin(out[first + j], why)
             for a, b in zip(lb, rb):
                 self.atoms.unify(lhs.axes[a], rhs.axes[b], self.reason())
             return [Val(ACT, out)]

@@ -502,3 +502,29 @@ def test_hidden_layer_reshaped_to_a_new_channel_axis_is_pinned_not_rescaled():
     g0 = space.groups[0]
     assert (g0.size, g0.kind) == (1, "pinned") and "no parameter edge enters" in g0.reasons[-1]
     pj.testing.assert_function_invariant(fn, space, params, x)  # the unit channel node was rescaled before
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_activations_from_parameters_that_are_not_edges_are_a_pinned_group(fused):
+    """A layer reading activations computed from the inputs with parameters that are not edges (a kernel
+    concatenated from two parameters, as Flax's fast LSTM builds its gates) is an edge from a pinned group, as it is
+    when the kernel is one parameter; it was labelled a bias (edges from the constant node) and G-SGD diverged."""
+
+    def fn(p, x):
+        k = jnp.concatenate([p["a"], p["b"]], 1) if fused else p["k"]
+        z = jax.nn.relu(jnp.tanh(x @ k) @ p["w1"] + p["b1"])
+        return z @ p["w2"]
+
+    ks = jax.random.split(jax.random.key(0), 5)
+    a, b = jax.random.normal(ks[0], (4, 8), jnp.float64), jax.random.normal(ks[1], (4, 8), jnp.float64)
+    params = {"w1": jax.random.normal(ks[2], (16, 8), jnp.float64), "b1": jnp.zeros(8, jnp.float64),
+              "w2": jax.random.normal(ks[3], (8, 3), jnp.float64)}  # fmt: skip
+    params.update({"a": a, "b": b} if fused else {"k": jnp.concatenate([a, b], 1)})
+    x = jax.random.normal(ks[4], (5, 4), jnp.float64)
+    space = pj.trace(fn, params, x)
+    w1 = next(leaf for leaf in space.leaves if leaf.path == "w1")
+    assert w1.kind == "weight"
+    (src,) = w1.src_groups
+    assert (space.groups[src].size, space.groups[src].kind) == (16, "pinned")
+    assert space.num_hidden == 8
+    pj.testing.assert_function_invariant(fn, space, params, x)

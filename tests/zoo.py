@@ -193,6 +193,17 @@ class TanhMLP(nn.Module):
         return nn.Dense(2)(x)
 
 
+class FusedLSTMHead(nn.Module):
+    """Flax's fast LSTM (its gate kernels concatenated from parameters: fixed coefficients, not edges) read by a
+    ReLU layer. The LSTM's state is a pinned group (sigmoid and tanh gates); the ReLU layer is 5 hidden nodes fed
+    from it, not a bias (the last step's state is a slice of a concatenation)."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.RNN(nn.OptimizedLSTMCell(4, param_dtype=x.dtype))(x)[:, -1]
+        return nn.Dense(2)(nn.relu(nn.Dense(5)(h)))
+
+
 class LayerNormMLP(nn.Module):
     """Dense -> LayerNorm -> ReLU -> Dense -> ReLU -> Dense.
 
@@ -321,6 +332,7 @@ def _build() -> dict[str, Case]:
         _linen("tanh_mlp_partly_pinned", TanhMLP(), _normal(3), hidden=4, pinned=1),
         _linen("layernorm_mlp_partly_pinned", LayerNormMLP(), _normal(3), hidden=4, pinned=1, extra_symmetries=4),
         _linen("concat_mlp", ConcatMLP(), _normal(3), hidden=7),
+        _linen("fused_lstm_relu_head", FusedLSTMHead(), _normal(3, 2), hidden=5, pinned=1),
         _nnx("nnx_mlp", NnxMLP(nnx.Rngs(0)), _normal(4), hidden=11),
         _nnx("nnx_rnn", NnxRNN(nnx.Rngs(1)), _normal(4, 3), hidden=4, recurrent=True),
         _plain_transpose_slice(),
