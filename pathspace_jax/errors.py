@@ -8,6 +8,9 @@ plain ``ValueError`` / ``TypeError``, as in optax.
 
 from __future__ import annotations
 
+import os
+import sys
+
 
 class PathSpaceError(Exception):
     """Base class of pathspace_jax's errors about a model, its params or its inputs."""
@@ -31,3 +34,12 @@ class DDPUnsupportedError(PathSpaceError, ValueError):
 
 class DDPNormalizationError(PathSpaceError, ValueError):
     """Raised when a model or batch is outside what DDP-Normalization is defined for here."""
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` of ``warnings.warn`` that names the first caller outside pathspace_jax (the user's line)."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == package:
+        frame, level = frame.f_back, level + 1
+    return level

@@ -28,12 +28,15 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import warnings
 from collections.abc import Callable
 from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from pathspace_jax.errors import user_stacklevel
 
 GroupKind = Literal["input", "hidden", "output", "pinned"]
 LeafKind = Literal["weight", "bias", "other"]
@@ -71,6 +74,21 @@ def check_path_space(space, who: str) -> None:
     """TypeError unless ``space`` is a `PathSpace` (every public function that takes one calls this)."""
     if not isinstance(space, PathSpace):
         raise TypeError(f"{who}: space must be a PathSpace from pathspace_jax.trace(fn, params, *args), got {space!r}")
+
+
+def warn_if_plain(space: PathSpace, who: str) -> None:
+    """A ``UserWarning`` (at the user's line) where ``space`` has no hidden node: a path-space optimiser there is its
+    plain form (G-SGD is SGD, Path-SGD a per-leaf rescaled SGD), which a user would otherwise not notice."""
+    if space.num_hidden == 0:
+        warnings.warn(
+            f"{who}: the traced network has no hidden node that can be rescaled (every group is an input, an output "
+            "or pinned; see pathspace_jax.describe(space) for why), so this optimiser reduces to its plain form. "
+            "Common causes: BatchNorm with running statistics between layers (fold it into the convolution for "
+            "inference, or train with DDP-Normalization instead), a non-ReLU activation everywhere, or dropout in "
+            "the traced function (trace with deterministic=True).",
+            UserWarning,
+            stacklevel=user_stacklevel(),
+        )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -95,6 +95,17 @@ def random_rescale(space: PathSpace, params, key, *, max_exponent: int = 4):
     return rescale(space, params, random_alphas(space, key, max_exponent=max_exponent))
 
 
+def _plain_note(space: PathSpace) -> str:
+    """What `describe`'s first line adds where the path-space part is absent or small."""
+    if space.num_hidden == 0:
+        return ("; NO hidden node can be rescaled, so the path-space optimisers reduce to their plain forms "
+                "(the pinned groups below say why)")  # fmt: skip
+    edges = sum(int(np.prod(leaf.shape, dtype=np.int64)) for leaf in space.leaves if leaf.kind != "other")
+    if edges < 0.1 * space.num_params:
+        return f"; only {edges / space.num_params:.1%} of the parameters are edges of the path-space part"
+    return ""
+
+
 def describe(space: PathSpace) -> str:
     """A readable table of the parameter leaves' roles and of the node groups."""
     names = [g.name for g in space.groups]
@@ -116,7 +127,8 @@ def describe(space: PathSpace) -> str:
     lines = [
         f"PathSpace: {space.num_params} parameters (m), {space.num_hidden} hidden nodes (H), "
         f"{space.num_coords} path coordinates (m - H); skeleton chosen "
-        + ("from the params' values" if space.skeleton_edges is not None else "by index (from the graph alone)"),
+        + ("from the params' values" if space.skeleton_edges is not None else "by index (from the graph alone)")
+        + _plain_note(space),
         "",
         f"{'parameter':<{w}}  {'shape':<{ws}}  role",
     ]

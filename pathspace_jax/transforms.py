@@ -13,7 +13,7 @@ import optax
 from pathspace_jax import gsgd
 from pathspace_jax.ddp import check_ddp_space, check_inputs, check_options, ddp_kappa_canonical
 from pathspace_jax.frames import edge_factors, frame_factor_parts, frame_factors, in_canonical_frame
-from pathspace_jax.graph import check_path_space, compute_dtype
+from pathspace_jax.graph import check_path_space, compute_dtype, warn_if_plain
 from pathspace_jax.gsgd import balanced_frame
 from pathspace_jax.kappa import RankOne, check_kappa_space, full, kappa_canonical
 
@@ -388,6 +388,7 @@ def scale_by_ddp(
     """
 
     check_ddp_space(space)
+    warn_if_plain(space, "scale_by_ddp")
     _check_every_eps(every, eps, damping, floor)
     _check_static(
         "scale_by_ddp", alpha=alpha, num_probes=num_probes, probe_batch_size=probe_batch_size, normalize=normalize
@@ -438,6 +439,7 @@ def _ddp_update(space, config, updates, state, params, xs, key, damping, floor, 
 
 def _check_in_path_space(space, normalize, rebalance, min_ratio, min_share) -> None:
     check_path_space(space, "in_path_space")
+    warn_if_plain(space, "in_path_space")
     _check_static("in_path_space", normalize=normalize, rebalance=rebalance)
     if not _traced(min_ratio) and not 0 < min_ratio < 1:
         raise ValueError(f"min_ratio must be in (0, 1), got {min_ratio}")
@@ -675,6 +677,7 @@ def scale_by_path_sgd(
     """
 
     check_kappa_space(space, "scale_by_path_sgd")
+    warn_if_plain(space, "scale_by_path_sgd")
     _check_every_eps(every, eps, damping, floor)
     _check_static("scale_by_path_sgd", second_order=second_order, normalize=normalize)
     second_order, normalize = bool(second_order), bool(normalize)

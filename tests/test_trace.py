@@ -4,12 +4,14 @@ import pickle
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.extend.core import Primitive
 from jax.flatten_util import ravel_pytree
@@ -528,3 +530,37 @@ def test_activations_from_parameters_that_are_not_edges_are_a_pinned_group(fused
     assert (space.groups[src].size, space.groups[src].kind) == (16, "pinned")
     assert space.num_hidden == 8
     pj.testing.assert_function_invariant(fn, space, params, x)
+
+
+def test_a_space_without_hidden_nodes_says_so_and_the_optimisers_warn():
+    """A ResNet-style CNN with BatchNorm (running statistics) after every convolution has no rescalable unit: H = 0
+    and every path-space optimiser is its plain form. `describe` says so in its first line, and constructing an
+    optimiser warns at the user's line; a network with hidden nodes stays silent."""
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.relu(nn.BatchNorm(use_running_average=True)(nn.Conv(4, (3, 3))(x)))
+            return nn.relu(x + nn.BatchNorm(use_running_average=True)(nn.Conv(4, (3, 3))(h)))
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.relu(nn.BatchNorm(use_running_average=True)(nn.Conv(4, (3, 3))(x)))
+            return nn.Dense(3)(Block()(x).mean((1, 2)))
+
+    x = jax.random.normal(jax.random.key(0), (2, 6, 6, 1))
+    variables = Net().init(jax.random.key(1), x)
+    fn = lambda p, x: Net().apply({"params": p, "batch_stats": variables["batch_stats"]}, x)  # noqa: E731
+    space = pj.trace(fn, variables["params"], x)
+    assert space.num_hidden == 0
+    assert "NO hidden node can be rescaled" in pj.describe(space).splitlines()[0]
+    for make in (lambda: pj.g_sgd(space, 0.1), lambda: pj.path_sgd(space, 0.1),
+                 lambda: pj.ddp_sgd(space, 0.1, alpha=0.5), lambda: pj.in_path_space(optax.adam(1e-3), space)):  # fmt: skip
+        with pytest.warns(UserWarning, match="reduces to its plain form") as record:
+            make()
+        assert record[0].filename == __file__
+    mlp = ZOO["mlp"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pj.g_sgd(pj.trace(mlp.fn, mlp.params, mlp.inputs(2)), 0.1)
