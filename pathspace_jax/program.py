@@ -78,6 +78,12 @@ class Program:
     sinks: list[int] = dataclasses.field(default_factory=list)  # pinned nodes: paths end here (`_find_boundary`)
     bnd: set[int] = dataclasses.field(default_factory=set)  # other boundary values: 1 in the |·|^p network
     lookups: set[int] = dataclasses.field(default_factory=set)  # results of embedding lookups (`_lookup`)
+    fixed: set[int] = dataclasses.field(default_factory=set)  # params combined into fixed coefficients (trace)
+
+    def edge_param(self, x) -> bool:
+        """Whether operand ``x`` is a parameter as an edge tensor: a view of one params leaf, not a
+        combination of leaves into fixed coefficients (a kernel concatenated from two, ``fixed``)."""
+        return not isinstance(x, tuple) and self.kinds[x] == "param" and x not in self.fixed
 
 
 def _join(a: str, b: str) -> str:
@@ -114,6 +120,7 @@ def _flatten(
     pinned: set[int] = set()
     tokens: set[int] = set()  # integer values computed from integer inputs (token ids), of kind "const"
     lookups: set[int] = set()
+    fixed: set[int] = set()
     sites = sites or {}
 
     def kind_of(x):
@@ -144,7 +151,7 @@ def _flatten(
                 eqns.append(scan_eqn)
                 for j, (v, o) in enumerate(zip(e.outvars, outs, strict=True)):
                     env[v] = o
-                    if j < len(flags) and flags[j]:
+                    if _flag(flags, j) is True:
                         pinned.add(o)
                 continue
             if name in ("scan", "while", "cond"):
@@ -179,8 +186,10 @@ def _flatten(
                 i = next(counter)
                 env[v], kinds[i] = i, k
                 outs.append(i)
-                if j < len(flags) and flags[j] and k == "act":
+                if _flag(flags, j) is True and k == "act":
                     pinned.add(i)
+                elif _flag(flags, j) == "const" and k == "param":
+                    fixed.add(i)  # parameters combined into fixed coefficients (not an edge)
                 if lookup:
                     lookups.add(i)
                 elif from_tokens and k == "const":
@@ -198,11 +207,17 @@ def _flatten(
                 kinds[i] = "const"
                 tokens.add(i)
     in_flags = in_pinned if in_pinned is not None else [False] * n_params + list(sites.get(("in",), ()))
-    pinned.update(i for i, f in zip(in_ids, in_flags, strict=False) if f and kinds[i] == "act")
+    pinned.update(i for i, f in zip(in_ids, in_flags, strict=False) if f is True and kinds[i] == "act")
     out_ids = walk(top, closed.consts, in_ids, prefix)
-    prog = Program(eqns, n_params, in_ids, out_ids, consts, kinds, [], [], who, err, pinned, lookups=lookups)
+    prog = Program(eqns, n_params, in_ids, out_ids, consts, kinds, [], [], who, err, pinned, lookups=lookups,
+                   fixed=fixed)  # fmt: skip
     _find_boundary(prog, _find_nodes(prog, body=in_kinds is not None))
     return prog
+
+
+def _flag(flags, j):
+    """The `pathspace_jax.trace.boundary_sites` flag of output ``j`` (False where there is none)."""
+    return flags[j] if j < len(flags) else False
 
 
 def _kept_whole(name: str, sub, ks) -> bool:
@@ -223,7 +238,7 @@ def _flatten_scan(e, ins, ks, kinds, counter, who, err, inline_custom, sites, ke
     flags = sites.get(key, ())
     in_p = list(ins_pinned)  # a carry is pinned where its result is (trace ties their atoms)
     for j in range(ncar):
-        in_p[nc + j] = j < len(flags) and flags[j]
+        in_p[nc + j] = _flag(flags, j) is True
     for _ in range(len(in_k) + 2):
         bp = _flatten(sc.body, 0, who=who, err=err, allow_scan=True, inline_custom=inline_custom, in_kinds=in_k,
                       sites=sites, prefix=key, in_pinned=in_p)  # fmt: skip
@@ -254,10 +269,10 @@ def _find_nodes(prog: Program, body: bool = False) -> set[int]:
     fresh: set[int] = set()
     for e in prog.eqns:
         name = e.prim.name
-        ins_k = [("const" if isinstance(x, tuple) else kinds[x]) for x in e.ins]
         if kinds[e.outs[0]] != "act":
             continue
-        if name in ("dot_general", "conv_general_dilated") and "param" in ins_k or e.outs[0] in prog.lookups:
+        edge = name in ("dot_general", "conv_general_dilated") and any(map(prog.edge_param, e.ins))
+        if edge or e.outs[0] in prog.lookups:
             fresh.add(e.outs[0])
         elif rule(name).continues_node:
             if any((not isinstance(x, tuple)) and x in fresh for x in e.ins):
@@ -309,17 +324,13 @@ def _find_boundary(prog: Program, fresh: set[int]) -> None:
                     bnd.add(o)
             continue
         act_ins = [x for x in e.ins if not isinstance(x, tuple) and kinds[x] == "act"]
-        edge = e.prim.name in ("dot_general", "conv_general_dilated") and any(
-            not isinstance(x, tuple) and kinds[x] == "param" for x in e.ins
-        )
+        edge = e.prim.name in ("dot_general", "conv_general_dilated") and any(map(prog.edge_param, e.ins))
         for o in e.outs:
             if kinds[o] != "act":
                 continue
             if act_ins and not edge and all(x in bnd for x in act_ins):
                 bnd.add(o)  # computed from boundary values only
-                if e.prim.name in ("add", "add_any", "sub") and any(
-                    not isinstance(x, tuple) and kinds[x] == "param" for x in e.ins
-                ):
+                if e.prim.name in ("add", "add_any", "sub") and any(map(prog.edge_param, e.ins)):
                     sinks.append(o)  # a bias edge enters a boundary node (a LayerNorm's offset)
             elif o in pinned and o in node_set:
                 sinks.append(o)  # the paths of the homogeneous part end here

@@ -113,6 +113,7 @@ class ShapeRules:
                 out.append([self.atoms.new(d, position=positions)])
                 if not positions:
                     self.atoms.pin(out[-1], self.reason(why))
+                    self.fixed += out[-1]
         return dataclasses.replace(v, axes=out)
 
     def rule_slice(self, eqn, ins):

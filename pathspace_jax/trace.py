@@ -164,23 +164,28 @@ def _interpret(closed, param_specs, input_specs, paths) -> Interpreter:
     return interp
 
 
-def boundary_sites(closed, n_params: int, paths: Sequence[str]) -> dict[tuple, tuple[bool, ...]]:
+def boundary_sites(closed, n_params: int, paths: Sequence[str]) -> dict[tuple, tuple[bool | str, ...]]:
     """Which values of ``closed`` lie in a node group that is not positively homogeneous.
 
     ``closed`` is a jaxpr of ``(param leaves..., input leaves...)`` (as `pathspace_jax.squared` makes
     it). The interpreter is run on it, and for every equation (keyed by the chain of equation indices
     through calls and loop bodies; the inputs under ``("in",)``) each output gets a flag: True where the
     value's node axis belongs to a pinned group, or to an output group that meets an operation that is
-    not positively homogeneous (a tanh head). Path-SGD and DDP-SGD treat those nodes as boundaries.
+    not positively homogeneous (a tanh head), or where fixed coefficients produce or read it (a kernel
+    concatenated from parameters); ``"const"`` for a value that depends on no input (parameters combined
+    into fixed coefficients included). Path-SGD and DDP-SGD treat the flagged values as boundaries.
     """
     avals = jx.in_avals(closed)
     specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
     interp = _interpret(closed, specs[:n_params], specs[n_params:], paths)
     treedef = jax.tree_util.tree_structure(list(range(n_params)))
     _build(interp, treedef, specs[:n_params], list(paths), None, tuple(specs[n_params:]), False)
-    atoms, roots = interp.atoms, interp.pinned_roots
+    atoms = interp.atoms
+    roots = interp.pinned_roots | {atoms.find(r) for r in _resolve_alias_roots(atoms, interp.fixed)}
 
-    def flag(al) -> bool:
+    def flag(al) -> bool | str:
+        if isinstance(al, str):
+            return al
         return al is not None and any(atoms.find(r) in roots for r in _resolve_alias_roots(atoms, al))
 
     return {k: tuple(flag(a) for a in v) for k, v in interp.sites.items()}

@@ -47,7 +47,10 @@ class Interpreter(ShapeRules):
         # the atoms of every equation's outputs, keyed by the chain of equation indices through calls and
         # loop bodies (``site``); `boundary_sites` turns them into pinned flags for `pathspace_jax.squared`
         self.site: tuple = ()
-        self.sites: dict[tuple, list[list[int] | None]] = {}
+        self.sites: dict[tuple, list[list[int] | str | None]] = {}
+        # atoms of values that fixed coefficients produce or read (pinned, though not always a node group):
+        # the |·|^p network and DDP treat those values as boundaries (`pathspace_jax.trace.boundary_sites`)
+        self.fixed: list[int] = []
 
     # -- helpers -------------------------------------------------------------
     def reason(self, what: str = "") -> str:
@@ -102,7 +105,8 @@ class Interpreter(ShapeRules):
                 shape = getattr(var.aval, "shape", ())
                 assert len(val.axes) == len(shape), (eqn.primitive.name, val.axes, shape)
                 env[var] = val
-            self.sites[self.site] = [self.all_atoms(v) if v.kind == ACT else None for v in outs]
+            self.sites[self.site] = [self.all_atoms(v) if v.kind == ACT else "const" if v.kind == CONST else None
+                                     for v in outs]  # fmt: skip
         self.site = prefix
         return [self.read(env, x) for x in jaxpr.outvars]
 
@@ -413,9 +417,11 @@ class Interpreter(ShapeRules):
                     x, xc, c, cfree, first = rhs, rc, lhs, lfree, len(lb)
                 for b in xc:
                     self.atoms.pin(x.axes[b], why)
+                    self.fixed += x.axes[b]
                 for j, k in enumerate(cfree):  # never the coefficients' own atoms (a concatenation's positions)
                     out[first + j] = [self.atoms.new(self.size(c.axes[k]))]
                     self.atoms.pin(out[first + j], why)
+                    self.fixed += out[first + j]
             for a, b in zip(lb, rb):
                 self.atoms.unify(lhs.axes[a], rhs.axes[b], self.reason())
             return [Val(ACT, out)]

@@ -358,6 +358,16 @@ class LinenTanhRNN(nn.Module):
         return nn.Dense(2, param_dtype=F64)(h[:, -1])
 
 
+class LinenFusedLSTM(nn.Module):
+    """Flax's fast LSTM (gate kernels concatenated from parameters: fixed coefficients) read by a ReLU layer: its
+    state is a pinned group, and the paths start there; the LSTM's parameters lie on no path."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.RNN(nn.OptimizedLSTMCell(4, param_dtype=F64))(x)
+        return nn.Dense(2, param_dtype=F64)(nn.relu(nn.Dense(3, param_dtype=F64)(h[:, -1])))
+
+
 def _boundary_gamma2(name, t_len=5):
     """γ²_net with pinned groups as boundaries, written out by hand: paths start at the inputs, the bias node
     and the pinned nodes (value 1), and end at the outputs and the pinned nodes."""
@@ -376,6 +386,14 @@ def _boundary_gamma2(name, t_len=5):
 
         return g
 
+    if name == "fused_lstm":
+
+        def g(p):
+            q = _squared(p)
+            return jnp.sum(dense(dense(jnp.ones(4), q["Dense_1"]), q["Dense_0"]))  # Dense_0 is the outer one
+
+        return g
+
     def g(p):  # tanh_rnn: one step's paths into z_t, the recurrent edge from h_{t-1} (none at t = 0)
         q, c = _squared(p), _squared(p)["SimpleCell_0"]
         steps = t_len * jnp.sum(dense(jnp.ones(3), c["i"])) + (t_len - 1) * jnp.sum(jnp.ones(4) @ c["h"]["kernel"])
@@ -384,9 +402,11 @@ def _boundary_gamma2(name, t_len=5):
     return g
 
 
-@pytest.mark.parametrize("name", ["ln_tanh", "tanh_rnn"])
+@pytest.mark.parametrize("name", ["ln_tanh", "tanh_rnn", "fused_lstm"])
 def test_pinned_groups_are_boundaries(name):
-    fn, params, x = _linen(LinenLNTanh(), (5, 3)) if name == "ln_tanh" else _linen(LinenTanhRNN(), (2, 5, 3))
+    model, shape = {"ln_tanh": (LinenLNTanh(), (5, 3)), "tanh_rnn": (LinenTanhRNN(), (2, 5, 3)),
+                    "fused_lstm": (LinenFusedLSTM(), (2, 5, 3))}[name]  # fmt: skip
+    fn, params, x = _linen(model, shape)
     space = pj.trace(fn, params, x)
     assert any(g.reasons for g in space.groups if g.kind != "input")
     g = _boundary_gamma2(name)
@@ -399,8 +419,9 @@ def test_pinned_groups_are_boundaries(name):
         chex.assert_trees_all_close(ref["LayerNorm_0"]["bias"], jnp.ones(4, F64))
     if space.num_hidden:  # (the tanh RNN has no hidden node: nothing to rescale)
         y = jnp.zeros_like(fn(params, x))
-        tx = pj.path_sgd(space, 0.05, eps=0.0)
-        assert_update_invariant(tx, jax.jit(_loss(fn)), space, params, (x, y), num_steps=2, rtol=1e-8, atol=1e-10)
+        for tx, kw in ((pj.path_sgd(space, 0.05), {}), (pj.ddp_sgd(space, 0.05, alpha=0.5), {"inputs": x})):
+            assert_update_invariant(tx, jax.jit(_loss(fn)), space, params, (x, y), update_kwargs=kw, num_steps=2,
+                                    rtol=1e-8, atol=1e-10)  # fmt: skip
 
 
 def _embed_fn(p, ids):
