@@ -62,6 +62,9 @@ _CALL_KEYS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 _CONTROL = {"scan", "while", "cond"}
 
 
+UNKNOWN_SOURCE = "<unknown source>"
+
+
 def where(eqn) -> str:
     """``file:line (function)`` of the user's code that produced ``eqn``.
 
@@ -70,13 +73,13 @@ def where(eqn) -> str:
     the library line it went through, shortened to the package path (``in flax/linen/...:214``).
     """
     try:
-        from jax._src import source_info_util
+        from jax._src import source_info_util  # private: imported here so that its drift costs a line, not import
 
         frames = list(source_info_util.user_frames(eqn.source_info.traceback))
     except Exception:  # pragma: no cover - private API drift
-        return "<unknown source>"
+        return UNKNOWN_SOURCE
     if not frames:
-        return "<unknown source>"
+        return UNKNOWN_SOURCE
 
     def fmt(f, path):
         if path == f.file_name and path.startswith(os.getcwd() + os.sep):

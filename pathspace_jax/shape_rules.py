@@ -98,9 +98,9 @@ class ShapeRules:
 
     def _reslice(self, eqn, v: Val, keep: Sequence[bool], out_shape, why: str) -> Val:
         """Axes that are not kept get fresh atoms; the old atoms are pinned (a node group may not be cut), which
-        does nothing to positions (time, space). The part of an axis that is not known to be positions is new
-        nodes, pinned too: a layer that reads it is an edge from a pinned group (an LSTM's gates sliced out of one
-        product), never a bias."""
+        does nothing to positions (time, space). The part of an axis that turns out not to be positions is new
+        nodes, pinned too (`Interpreter.defer`): a layer that reads it is an edge from a pinned group (an LSTM's
+        gates sliced out of one product), never a bias."""
         out = []
         for k, d in enumerate(out_shape):
             if keep[k] or self.size(v.axes[k]) == d == 1:
@@ -109,11 +109,8 @@ class ShapeRules:
                 if v.kind == PARAM:
                     self.mark_other(v, why)
                 self.atoms.pin(v.axes[k], self.reason(why))
-                positions = all(self.atoms.position[f] for f in self.atoms.factors(v.axes[k]))
-                out.append([self.atoms.new(d, position=positions)])
-                if not positions:
-                    self.atoms.pin(out[-1], self.reason(why))
-                    self.fixed += out[-1]
+                out.append([self.atoms.new(d)])
+                self.defer(out[-1], v.axes[k], self.reason(why))
         return dataclasses.replace(v, axes=out)
 
     def rule_slice(self, eqn, ins):

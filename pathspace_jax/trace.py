@@ -146,6 +146,7 @@ def _interpret(closed, param_specs, input_specs, paths) -> Interpreter:
     consts = [interp.const_val(c) for c in closed.consts]
     outs = interp.run(closed.jaxpr, consts, in_vals)
     interp.eqn = None
+    interp.settle()
     for v in outs:
         if v.kind == ACT:
             for a in _resolve_alias_roots(interp.atoms, interp.all_atoms(v)):
@@ -204,7 +205,7 @@ def _resolve_alias_roots(atoms: Atoms, xs: Sequence[int]) -> list[int]:
 def _build(interp: Interpreter, treedef, leaves, paths, fn, arg_specs, strict) -> PathSpace:
     """The `PathSpace` from the interpreter's atoms: each leaf's role (`_leaf_roles`), the node groups
     (`_node_groups`), then every entry's source and destination nodes (`_edge_leaves`)."""
-    leaf_info = _leaf_roles(interp, leaves, paths)
+    leaf_info = _bias_positions(interp.atoms, _leaf_roles(interp, leaves, paths))
     groups, key_index, num_nodes = _node_groups(interp, leaf_info)
     edge_leaves = _edge_leaves(interp.atoms, leaves, paths, leaf_info, groups, key_index)
     space = PathSpace(treedef, tuple(edge_leaves), tuple(groups), num_nodes, fn, arg_specs)
@@ -258,6 +259,23 @@ def _leaf_roles(interp: Interpreter, leaves, paths) -> list[tuple]:
     return leaf_info
 
 
+def _bias_positions(atoms: Atoms, leaf_info: list[tuple]) -> list[tuple]:
+    """A bias that varies along more axes than the nodes a weight enters (a learned per-position bias
+    ``h + pos[None]``) is one bias per node and position: its other axes are positions, as a convolution's are."""
+    weight_keys = [frozenset(f[k] for k in out) for kind, f, _, out, _, _ in leaf_info if kind == "weight"]
+    out = []
+    for kind, factors, node_in, node_out, note, step in leaf_info:
+        if kind == "bias":
+            mine = frozenset(factors[k] for k in node_out)
+            nodes = max((key for key in weight_keys if key < mine), key=len, default=mine)
+            for k in node_out:
+                if factors[k] not in nodes:
+                    atoms.position[factors[k]] = True
+            node_out = [k for k in node_out if factors[k] in nodes]
+        out.append((kind, factors, node_in, node_out, note, step))
+    return out
+
+
 def _node_groups(interp: Interpreter, leaf_info) -> tuple[list[NodeGroup], dict, int]:
     """The node groups (keys: tuples of atom roots, aliases resolved), ordered by first use, each input,
     output, hidden or pinned (with its reasons); also the key of each group and the number of nodes. Sets
@@ -266,28 +284,35 @@ def _node_groups(interp: Interpreter, leaf_info) -> tuple[list[NodeGroup], dict,
     group_order: dict[tuple[int, ...], float] = {}
     fed: set[tuple[int, ...]] = set()  # groups that some edge enters
 
-    def add_key(key: tuple[int, ...], step: float, entered: bool):
+    by: dict[tuple[int, ...], str] = {}  # a parameter whose edges enter or leave the group, for messages
+
+    def add_key(key: tuple[int, ...], step: float, entered: bool, path: str):
         if len(key) == 1 and atoms.alias[key[0]] is not None:
             for t in _resolve_alias_roots(atoms, [key[0]]):
-                add_key((t,), step, entered)
+                add_key((t,), step, entered, path)
             return
         canon = tuple(sorted(key))
         group_order[canon] = min(group_order.get(canon, np.inf), step)
+        by.setdefault(canon, path)
         if entered:
             fed.add(canon)
 
-    for kind, factors, node_in, node_out, _, step in leaf_info:
+    for (kind, factors, node_in, node_out, _, step), path in zip(leaf_info, interp.leaf_paths, strict=True):
         if kind == "other":
             continue
         if node_in:
-            add_key(tuple(factors[k] for k in node_in), step - 0.5, False)
-        add_key(tuple(factors[k] for k in node_out), step, True)
+            add_key(tuple(factors[k] for k in node_in), step - 0.5, False, path)
+        add_key(tuple(factors[k] for k in node_out), step, True, path)
     # a root in two different keys cannot be rescaled consistently
     seen: dict[int, tuple[int, ...]] = {}
     for key in group_order:
         for r in key:
             if r in seen:
-                atoms.pin(list(key) + list(seen[r]), "one axis belongs to node groups of different shapes")
+                atoms.pin(
+                    list(key) + list(seen[r]),
+                    f"one array axis belongs to node groups of different shapes (those of {by[seen[r]]} and "
+                    f"{by[key]}): a layer reads or writes a group only in part, along with other axes",
+                )
             seen[r] = key
 
     keys = sorted(group_order, key=lambda k: (group_order[k], k))
@@ -297,8 +322,6 @@ def _node_groups(interp: Interpreter, leaf_info) -> tuple[list[NodeGroup], dict,
     for gi, key in enumerate(keys):
         size = int(np.prod([atoms.size[r] for r in key]))
         reasons = tuple(dict.fromkeys(x for r in key for x in atoms.reasons[r]))
-        if len(key) > 1:
-            reasons = reasons + ("node group spans several array axes",)
         if key not in fed and not any(atoms.input[r] or atoms.output[r] for r in key):
             # rescaling nodes that no parameter enters would change the function (e.g. a unit channel axis
             # made by a reshape of a hidden layer's output, whose own kernel then has no node axis)
@@ -372,17 +395,26 @@ def _edge_leaves(atoms: Atoms, leaves, paths, leaf_info, groups, key_index) -> l
 
 
 def _check_strict(space: PathSpace) -> None:
+    """`UnsupportedModelError` listing one short line per pinned group and per parameter that is not an edge."""
+
+    def short(reasons) -> str:
+        first = reasons[0] if len(reasons[0]) <= 150 else reasons[0][:147] + "..."
+        return first + (f" (and {len(reasons) - 1} more)" if len(reasons) > 1 else "")
+
     problems = []
     for gi, g in enumerate(space.groups):
         if g.kind == "pinned":
-            near = [leaf.path for leaf in space.leaves if gi in leaf.src_groups or gi in leaf.dst_groups]
-            problems.append(f"node group {g.name} (size {g.size}, parameters {near}): " + "; ".join(g.reasons))
+            near = [leaf.path for leaf in sorted(space.leaves, key=lambda leaf: leaf.kind != "weight")
+                    if gi in leaf.src_groups or gi in leaf.dst_groups]  # fmt: skip
+            near = ", ".join(near[:2]) + (", ..." if len(near) > 2 else "") if near else "no parameter"
+            problems.append(f"group {g.name} ({g.size} nodes; {near}): {short(g.reasons)}")
     for leaf in space.leaves:
         if leaf.kind == "other":
-            problems.append(f"parameter {leaf.path} is not an edge of the homogeneous part: {leaf.note}")
+            problems.append(f"parameter {leaf.path} is not an edge: {short(leaf.note.split('; '))}")
     if problems:
         raise UnsupportedModelError(
             "the model is not positively homogeneous everywhere (strict=True):\n  - "
             + "\n  - ".join(problems)
-            + "\nUse strict=False to pin these node groups (treat them as boundary nodes) instead."
+            + "\npathspace_jax.describe(space) lists every reason; strict=False pins these node groups (treats them "
+            "as boundary nodes) instead."
         )

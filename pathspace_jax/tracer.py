@@ -44,19 +44,28 @@ class Interpreter(ShapeRules):
         self.leaf_axes: list[list[list[int]]] = []
         self.step = 0
         self.eqn = None
+        self.callers: list = []  # the call equations being run (`run_closed`), outermost first
         # the atoms of every equation's outputs, keyed by the chain of equation indices through calls and
         # loop bodies (``site``); `boundary_sites` turns them into pinned flags for `pathspace_jax.squared`
         self.site: tuple = ()
         self.sites: dict[tuple, list[list[int] | str | None]] = {}
-        # atoms of values that fixed coefficients produce or read (pinned, though not always a node group):
-        # the |·|^p network and DDP treat those values as boundaries (`pathspace_jax.trace.boundary_sites`)
+        # atoms of values that fixed coefficients produce (pinned, though not always a node group): the |·|^p
+        # network and DDP treat those values as boundaries (`pathspace_jax.trace.boundary_sites`)
         self.fixed: list[int] = []
+        self.deferred: list[tuple[list[int], list[int], str, bool]] = []  # `defer`, settled by `settle`
 
     # -- helpers -------------------------------------------------------------
     def reason(self, what: str = "") -> str:
         name = self.eqn.primitive.name if self.eqn is not None else "?"
-        where = jx.where(self.eqn) if self.eqn is not None else ""
-        return f"{name}{': ' + what if what else ''} at {where}"
+        return f"{name}{': ' + what if what else ''} at {self.where()}"
+
+    def where(self) -> str:
+        """The source line of the current equation, or of the nearest enclosing call that has one (JAX's own
+        helpers, a ReLU's custom_jvp for one, carry none)."""
+        for eqn in [self.eqn, *reversed(self.callers)]:
+            if eqn is not None and (w := jx.where(eqn)) != jx.UNKNOWN_SOURCE:
+                return w
+        return jx.UNKNOWN_SOURCE
 
     def fresh(self, shape, *, position=False, input=False) -> list[list[int]]:
         return [[self.atoms.new(d, position=position, input=input)] for d in shape]
@@ -75,6 +84,24 @@ class Interpreter(ShapeRules):
 
     def pin(self, v: Val, why: str, *, random: bool = False) -> None:
         self.atoms.pin(self.all_atoms(v), self.reason(why), random=random)
+
+    def defer(self, new: list[int], source: list[int], why: str, *, fixed: bool = False) -> None:
+        """New atoms made from ``source`` (a slice of it, or fixed coefficients applied along it): positions if
+        ``source`` turns out to be positions (time, space: a convolution or a scan may say so later), otherwise
+        new nodes, pinned with ``why`` (and, with ``fixed``, values that fixed coefficients produce or read, which
+        the |·|^p network takes as boundaries). `settle` decides once the whole function has run."""
+        self.deferred.append((new, source, why, fixed))
+
+    def settle(self) -> None:
+        """Decide the `defer`red atoms, in order (a later one's source may be an earlier one's result)."""
+        for new, source, why, fixed in self.deferred:
+            if all(self.atoms.position[f] for f in self.atoms.factors(source)):
+                for f in self.atoms.factors(new):
+                    self.atoms.position[f] = True
+            elif not all(self.atoms.position[f] for f in self.atoms.factors(new)):
+                self.atoms.pin(new, why)
+                if fixed:  # the result, and what it was computed from (an input: the same value 1 in κ)
+                    self.fixed += new + source
 
     def all_atoms(self, v: Val) -> list[int]:
         return [a for ax in v.axes for a in ax] + list(v.scalars)
@@ -113,7 +140,9 @@ class Interpreter(ShapeRules):
     def run_closed(self, cj: jx.ClosedJaxpr, args: Sequence[Val]) -> list[Val]:
         """Run a sub-jaxpr (``self.eqn`` is restored afterwards: reasons name the calling equation's line)."""
         eqn = self.eqn
+        self.callers.append(eqn)
         outs = self.run(cj.jaxpr, [self.const_val(c) for c in cj.consts], args)
+        self.callers.pop()
         self.eqn = eqn
         return outs
 
@@ -417,11 +446,10 @@ class Interpreter(ShapeRules):
                     x, xc, c, cfree, first = rhs, rc, lhs, lfree, len(lb)
                 for b in xc:
                     self.atoms.pin(x.axes[b], why)
-                    self.fixed += x.axes[b]
+                mixed = [a for b in xc for a in x.axes[b]]
                 for j, k in enumerate(cfree):  # never the coefficients' own atoms (a concatenation's positions)
                     out[first + j] = [self.atoms.new(self.size(c.axes[k]))]
-                    self.atoms.pin(out[first + j], why)
-                    self.fixed += out[first + j]
+                    self.defer(out[first + j], mixed, why, fixed=True)
             for a, b in zip(lb, rb):
                 self.atoms.unify(lhs.axes[a], rhs.axes[b], self.reason())
             return [Val(ACT, out)]

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from zoo import ZOO
 
 import pathspace_jax as pj
 from pathspace_jax.frames import kappa_from_frame
@@ -166,6 +167,9 @@ def _model(name):
     if name.startswith("rnn"):
         kw = {"layers": 2 if "stacked" in name else 1, "every_step": "every" in name, "reverse": "reverse" in name}
         return _linen(LinenRNN(**kw), (2, 4, 2))
+    if name == "multihead":  # a two-axis node group (heads × width) and a per-position bias
+        case = ZOO["plain_multihead_einsum_position_bias"]
+        return case.fn, case.params, case.inputs(2)
     raise KeyError(name)
 
 
@@ -177,7 +181,7 @@ def _gamma2_reference(name, fn, x):
     return lambda p: jnp.sum(fn(_squared(p), ones))
 
 
-FEEDFORWARD = ["mlp", "res", "cnn", "linen_cnn"]
+FEEDFORWARD = ["mlp", "res", "cnn", "linen_cnn", "multihead"]
 RECURRENT = ["rnn_last", "rnn_stacked_every", "rnn_reverse_every"]  # single/stacked, last/every step, reverse
 
 

@@ -239,6 +239,14 @@ def test_strict_raises_on_tanh_naming_primitive_line_and_params():
         pj.trace(case.fn, case.params, case.inputs(2), strict=True)
     msg = str(err.value)
     assert "tanh" in msg and "zoo.py" in msg and "Dense_0/kernel" in msg and "Dense_1/kernel" in msg
+    for name in ("layernorm_mlp_partly_pinned", "fused_lstm_relu_head"):  # one short line per problem
+        case = ZOO[name]
+        space = pj.trace(case.fn, case.params, case.inputs(2))
+        with pytest.raises(pj.UnsupportedModelError) as err:
+            pj.trace(case.fn, case.params, case.inputs(2), strict=True)
+        lines = str(err.value).splitlines()
+        problems = sum(g.kind == "pinned" for g in space.groups) + sum(leaf.kind == "other" for leaf in space.leaves)
+        assert len(lines) == problems + 2 and max(map(len, lines)) <= 250, lines
     # the homogeneous models pass strict mode
     pj.trace(ZOO["residual_cnn"].fn, ZOO["residual_cnn"].params, ZOO["residual_cnn"].inputs(2), strict=True)
 

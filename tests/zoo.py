@@ -277,6 +277,23 @@ def _plain_transpose_slice() -> Case:
     return Case("plain_transpose_slice", fn, params, _normal(5, 3), hidden=4)
 
 
+def _plain_multihead_einsum() -> Case:
+    """A multi-head layer written as one einsum (heads 3 × width 5 = 15 hidden nodes over two array axes), reshaped
+    to one axis before the next layer, with a learned per-position bias (one per step and node) on a second
+    ReLU layer: both are plain positively homogeneous layers."""
+    rng = np.random.default_rng(6)
+    params = {"w": rng.standard_normal((3, 4, 5)), "b": rng.standard_normal((3, 5)), "w2": rng.standard_normal((15, 6)),
+              "pos": rng.standard_normal((4, 6)), "w3": rng.standard_normal((6, 2))}  # fmt: skip
+    params = _alive(params)
+
+    def fn(p, x):  # x: [B, T, 4]
+        h = jax.nn.relu(jnp.einsum("bti,hio->btho", x, p["w"]) + p["b"])
+        h = jax.nn.relu(h.reshape(*h.shape[:2], 15) @ p["w2"] + p["pos"][None])
+        return h.sum(1) @ p["w3"]  # every step (and so every row of pos) reaches the output
+
+    return Case("plain_multihead_einsum_position_bias", fn, params, _normal(4, 4), hidden=21)
+
+
 @jax.custom_vjp
 def _my_relu(x):
     return jnp.maximum(x, 0.0)
@@ -336,6 +353,7 @@ def _build() -> dict[str, Case]:
         _nnx("nnx_mlp", NnxMLP(nnx.Rngs(0)), _normal(4), hidden=11),
         _nnx("nnx_rnn", NnxRNN(nnx.Rngs(1)), _normal(4, 3), hidden=4, recurrent=True),
         _plain_transpose_slice(),
+        _plain_multihead_einsum(),
         _plain_nested(),
     ]
     return {c.name: c for c in cases}
