@@ -113,8 +113,11 @@ def main(argv=None):
     ap.add_argument("--tasks", nargs="+", default=["MLP", "CNN", "rows", "permuted"])
     ap.add_argument("--permuted-epochs", type=int, default=60)
     ap.add_argument("--quick", action="store_true", help="the MLP, 2 epochs, 2 seeds (a smoke test)")
-    ap.add_argument("--keep", action="store_true",
-                    help="keep the other tasks of an earlier run's JSON (run the tasks one process at a time)")
+    ap.add_argument(
+        "--keep",
+        action="store_true",
+        help="keep the other tasks of an earlier run's JSON (run the tasks one process at a time)",
+    )
     args = ap.parse_args(argv)
     epochs = {"MLP": 20, "CNN": 20, "rows": 40, "permuted": args.permuted_epochs}
     if args.quick:
@@ -150,8 +153,11 @@ def main(argv=None):
         cells = [f"{100 * np.mean(s['test_error']):.1f} ({s['lr']:g}){' ✓' if s['ok'] else ' ✗'}"
                  for s in r["summary"].values()]  # fmt: skip
         print(f"{task:<10}" + "".join(f"{c:>24}" for c in cells))
-    print(f"\n({time.perf_counter() - t0:.0f} s; per task: "
-          + ", ".join(f"{t} {r['seconds']:.0f} s" for t, r in results.items()) + ")")
+    print(
+        f"\n({time.perf_counter() - t0:.0f} s; per task: "
+        + ", ".join(f"{t} {r['seconds']:.0f} s" for t, r in results.items())
+        + ")"
+    )
 
     fig, axes = plt.subplots(1, len(results), figsize=(4.5 * len(results), 4), squeeze=False)
     for ax, (task, r) in zip(axes[0], results.items(), strict=True):

@@ -126,6 +126,13 @@ def _flatten(
     def kind_of(x):
         return "const" if isinstance(x, tuple) else kinds[x]
 
+    def as_var(x):  # a literal as a constant variable (a call's operand or result)
+        if isinstance(x, tuple):
+            i = next(counter)
+            consts[i], kinds[i] = x[1], "const"
+            return i
+        return x
+
     def walk(jaxpr, const_vals, in_ids, prefix):
         env = {}
         for v, c in zip(jaxpr.constvars, const_vals, strict=False):
@@ -161,20 +168,9 @@ def _flatten(
                     "is used at every time step, so γ²_net is not quadratic in it)."
                 )
             if sub is not None and not (not inline_custom and _kept_whole(name, sub, ks)):
-                sub_in = []
-                for x in ins:
-                    if isinstance(x, tuple):
-                        i = next(counter)
-                        consts[i], kinds[i] = x[1], "const"
-                        x = i
-                    sub_in.append(x)
-                outs = walk(sub.jaxpr, sub.consts, sub_in, key)
+                outs = walk(sub.jaxpr, sub.consts, [as_var(x) for x in ins], key)
                 for v, o in zip(e.outvars, outs, strict=False):
-                    if isinstance(o, tuple):
-                        i = next(counter)
-                        consts[i], kinds[i] = o[1], "const"
-                        o = i
-                    env[v] = o
+                    env[v] = as_var(o)
                 continue
             outs = []
             k = "act" if "act" in ks else "param" if "param" in ks else "const"

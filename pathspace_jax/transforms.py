@@ -12,10 +12,9 @@ import optax
 
 from pathspace_jax import gsgd
 from pathspace_jax.ddp import check_ddp_space, check_inputs, check_options, ddp_kappa_canonical
-from pathspace_jax.frames import edge_factors, frame_factor_parts, frame_factors, in_canonical_frame
-from pathspace_jax.graph import check_path_space, compute_dtype, warn_if_plain
-from pathspace_jax.gsgd import balanced_frame
-from pathspace_jax.kappa import RankOne, check_kappa_space, full, kappa_canonical
+from pathspace_jax.graph import check_path_space, warn_if_plain
+from pathspace_jax.kappa import check_kappa_space, kappa_canonical
+from pathspace_jax.scaling import KeptKappa, current_kappa, divide_by_kappa, is_traced, kappa_state, kept_kappa
 
 # ---------------------------------------------------------------------------- optax.partition / optax.masked
 
@@ -116,180 +115,22 @@ def _accept_masked(space, who: str, tx, *, runs_network: bool = False):
 # ---------------------------------------------------------------------------- κ scaling (Path-SGD, DDP-SGD)
 
 
-def _traced(x) -> bool:
-    """True for a hyperparameter that is a tracer (``optax.inject_hyperparams`` passes arrays): not checkable."""
-    return isinstance(x, jax.core.Tracer)
-
-
 def _check_every_eps(every, eps, damping, floor) -> None:
-    if not _traced(every) and (isinstance(every, bool) or np.ndim(every) or int(every) != every or every < 1):
+    if not is_traced(every) and (isinstance(every, bool) or np.ndim(every) or int(every) != every or every < 1):
         raise ValueError(f"every must be a positive int, got {every!r}")
     for name, value in (("eps", eps), ("damping", damping), ("floor", floor)):
-        if not _traced(value) and not value >= 0:
+        if not is_traced(value) and not value >= 0:
             raise ValueError(f"{name} must be >= 0, got {value}")
 
 
 def _check_static(where: str, **hyperparams) -> None:
     """Refuse traced hyperparameters that select the program run (not numbers in it)."""
-    traced = [name for name, value in hyperparams.items() if _traced(value)]
+    traced = [name for name, value in hyperparams.items() if is_traced(value)]
     if traced:
         raise TypeError(
             f"{where}: {', '.join(traced)} select the computation and must be Python values, got traced arrays; "
             f"with optax.inject_hyperparams pass static_args={tuple(hyperparams)}"
         )
-
-
-def _every_step(every) -> bool:
-    """``every`` is the Python int 1: κ is computed at each step and not kept (inject_hyperparams passes arrays)."""
-    return isinstance(every, int | np.integer) and every == 1
-
-
-def _kappa_state(space, params, every, factored=False):
-    """The initial kept κ (`KeptKappa`): κ zeros like params (``factored``: `pathspace_jax.kappa.RankOne` zeros
-    where Path-SGD keeps a dense kernel's κ as two vectors), zero node vectors and leaf means in the compute dtype;
-    all None when κ is computed at each step (`_every_step`)."""
-    if _every_step(every):
-        return KeptKappa(None, None, None, None)
-
-    leaves = space.leaves_of(params, "params")
-    kappa = [jnp.zeros(jnp.shape(p), jnp.result_type(p)) for p in leaves]
-    if factored:
-        shapes, _ = jax.eval_shape(lambda ls: kappa_canonical(space, ls, False, True), leaves)
-        kappa = [
-            RankOne(*(jnp.zeros(x.shape, jnp.result_type(p)) for x in k)) if isinstance(k, RankOne) else z
-            for k, z, p in zip(shapes, kappa, leaves, strict=True)
-        ]
-    ct = compute_dtype(leaves)
-    nodes, per_leaf = jnp.zeros((space.num_nodes,), ct), jnp.zeros((len(leaves),), ct)
-    return KeptKappa(space.unflatten_like(params, kappa), nodes, nodes, per_leaf)
-
-
-class KeptKappa(NamedTuple):
-    """κ and its frames, as `scale_by_path_sgd` and `scale_by_ddp` compute them (and keep them with ``every > 1``).
-
-    ``kappa``: κ in the canonical frame (the params rescaled by powers of two so that their gauge weights are ±1
-    within √2; `pathspace_jax.frames.to_canonical_frame`), a tree like params. ``log2_gauge``: that frame's
-    per-node log2|B_v| (`pathspace_jax.frames.kappa_from_frame` gives κ of the params). ``frame``: per node, the
-    balanced frame of the canonical-frame params (`pathspace_jax.gsgd.balanced_frame`), in which a standard
-    initialisation is its own frame. ``kappa_mean``: per leaf, the geometric mean of κ in that frame over its
-    positive entries (`_geometric_mean`; 0 for leaves of kind "other"). All four are the same for every
-    power-of-two rescaling of the params, bit for bit.
-    """
-
-    kappa: Any
-    log2_gauge: jax.Array | None
-    frame: jax.Array | None
-    kappa_mean: jax.Array | None
-
-
-def _kept(space, params, kappa, lg) -> KeptKappa:
-    """`KeptKappa` from κ in the canonical frame and its log-gauge ``lg`` (that of ``params``, from the κ pass:
-    the canonical frame is not searched for again)."""
-    leaves = space.leaves_of(params, "params")
-    ct = compute_dtype(leaves)
-    frame = balanced_frame(space, in_canonical_frame(space, leaves, lg.astype(ct), ct), ct)
-    ks = jax.tree_util.tree_leaves(kappa, is_leaf=lambda k: isinstance(k, RankOne))
-    means = [_leaf_mean(k, parts, ct) for k, parts in zip(ks, frame_factor_parts(space, frame), strict=True)]
-    return KeptKappa(kappa, lg, frame, jnp.stack(means))
-
-
-def _leaf_mean(k, parts, ct):
-    """The geometric mean of one leaf's κ in the frame whose factor is ``d · s`` (`frame_factor_parts`): of
-    ``κ / (d s)²``. A `RankOne` κ ``a bᵀ`` with a column ``s`` and a row ``d`` is not expanded: the mean of
-    ``log(a_i / s_i²) + log(b_j / d_j²)`` over the positive pairs is the sum of the two vectors' mean logs
-    (Path-SGD's κ on the MLP 784-512-512-10: a fifth of the step's time when expanded)."""
-    if parts is None:
-        return jnp.zeros([], ct)
-    d, s = parts
-    if isinstance(k, RankOne) and _is_column(s, k.a.size) and _is_column(d.T, k.b.size):
-        return _geometric_mean(jnp.asarray(k.a, ct) / jnp.ravel(s * s), jnp.asarray(k.b, ct) / jnp.ravel(d * d))
-    return _geometric_mean(jnp.asarray(full(k), ct) / (d * s) ** 2)
-
-
-def _is_column(x, n) -> bool:
-    return jnp.ndim(x) == 2 and jnp.shape(x)[1] == 1 and jnp.shape(x)[0] in (1, n)
-
-
-def _geometric_mean(x, y=None):
-    """``exp(mean log x)`` over the positive finite entries of ``x`` (0 if there are none).
-
-    The typical size of κ in a leaf: a few huge entries do not move it, where they would dominate the arithmetic
-    mean. They are common: DDP-SGD's κ at α = 1 (a diagonal Fisher) is heavy-tailed, its arithmetic mean 5-28
-    times its geometric mean on the digits CNN, and a probe estimate of the recurrent term at 0 < α < 1 has
-    outliers 10⁶ times its median; dividing by the arithmetic mean gave typical entries steps that many times
-    SGD's, and training diverged at SGD's learning rates. Path-SGD's κ in the balanced frame is nearly constant
-    across a leaf (arithmetic mean within 10 % of the geometric one on the digits MLP, CNN and RNN), so there the
-    two agree.
-
-    With ``y``, that of the outer product ``x yᵀ`` of two non-negative vectors, from the vectors: the sum of their
-    mean logs over their positive finite entries.
-    """
-    if y is not None:
-        (mx, nx), (my, ny) = _mean_log(x), _mean_log(y)
-        return jnp.where((nx > 0) & (ny > 0), jnp.exp(mx + my), 0).astype(x.dtype)
-    m, n = _mean_log(x)
-    return jnp.where(n > 0, jnp.exp(m), 0).astype(x.dtype)
-
-
-def _mean_log(x):
-    """``(mean log x, count)`` over the positive finite entries of ``x`` (mean 0 where there are none)."""
-    ok = (x > 0) & jnp.isfinite(x)
-    n = jnp.sum(ok)
-    return jnp.sum(jnp.where(ok, jnp.log(jnp.where(ok, x, 1)), 0)) / jnp.maximum(n, 1), n
-
-
-def _current_kappa(compute, kept: KeptKappa, count, every) -> KeptKappa:
-    """``compute()`` at steps 0, every, 2·every, …, the ``kept`` κ in between (one ``lax.cond``); ``compute()``
-    alone when nothing is kept (`_every_step`: nothing stored, so XLA fuses κ into the division).
-
-    κ travels as raveled leaves: on XLA:CPU a 2-D κ (an outer product for a dense kernel) otherwise gets a
-    column-major layout and is transposed into the state on every step (benchmarks/README.md). The stored κ
-    enters the ``cond`` as an operand, raveled outside it: raveled inside the branch, XLA:CPU copied every
-    stored leaf into the ``cond`` at every step.
-    """
-    if kept.kappa is None:
-        return compute()
-
-    def flat(tree):
-        return [jnp.ravel(a) for a in jax.tree_util.tree_leaves(tree)]
-
-    def fresh():
-        return flat(jax.tree_util.tree_map(lambda a, b: a.astype(b.dtype), compute(), kept))
-
-    ks = jax.lax.cond(count % every == 0, lambda _: fresh(), lambda ks: ks, flat(kept))
-    leaves, treedef = jax.tree_util.tree_flatten(kept)
-    return jax.tree_util.tree_unflatten(treedef, [k.reshape(jnp.shape(a)) for k, a in zip(ks, leaves, strict=True)])
-
-
-def _divide_by_kappa(space, updates, kept: KeptKappa, normalize, damping, floor, eps):
-    """``g m / (max(κ + damping · m (α_v / α_u)², floor · m (α_v / α_u)²) + eps)`` per entry ``u -> v`` (``m = 1``
-    in the numerator unless ``normalize``).
-
-    α is the balanced frame and m the leaf's geometric mean of κ in it (`KeptKappa`). With s = 2^(k_u − k_v)
-    (`pathspace_jax.frames.edge_factors`), κ = κ_c / s², so the update is ``g m s² / (max(κ_c + damping · m f²,
-    floor · m f²) + eps s²)`` (f: `pathspace_jax.frames.frame_factors` of α): the gradient taken to the canonical
-    frame, divided there, and brought back, so nothing overflows where the update itself is representable. 0 where
-    the denominator is 0 (never NaN); leaves of kind "other" pass through.
-    """
-
-    out = []
-    kappa = jax.tree_util.tree_leaves(kept.kappa, is_leaf=lambda k: isinstance(k, RankOne))
-    leaves = zip(space.leaves, space.leaves_of(updates, "updates"), map(full, kappa))
-    factors = zip(edge_factors(space, kept.log2_gauge, -1.0), frame_factors(space, kept.frame))
-    for i, ((leaf, g, k), (s, f)) in enumerate(zip(leaves, factors)):
-        if leaf.kind == "other":
-            out.append(g)
-            continue
-        leaf_dtype = jnp.result_type(g)
-        ct = compute_dtype([g, k])
-        m = kept.kappa_mean[i].astype(ct)
-        mf = m * (f * f)  # m_ℓ in the canonical frame
-        den = jnp.maximum(jnp.asarray(k, ct) + damping * mf, floor * mf)
-        if _traced(eps) or eps > 0:
-            den = den + eps * s * s
-        num = jnp.asarray(g, ct) * (s * s * m if normalize else s * s)  # (g s): to the canonical frame; (g s) s: back
-        out.append(jnp.where(den > 0, num / jnp.where(den > 0, den, 1), 0).astype(leaf_dtype))
-    return space.unflatten_like(updates, out)
 
 
 # ---------------------------------------------------------------------------- DDP-SGD
@@ -299,8 +140,8 @@ class ScaleByDDPState(NamedTuple):
     """State of `scale_by_ddp`: the step count and the κ last computed (recomputed every ``every`` steps).
 
     As in `ScaleByPathSGDState`: ``kappa``, ``log2_gauge``, ``frame`` and ``kappa_mean`` are those of
-    `KeptKappa` (κ in the canonical frame; `pathspace_jax.frames.kappa_from_frame` gives κ of the params), all
-    None with ``every=1`` (the default): κ is computed at each step and not kept.
+    `pathspace_jax.scaling.KeptKappa` (κ in the canonical frame; `pathspace_jax.frames.kappa_from_frame` gives κ
+    of the params), all None with ``every=1`` (the default): κ is computed at each step and not kept.
     """
 
     count: jax.Array
@@ -397,7 +238,7 @@ def scale_by_ddp(
     config = (alpha, moment, estimator, num_probes, probe_batch_size, bool(normalize))
 
     def init_fn(params):
-        return ScaleByDDPState(jnp.zeros([], jnp.int32), *_kappa_state(space, params, every))
+        return ScaleByDDPState(jnp.zeros([], jnp.int32), *kappa_state(space, params, every))
 
     def update_fn(updates, state, params=None, *, inputs=None, key=None, **extra_args):
         del extra_args
@@ -427,10 +268,10 @@ def _ddp_update(space, config, updates, state, params, xs, key, damping, floor, 
         leaves = [jnp.asarray(p) for p in space.leaves_of(params, "params")]
         kappa, lg = ddp_kappa_canonical(space, leaves, xs, key, alpha, moment, estimator, num_probes, probe_damping,
                                         True, probe_batch_size, state.kappa is not None)  # fmt: skip
-        return _kept(space, params, space.unflatten_like(params, kappa), lg)
+        return kept_kappa(space, params, space.unflatten_like(params, kappa), lg)
 
-    kept = _current_kappa(compute, KeptKappa(*state[1:]), state.count, every)
-    new = _divide_by_kappa(space, updates, kept, normalize, damping, floor, eps)
+    kept = current_kappa(compute, KeptKappa(*state[1:]), state.count, every)
+    new = divide_by_kappa(space, updates, kept, normalize, damping, floor, eps)
     return new, ScaleByDDPState(optax.safe_int32_increment(state.count), *(state[1:] if state.kappa is None else kept))
 
 
@@ -441,9 +282,9 @@ def _check_in_path_space(space, normalize, rebalance, min_ratio, min_share) -> N
     check_path_space(space, "in_path_space")
     warn_if_plain(space, "in_path_space")
     _check_static("in_path_space", normalize=normalize, rebalance=rebalance)
-    if not _traced(min_ratio) and not 0 < min_ratio < 1:
+    if not is_traced(min_ratio) and not 0 < min_ratio < 1:
         raise ValueError(f"min_ratio must be in (0, 1), got {min_ratio}")
-    if not _traced(min_share) and not 0 <= min_share <= 1:
+    if not is_traced(min_share) and not 0 <= min_share <= 1:
         raise ValueError(f"min_share must be in [0, 1], got {min_share}")
 
 
@@ -583,12 +424,13 @@ class ScaleByPathSGDState(NamedTuple):
     ``log2_gauge`` the frame's per-node log2|B_v| (`pathspace_jax.frames.gauge_log2`) at that step:
     `pathspace_jax.frames.kappa_from_frame` gives κ of the params (``kappa · 2^(2(k_v − k_u))`` on each
     edge ``u -> v``, k the rounded log-gauge). ``frame`` (per node) and ``kappa_mean`` (per leaf) are the
-    balanced frame and κ's geometric leaf means in it (`KeptKappa`), for the normalisation and the floor. All stay in
-    range whatever node-wise rescaling the params carry. A dense kernel's κ (a 2-D leaf that one product with a
-    single-row activation of the |·|^p network uses) is kept as `pathspace_jax.kappa.RankOne` vectors ``(a, b)``
-    with κ = a bᵀ (`pathspace_jax.kappa.full` expands it): the state then holds nothing of that kernel's size, and
-    the step reads two vectors instead of a matrix. All are None with ``every=1`` (the default, a Python int): κ
-    is computed at each step and the state keeps nothing of the params' size.
+    balanced frame and κ's geometric leaf means in it (`pathspace_jax.scaling.KeptKappa`), for the normalisation
+    and the floor. All stay in range whatever node-wise rescaling the params carry. A dense kernel's κ (a 2-D
+    leaf that one product with a single-row activation of the |·|^p network uses) is kept as
+    `pathspace_jax.kappa.RankOne` vectors ``(a, b)`` with κ = a bᵀ (`pathspace_jax.kappa.full` expands it): the
+    state then holds nothing of that kernel's size, and the step reads two vectors instead of a matrix. All are
+    None with ``every=1`` (the default, a Python int): κ is computed at each step and the state keeps nothing of
+    the params' size.
     """
 
     count: jax.Array
@@ -631,8 +473,8 @@ def scale_by_path_sgd(
     per leaf, recomputed with κ); across leaves each gets its own scale, as with per-layer learning rates.
     m_ℓ is a function of the params' rescaling orbit only (the balanced frame is), so every step stays
     exactly rescaling invariant. The geometric mean is κ's typical size in the leaf, which a few huge entries
-    do not move (`_geometric_mean`: DDP's κ at α = 1 is heavy-tailed, and a probe estimate has outliers; with
-    the arithmetic mean they set every entry's step).
+    do not move (`pathspace_jax.scaling.geometric_mean`: DDP's κ at α = 1 is heavy-tailed, and a probe
+    estimate has outliers; with the arithmetic mean they set every entry's step).
 
     **Floor and damping.** In the balanced frame the divisor is ``max(κ / m_ℓ + damping, floor)``: κ relative to
     its leaf's typical value, floored at ``floor`` (default 1e-6) and, if asked, damped (Tikhonov, ``damping``,
@@ -683,7 +525,7 @@ def scale_by_path_sgd(
     second_order, normalize = bool(second_order), bool(normalize)
 
     def init_fn(params):
-        return ScaleByPathSGDState(jnp.zeros([], jnp.int32), *_kappa_state(space, params, every, factored=True))
+        return ScaleByPathSGDState(jnp.zeros([], jnp.int32), *kappa_state(space, params, every, factored=True))
 
     def update_fn(updates, state, params=None, **extra_args):
         del extra_args
@@ -700,10 +542,10 @@ def _path_sgd_update(space, second_order, normalize, updates, state, params, dam
 
     def compute():  # dense kernels' κ as `RankOne` where it is kept between steps (read at every step)
         kappa, lg = kappa_canonical(space, space.leaves_of(params, "params"), second_order, True)
-        return _kept(space, params, space.unflatten_like(params, kappa), lg)
+        return kept_kappa(space, params, space.unflatten_like(params, kappa), lg)
 
-    kept = _current_kappa(compute, KeptKappa(*state[1:]), state.count, every)
-    new = _divide_by_kappa(space, updates, kept, normalize, damping, floor, eps)
+    kept = current_kappa(compute, KeptKappa(*state[1:]), state.count, every)
+    new = divide_by_kappa(space, updates, kept, normalize, damping, floor, eps)
     return new, ScaleByPathSGDState(
         optax.safe_int32_increment(state.count), *(state[1:] if state.kappa is None else kept)
     )

@@ -563,8 +563,13 @@ def test_a_space_without_hidden_nodes_says_so_and_the_optimisers_warn():
     space = pj.trace(fn, variables["params"], x)
     assert space.num_hidden == 0
     assert "NO hidden node can be rescaled" in pj.describe(space).splitlines()[0]
-    for make in (lambda: pj.g_sgd(space, 0.1), lambda: pj.path_sgd(space, 0.1),
-                 lambda: pj.ddp_sgd(space, 0.1, alpha=0.5), lambda: pj.in_path_space(optax.adam(1e-3), space)):  # fmt: skip
+    makers = (
+        lambda: pj.g_sgd(space, 0.1),
+        lambda: pj.path_sgd(space, 0.1),
+        lambda: pj.ddp_sgd(space, 0.1, alpha=0.5),
+        lambda: pj.in_path_space(optax.adam(1e-3), space),
+    )
+    for make in makers:
         with pytest.warns(UserWarning, match="reduces to its plain form") as record:
             make()
         assert record[0].filename == __file__

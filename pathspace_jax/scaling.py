@@ -1,0 +1,173 @@
+"""The κ-scaled step that Path-SGD and DDP-SGD share: κ kept with its frames (`KeptKappa`), its typical size per
+leaf in the balanced frame (`geometric_mean`), and the division by it with the floor (`divide_by_kappa`)."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pathspace_jax.frames import edge_factors, frame_factor_parts, frame_factors, in_canonical_frame
+from pathspace_jax.graph import compute_dtype
+from pathspace_jax.gsgd import balanced_frame
+from pathspace_jax.kappa import RankOne, full, kappa_canonical
+
+
+def is_traced(x) -> bool:
+    """True for a hyperparameter that is a tracer (``optax.inject_hyperparams`` passes arrays): not checkable."""
+    return isinstance(x, jax.core.Tracer)
+
+
+def every_step(every) -> bool:
+    """``every`` is the Python int 1: κ is computed at each step and not kept (inject_hyperparams passes arrays)."""
+    return isinstance(every, int | np.integer) and every == 1
+
+
+def kappa_state(space, params, every, factored=False):
+    """The initial kept κ (`KeptKappa`): κ zeros like params (``factored``: `pathspace_jax.kappa.RankOne` zeros
+    where Path-SGD keeps a dense kernel's κ as two vectors), zero node vectors and leaf means in the compute dtype;
+    all None when κ is computed at each step (`every_step`)."""
+    if every_step(every):
+        return KeptKappa(None, None, None, None)
+
+    leaves = space.leaves_of(params, "params")
+    kappa = [jnp.zeros(jnp.shape(p), jnp.result_type(p)) for p in leaves]
+    if factored:
+        shapes, _ = jax.eval_shape(lambda ls: kappa_canonical(space, ls, False, True), leaves)
+        kappa = [
+            RankOne(*(jnp.zeros(x.shape, jnp.result_type(p)) for x in k)) if isinstance(k, RankOne) else z
+            for k, z, p in zip(shapes, kappa, leaves, strict=True)
+        ]
+    ct = compute_dtype(leaves)
+    nodes, per_leaf = jnp.zeros((space.num_nodes,), ct), jnp.zeros((len(leaves),), ct)
+    return KeptKappa(space.unflatten_like(params, kappa), nodes, nodes, per_leaf)
+
+
+class KeptKappa(NamedTuple):
+    """κ and its frames, as `scale_by_path_sgd` and `scale_by_ddp` compute them (and keep them with ``every > 1``).
+
+    ``kappa``: κ in the canonical frame (the params rescaled by powers of two so that their gauge weights are ±1
+    within √2; `pathspace_jax.frames.to_canonical_frame`), a tree like params. ``log2_gauge``: that frame's
+    per-node log2|B_v| (`pathspace_jax.frames.kappa_from_frame` gives κ of the params). ``frame``: per node, the
+    balanced frame of the canonical-frame params (`pathspace_jax.gsgd.balanced_frame`), in which a standard
+    initialisation is its own frame. ``kappa_mean``: per leaf, the geometric mean of κ in that frame over its
+    positive entries (`geometric_mean`; 0 for leaves of kind "other"). All four are the same for every
+    power-of-two rescaling of the params, bit for bit.
+    """
+
+    kappa: Any
+    log2_gauge: jax.Array | None
+    frame: jax.Array | None
+    kappa_mean: jax.Array | None
+
+
+def kept_kappa(space, params, kappa, lg) -> KeptKappa:
+    """`KeptKappa` from κ in the canonical frame and its log-gauge ``lg`` (that of ``params``, from the κ pass:
+    the canonical frame is not searched for again)."""
+    leaves = space.leaves_of(params, "params")
+    ct = compute_dtype(leaves)
+    frame = balanced_frame(space, in_canonical_frame(space, leaves, lg.astype(ct), ct), ct)
+    ks = jax.tree_util.tree_leaves(kappa, is_leaf=lambda k: isinstance(k, RankOne))
+    means = [leaf_mean(k, parts, ct) for k, parts in zip(ks, frame_factor_parts(space, frame), strict=True)]
+    return KeptKappa(kappa, lg, frame, jnp.stack(means))
+
+
+def leaf_mean(k, parts, ct):
+    """The geometric mean of one leaf's κ in the frame whose factor is ``d · s`` (`frame_factor_parts`): of
+    ``κ / (d s)²``. A `RankOne` κ ``a bᵀ`` with a column ``s`` and a row ``d`` is not expanded: the mean of
+    ``log(a_i / s_i²) + log(b_j / d_j²)`` over the positive pairs is the sum of the two vectors' mean logs
+    (Path-SGD's κ on the MLP 784-512-512-10: a fifth of the step's time when expanded)."""
+    if parts is None:
+        return jnp.zeros([], ct)
+    d, s = parts
+    if isinstance(k, RankOne) and _is_column(s, k.a.size) and _is_column(d.T, k.b.size):
+        return geometric_mean(jnp.asarray(k.a, ct) / jnp.ravel(s * s), jnp.asarray(k.b, ct) / jnp.ravel(d * d))
+    return geometric_mean(jnp.asarray(full(k), ct) / (d * s) ** 2)
+
+
+def _is_column(x, n) -> bool:
+    return jnp.ndim(x) == 2 and jnp.shape(x)[1] == 1 and jnp.shape(x)[0] in (1, n)
+
+
+def geometric_mean(x, y=None):
+    """``exp(mean log x)`` over the positive finite entries of ``x`` (0 if there are none).
+
+    The typical size of κ in a leaf: a few huge entries do not move it, where they would dominate the arithmetic
+    mean. They are common: DDP-SGD's κ at α = 1 (a diagonal Fisher) is heavy-tailed, its arithmetic mean 5-28
+    times its geometric mean on the digits CNN, and a probe estimate of the recurrent term at 0 < α < 1 has
+    outliers 10⁶ times its median; dividing by the arithmetic mean gave typical entries steps that many times
+    SGD's, and training diverged at SGD's learning rates. Path-SGD's κ in the balanced frame is nearly constant
+    across a leaf (arithmetic mean within 10 % of the geometric one on the digits MLP, CNN and RNN), so there the
+    two agree.
+
+    With ``y``, that of the outer product ``x yᵀ`` of two non-negative vectors, from the vectors: the sum of their
+    mean logs over their positive finite entries.
+    """
+    if y is not None:
+        (mx, nx), (my, ny) = _mean_log(x), _mean_log(y)
+        return jnp.where((nx > 0) & (ny > 0), jnp.exp(mx + my), 0).astype(x.dtype)
+    m, n = _mean_log(x)
+    return jnp.where(n > 0, jnp.exp(m), 0).astype(x.dtype)
+
+
+def _mean_log(x):
+    """``(mean log x, count)`` over the positive finite entries of ``x`` (mean 0 where there are none)."""
+    ok = (x > 0) & jnp.isfinite(x)
+    n = jnp.sum(ok)
+    return jnp.sum(jnp.where(ok, jnp.log(jnp.where(ok, x, 1)), 0)) / jnp.maximum(n, 1), n
+
+
+def current_kappa(compute, kept: KeptKappa, count, every) -> KeptKappa:
+    """``compute()`` at steps 0, every, 2·every, …, the ``kept`` κ in between (one ``lax.cond``); ``compute()``
+    alone when nothing is kept (`every_step`: nothing stored, so XLA fuses κ into the division).
+
+    κ travels as raveled leaves: on XLA:CPU a 2-D κ (an outer product for a dense kernel) otherwise gets a
+    column-major layout and is transposed into the state on every step (benchmarks/README.md). The stored κ
+    enters the ``cond`` as an operand, raveled outside it: raveled inside the branch, XLA:CPU copied every
+    stored leaf into the ``cond`` at every step.
+    """
+    if kept.kappa is None:
+        return compute()
+
+    def flat(tree):
+        return [jnp.ravel(a) for a in jax.tree_util.tree_leaves(tree)]
+
+    def fresh():
+        return flat(jax.tree_util.tree_map(lambda a, b: a.astype(b.dtype), compute(), kept))
+
+    ks = jax.lax.cond(count % every == 0, lambda _: fresh(), lambda ks: ks, flat(kept))
+    leaves, treedef = jax.tree_util.tree_flatten(kept)
+    return jax.tree_util.tree_unflatten(treedef, [k.reshape(jnp.shape(a)) for k, a in zip(ks, leaves, strict=True)])
+
+
+def divide_by_kappa(space, updates, kept: KeptKappa, normalize, damping, floor, eps):
+    """``g m / (max(κ + damping · m (α_v / α_u)², floor · m (α_v / α_u)²) + eps)`` per entry ``u -> v`` (``m = 1``
+    in the numerator unless ``normalize``).
+
+    α is the balanced frame and m the leaf's geometric mean of κ in it (`KeptKappa`). With s = 2^(k_u − k_v)
+    (`pathspace_jax.frames.edge_factors`), κ = κ_c / s², so the update is ``g m s² / (max(κ_c + damping · m f²,
+    floor · m f²) + eps s²)`` (f: `pathspace_jax.frames.frame_factors` of α): the gradient taken to the canonical
+    frame, divided there, and brought back, so nothing overflows where the update itself is representable. 0 where
+    the denominator is 0 (never NaN); leaves of kind "other" pass through.
+    """
+
+    out = []
+    kappa = jax.tree_util.tree_leaves(kept.kappa, is_leaf=lambda k: isinstance(k, RankOne))
+    leaves = zip(space.leaves, space.leaves_of(updates, "updates"), map(full, kappa))
+    factors = zip(edge_factors(space, kept.log2_gauge, -1.0), frame_factors(space, kept.frame))
+    for i, ((leaf, g, k), (s, f)) in enumerate(zip(leaves, factors)):
+        if leaf.kind == "other":
+            out.append(g)
+            continue
+        leaf_dtype = jnp.result_type(g)
+        ct = compute_dtype([g, k])
+        m = kept.kappa_mean[i].astype(ct)
+        mf = m * (f * f)  # m_ℓ in the canonical frame
+        den = jnp.maximum(jnp.asarray(k, ct) + damping * mf, floor * mf)
+        if is_traced(eps) or eps > 0:
+            den = den + eps * s * s
+        num = jnp.asarray(g, ct) * (s * s * m if normalize else s * s)  # (g s): to the canonical frame; (g s) s: back
+        out.append(jnp.where(den > 0, num / jnp.where(den > 0, den, 1), 0).astype(leaf_dtype))
+    return space.unflatten_like(updates, out)
