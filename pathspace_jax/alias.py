@@ -37,8 +37,8 @@ def ddp_sgd(
     Args:
       space: the `PathSpace` of the network (``pathspace_jax.trace``).
       learning_rate: η, a float or an optax schedule.
-      alpha, moment, estimator, num_probes, probe_damping, probe_batch_size, every, normalize, damping, floor,
-        eps: see `pathspace_jax.scale_by_ddp`.
+      alpha, moment, estimator, num_probes, probe_damping, probe_batch_size: see `pathspace_jax.scale_by_ddp`.
+      every, normalize, damping, floor, eps: see `pathspace_jax.scale_by_ddp`.
       momentum: heavy-ball decay (``optax.trace``), or None.
 
     Returns:
