@@ -74,6 +74,8 @@ def section(folder: Path) -> str:
     blocks, metas = [], {}
     for path in files:
         data = json.loads(path.read_text())
+        if "meta" not in data or "results" not in data:  # another script's output (lr_transfer.py has its own table)
+            continue
         meta = data["meta"]
         metas[path.stem] = (
             f"{meta.get('date', 'date not recorded')}, {meta['backend']} ({meta['devices'][0]}"

@@ -320,7 +320,8 @@ def ddp_kappa_canonical(
     scans = any(e.body is not None for e in prog.eqns)
     if scans and alpha == 0.0:  # Path-SGD's κ, with the κ⁽²⁾ of the recurrent kernels
         return kappa_canonical(space, leaves, True)
-    recurrent = scans and alpha < 1.0  # 0 < α < 1 through a recurrence: the recurrent term below
+    stepwise = scans and alpha < 1.0  # node statistics inside scan bodies, stacked over the steps or layers
+    recurrent = stepwise and any(leaf.recurrent for leaf in space.leaves)  # the recurrent term below
     if recurrent and estimator == "probes":
         key, rec_key = jax.random.split(key)
     frame, lg = to_canonical_frame(space, leaves, compute_dtype(leaves))
@@ -342,7 +343,7 @@ def ddp_kappa_canonical(
 
     # -- the real forward pass, per example, keeping every node's pre-activation
     # (the nodes inside a scan body: stacked over the steps)
-    inner = scan_nodes(prog, "nodes") if recurrent else []
+    inner = scan_nodes(prog, "nodes") if stepwise else []
     want = prog.nodes + inner if alpha < 1.0 else prog.outputs + prog.sinks + scan_nodes(prog)
 
     conv_vjp = in_cond and jax.default_backend() == "cpu"  # XLA:CPU's slow gradients inside the cond: `conv`

@@ -128,6 +128,9 @@ class EdgeLeaf:
         entry's source and destination node (``BIAS_NODE`` for biases, -1 for
         ``"other"`` leaves).
       note: why the leaf is ``"other"``.
+      stacked: for a leaf that a scan slices along its first axis (layers stacked with ``nn.scan``), whether
+        some layer's edges leave and enter the same group (each layer's slice is its own edge bundle, so the
+        union of ``src_groups`` and ``dst_groups`` over the layers does not say); None for other leaves.
     """
 
     path: str
@@ -139,6 +142,7 @@ class EdgeLeaf:
     src: np.ndarray
     dst: np.ndarray
     note: str = ""
+    stacked: bool | None = None
 
     @property
     def size(self) -> int:
@@ -147,6 +151,8 @@ class EdgeLeaf:
     @property
     def recurrent(self) -> bool:
         """True when some edge of the leaf leaves and enters the same group."""
+        if self.stacked is not None:
+            return self.stacked
         return bool(set(self.src_groups) & set(self.dst_groups))
 
 

@@ -181,7 +181,8 @@ def frame_level(space: PathSpace) -> np.ndarray:
     nodes u of v's group, with q̄ the path norms (`path_norms`) of the network whose squared weights are
     their expectation under LeCun's initialisation (the default of Flax's ``Dense``, ``Conv`` and
     ``SimpleCell`` kernels; an orthogonal recurrent kernel has the same row norms): ``w² = 1 / fan_in``
-    per entry, fan_in the number of the leaf's edges into the entry's destination node, and biases 0.
+    per entry, fan_in the number of the leaf's edges into the entry's destination node (of its layer's slice, for a
+    leaf stacked over layers), and biases 0.
     An embedding table counts as a dense kernel from its one-hot inputs. 1 at non-hidden nodes.
 
     Without it (λ = 1) every hidden node's incoming path norm equals its outgoing one, while at a
@@ -199,8 +200,10 @@ def frame_level(space: PathSpace) -> np.ndarray:
         if leaf.kind != "weight":
             ref.append(np.zeros(leaf.shape, np.float32))
             continue
-        dst = np.broadcast_to(np.asarray(leaf.dst), leaf.shape).reshape(-1)
-        fan_in = np.bincount(dst, minlength=space.num_nodes)[dst]
+        # per layer for a leaf stacked over layers (``nn.scan``): each slice is initialised as its own kernel
+        layers = leaf.shape[0] if leaf.stacked is not None else 1
+        dst = np.broadcast_to(np.asarray(leaf.dst), leaf.shape).reshape(layers, -1)
+        fan_in = np.stack([np.bincount(d, minlength=space.num_nodes)[d] for d in dst])
         ref.append(np.reshape(1 / np.sqrt(fan_in), leaf.shape).astype(np.float32))
     with jax.ensure_compile_time_eval():
         q_in, q_out = (np.asarray(q, np.float64) for q in path_norms(space, ref, jnp.float32))

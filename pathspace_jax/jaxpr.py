@@ -42,6 +42,7 @@ __all__ = [
     "closed",
     "cond_branches",
     "in_avals",
+    "out_avals",
     "is_literal",
     "literal_value",
     "param",
@@ -151,6 +152,12 @@ def in_avals(j) -> list:
     """The abstract values of a (closed or open) jaxpr's inputs."""
     inner = j.jaxpr if isinstance(j, ClosedJaxpr) else j
     return [v.aval for v in inner.invars]
+
+
+def out_avals(j) -> list:
+    """The abstract values of a (closed or open) jaxpr's outputs."""
+    inner = j.jaxpr if isinstance(j, ClosedJaxpr) else j
+    return [v.aval for v in inner.outvars]
 
 
 def call_body(eqn) -> ClosedJaxpr | None:
@@ -270,6 +277,13 @@ def is_plain_matmul(params: dict) -> bool:
     """Whether a ``dot_general`` with these params is ``a @ b`` of two matrices: the last axis of ``a``
     contracted with the first of ``b``, no batch axes."""
     return contracts_last_with_first(params, 2)
+
+
+def slice_box(prim_name: str, params: dict) -> tuple[tuple[int, int], ...] | None:
+    """The ``(start, limit)`` per axis of a static unit-stride ``slice`` equation, else None."""
+    if prim_name != "slice" or any(s not in (None, 1) for s in params.get("strides") or ()):
+        return None
+    return tuple(zip(params["start_indices"], params["limit_indices"], strict=True))
 
 
 def contracts_last_with_first(params: dict, lhs_ndim: int) -> bool:

@@ -187,17 +187,30 @@ def _check_second_order(prog: flat.Program) -> None:
             bp = e.body
             todo.append(({i for i in bp.in_ids if bp.kinds[i] == "param"}, bp, f" (scan body at {e.where})"))
     for p_ids, pr, where in todo:
-        uses: dict[int, int] = {}
+        uses: dict[int, list] = {}
         for e in _live(pr.eqns, pr.out_ids):
             for x in {x for x in e.ins if not isinstance(x, tuple)}:
                 if x in p_ids:
-                    uses[x] = uses.get(x, 0) + 1
-        if any(n > 1 for n in uses.values()):
+                    uses.setdefault(x, []).append(e)
+        if any(len(es) > 1 and not _disjoint_slices(es) for es in uses.values()):
             raise PathKappaUnsupportedError(
                 f"{_WHO}(second_order=True): a parameter is used by several operations{where} (weight tying), "
                 "so a path can cross it twice outside a recurrence; the exact κ⁽²⁾ is not implemented for that "
                 "(use second_order=False for κ⁽¹⁾)"
             )
+
+
+def _disjoint_slices(eqns) -> bool:
+    """Whether every use of a parameter is a static slice and no two slices share an entry (the layers of a leaf
+    stacked with ``nn.scan``): no path crosses one entry twice, so that is no weight tying."""
+    boxes = [jx.slice_box(e.prim.name, e.params) for e in eqns]
+    if any(b is None for b in boxes):
+        return False
+    return all(
+        any(hi_a <= lo_b or hi_b <= lo_a for (lo_a, hi_a), (lo_b, hi_b) in zip(a, b, strict=True))
+        for i, a in enumerate(boxes)
+        for b in boxes[i + 1 :]
+    )
 
 
 def path_kappa(space: PathSpace, params, *, second_order: bool = True):

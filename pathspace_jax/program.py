@@ -133,6 +133,29 @@ def _flatten(
             return i
         return x
 
+    def unroll(e, ins, key):
+        """A scan that slices params along its axis (`trace` marks these layer stacks): its body inlined once per
+        layer, layer i reading slice i of every ``xs`` and flagged on its own (``key + (i,)``); the ``ys``
+        stacked back. Each layer's nodes and boundaries are then those of the network written as a loop."""
+        sc = jx.scan(e)
+        nc, nk = sc.num_consts, sc.num_carry
+        carry, xs = ins[nc : nc + nk], ins[nc + nk :]
+        avals = jx.in_avals(sc.body)[nc + nk :]
+        ys: dict[int, list] = {}
+        for layer in reversed(range(sc.length)) if sc.reverse else range(sc.length):
+            sliced = []
+            for k, (x, a) in enumerate(zip(xs, avals, strict=True)):
+                part = jax.make_jaxpr(lambda v, i=layer: v[i])(jax.ShapeDtypeStruct((sc.length, *a.shape), a.dtype))
+                sliced += walk(part.jaxpr, part.consts, [x], key + ("slice", layer, k))
+            outs = walk(sc.body.jaxpr, sc.body.consts, ins[:nc] + carry + [as_var(x) for x in sliced], key + (layer,))
+            carry, ys[layer] = [as_var(o) for o in outs[:nk]], [as_var(o) for o in outs[nk:]]
+        stacked = []
+        for j, a in enumerate(jx.out_avals(sc.body)[nk:]):
+            spec = jax.ShapeDtypeStruct(a.shape, a.dtype)
+            stack = jax.make_jaxpr(lambda *v: jnp.concatenate([x[None] for x in v]))(*[spec] * sc.length)
+            stacked += walk(stack.jaxpr, stack.consts, [ys[layer][j] for layer in range(sc.length)], key + ("y", j))
+        return carry + stacked
+
     def walk(jaxpr, const_vals, in_ids, prefix):
         env = {}
         for v, c in zip(jaxpr.constvars, const_vals, strict=False):
@@ -151,6 +174,10 @@ def _flatten(
             ks = [kind_of(x) for x in ins]
             sub = jx.call_body(e)
             name = e.primitive.name
+            if name == "scan" and sites.get(key + ("layers",)):
+                for v, o in zip(e.outvars, unroll(e, [as_var(x) for x in ins], key), strict=True):
+                    env[v] = as_var(o)
+                continue
             if name == "scan" and allow_scan:
                 ins_pinned = [not isinstance(x, tuple) and x in pinned for x in ins]
                 outs, scan_eqn = _flatten_scan(e, ins, ks, kinds, counter, who, err, inline_custom, sites, key,

@@ -41,8 +41,14 @@ def kappa_state(space, params, every, factored=False):
             for k, z, p in zip(shapes, kappa, leaves, strict=True)
         ]
     ct = compute_dtype(leaves)
-    nodes, per_leaf = jnp.zeros((space.num_nodes,), ct), jnp.zeros((len(leaves),), ct)
+    nodes, per_leaf = jnp.zeros((space.num_nodes,), ct), jnp.zeros((sum(mean_slots(space)),), ct)
     return KeptKappa(space.unflatten_like(params, kappa), nodes, nodes, per_leaf)
+
+
+def mean_slots(space) -> list[int]:
+    """Per leaf, how many geometric means of κ it has (`KeptKappa.kappa_mean`): one per layer for a leaf stacked
+    over layers (``nn.scan``: each layer's slice is normalised as the same layer written in a loop), else one."""
+    return [leaf.shape[0] if leaf.stacked is not None else 1 for leaf in space.leaves]
 
 
 class KeptKappa(NamedTuple):
@@ -53,8 +59,8 @@ class KeptKappa(NamedTuple):
     per-node log2|B_v| (`pathspace_jax.frames.kappa_from_frame` gives κ of the params). ``frame``: per node, the
     balanced frame of the canonical-frame params (`pathspace_jax.gsgd.balanced_frame`), in which a standard
     initialisation is its own frame. ``kappa_mean``: per leaf, the geometric mean of κ in that frame over its
-    positive entries (`geometric_mean`; 0 for leaves of kind "other"). All four are the same for every
-    power-of-two rescaling of the params, bit for bit.
+    positive entries (`geometric_mean`; 0 for leaves of kind "other"; one per layer for a leaf stacked over
+    layers, `mean_slots`). All four are the same for every power-of-two rescaling of the params, bit for bit.
     """
 
     kappa: Any
@@ -70,21 +76,24 @@ def kept_kappa(space, params, kappa, lg) -> KeptKappa:
     ct = compute_dtype(leaves)
     frame = balanced_frame(space, in_canonical_frame(space, leaves, lg.astype(ct), ct), ct)
     ks = jax.tree_util.tree_leaves(kappa, is_leaf=lambda k: isinstance(k, RankOne))
-    means = [leaf_mean(k, parts, ct) for k, parts in zip(ks, frame_factor_parts(space, frame), strict=True)]
-    return KeptKappa(kappa, lg, frame, jnp.stack(means))
+    parts = frame_factor_parts(space, frame)
+    means = [leaf_mean(k, p, ct, n > 1) for k, p, n in zip(ks, parts, mean_slots(space), strict=True)]
+    return KeptKappa(kappa, lg, frame, jnp.concatenate([jnp.ravel(m) for m in means]))
 
 
-def leaf_mean(k, parts, ct):
+def leaf_mean(k, parts, ct, layers=False):
     """The geometric mean of one leaf's κ in the frame whose factor is ``d · s`` (`frame_factor_parts`): of
     ``κ / (d s)²``. A `RankOne` κ ``a bᵀ`` with a column ``s`` and a row ``d`` is not expanded: the mean of
     ``log(a_i / s_i²) + log(b_j / d_j²)`` over the positive pairs is the sum of the two vectors' mean logs
-    (Path-SGD's κ on the MLP 784-512-512-10: a fifth of the step's time when expanded)."""
+    (Path-SGD's κ on the MLP 784-512-512-10: a fifth of the step's time when expanded). With ``layers``, one
+    mean per index of the first axis (a leaf stacked over layers)."""
     if parts is None:
-        return jnp.zeros([], ct)
+        return jnp.zeros([k.shape[0]] if layers else [], ct)
     d, s = parts
     if isinstance(k, RankOne) and _is_column(s, k.a.size) and _is_column(d.T, k.b.size):
         return geometric_mean(jnp.asarray(k.a, ct) / jnp.ravel(s * s), jnp.asarray(k.b, ct) / jnp.ravel(d * d))
-    return geometric_mean(jnp.asarray(full(k), ct) / (d * s) ** 2)
+    x = jnp.asarray(full(k), ct) / (d * s) ** 2
+    return jax.vmap(geometric_mean)(x) if layers else geometric_mean(x)
 
 
 def _is_column(x, n) -> bool:
@@ -157,13 +166,15 @@ def divide_by_kappa(space, updates, kept: KeptKappa, normalize, damping, floor, 
     kappa = jax.tree_util.tree_leaves(kept.kappa, is_leaf=lambda k: isinstance(k, RankOne))
     leaves = zip(space.leaves, space.leaves_of(updates, "updates"), map(full, kappa))
     factors = zip(edge_factors(space, kept.log2_gauge, -1.0), frame_factors(space, kept.frame))
+    starts = np.cumsum([0, *mean_slots(space)])
     for i, ((leaf, g, k), (s, f)) in enumerate(zip(leaves, factors)):
         if leaf.kind == "other":
             out.append(g)
             continue
         leaf_dtype = jnp.result_type(g)
         ct = compute_dtype([g, k])
-        m = kept.kappa_mean[i].astype(ct)
+        m = kept.kappa_mean[starts[i] : starts[i + 1]].astype(ct)  # one per layer of a stacked leaf, else one
+        m = m.reshape([-1] + [1] * (jnp.ndim(g) - 1)) if leaf.stacked is not None else m[0]
         mf = m * (f * f)  # m_ℓ in the canonical frame
         den = jnp.maximum(jnp.asarray(k, ct) + damping * mf, floor * mf)
         if is_traced(eps) or eps > 0:

@@ -151,12 +151,15 @@ def _interpret(closed, param_specs, input_specs, paths) -> Interpreter:
         if v.kind == ACT:
             for a in _resolve_alias_roots(interp.atoms, interp.all_atoms(v)):
                 interp.atoms.output[a] = True
-    if not any(interp.uses[i] or interp.other[i] for i in range(n_leaves)):
+    used = [bool(u or o) for u, o in zip(interp.uses, interp.other, strict=True)]
+    for j in sorted(interp.layers, reverse=True):  # a stacked leaf is used where its layers' slices are
+        used[interp.layers[j][0]] |= used[j]
+    if not any(used[:n_leaves]):
         raise ValueError(
             "fn does not use params: its outputs do not depend on any parameter leaf. trace(fn, params, *args) "
             "expects fn(params, *args) to compute the network's outputs from params."
         )
-    unused = [paths[i] for i in range(n_leaves) if not interp.uses[i] and not interp.other[i]]
+    unused = [paths[i] for i in range(n_leaves) if not used[i]]
     if unused:
         raise ValueError(
             f"params leaves {unused} are not used by fn: remove them from the params pytree passed to trace "
@@ -205,13 +208,43 @@ def _resolve_alias_roots(atoms: Atoms, xs: Sequence[int]) -> list[int]:
 def _build(interp: Interpreter, treedef, leaves, paths, fn, arg_specs, strict) -> PathSpace:
     """The `PathSpace` from the interpreter's atoms: each leaf's role (`_leaf_roles`), the node groups
     (`_node_groups`), then every entry's source and destination nodes (`_edge_leaves`)."""
+    n = len(leaves)
+    for j in range(n, len(interp.uses)):  # layer slices of stacked leaves (`Interpreter.layer_slice`)
+        stacked = leaves[interp.layers[j][0]]
+        leaves = [*leaves, jax.ShapeDtypeStruct(stacked.shape[1:], stacked.dtype)]
+    paths = list(paths) + interp.leaf_paths[n:]
     leaf_info = _bias_positions(interp.atoms, _leaf_roles(interp, leaves, paths))
     groups, key_index, num_nodes = _node_groups(interp, leaf_info)
-    edge_leaves = _edge_leaves(interp.atoms, leaves, paths, leaf_info, groups, key_index)
-    space = PathSpace(treedef, tuple(edge_leaves), tuple(groups), num_nodes, fn, arg_specs)
+    edge_leaves = _stack_layers(interp, _edge_leaves(interp.atoms, leaves, paths, leaf_info, groups, key_index))
+    space = PathSpace(treedef, tuple(edge_leaves[:n]), tuple(groups), num_nodes, fn, arg_specs)
     if strict:
         _check_strict(space)
     return space
+
+
+def _stack_layers(interp: Interpreter, edge_leaves: list[EdgeLeaf]) -> list[EdgeLeaf]:
+    """Each stacked params leaf from its layers' slices (`Interpreter.layer_slice`): their source and destination
+    nodes stacked along the first axis (deepest stacks first: a slice may itself be stacked)."""
+    edge_leaves = list(edge_leaves)
+    children: dict[int, list[int]] = {}
+    for j, (leaf, _) in interp.layers.items():
+        children.setdefault(leaf, []).append(j)
+    for leaf in sorted(children, reverse=True):
+        parts = [edge_leaves[j] for j in sorted(children[leaf], key=lambda j: interp.layers[j][1])]
+        old, kinds = edge_leaves[leaf], {p.kind for p in parts}
+        if kinds == {"other"} or len(kinds) > 1:
+            neg = np.full(old.shape, -1, np.int32)
+            neg.setflags(write=False)
+            note = "; ".join(dict.fromkeys(p.note for p in parts if p.note)) or "its layers have different roles"
+            edge_leaves[leaf] = EdgeLeaf(old.path, old.shape, old.dtype, "other", (), (), neg, neg, note)
+            continue
+        src, dst = np.stack([p.src for p in parts]), np.stack([p.dst for p in parts])
+        src.setflags(write=False)
+        dst.setflags(write=False)
+        groups = [tuple(sorted({g for p in parts for g in getattr(p, side)})) for side in ("src_groups", "dst_groups")]
+        recurrent = any(p.recurrent for p in parts)
+        edge_leaves[leaf] = EdgeLeaf(old.path, old.shape, old.dtype, parts[0].kind, *groups, src, dst, "", recurrent)
+    return edge_leaves
 
 
 def _leaf_roles(interp: Interpreter, leaves, paths) -> list[tuple]:
@@ -228,8 +261,12 @@ def _leaf_roles(interp: Interpreter, leaves, paths) -> list[tuple]:
             return [(r, role)]
         return [x for c in atoms.expand[r] for x in expand_roles(c, role, roles)]
 
+    stacked = {leaf for leaf, _ in interp.layers.values()}
     leaf_info = []  # (kind, factors, node_in, node_out, note, first_step)
     for i in range(len(leaves)):
+        if i in stacked:  # its layers' slices are the leaves (`_stack_layers`)
+            leaf_info.append(("other", [], None, None, "", 0))
+            continue
         note = "; ".join(dict.fromkeys(interp.other[i]))
         roles: dict[int, str] = {}
         for a, role, _ in interp.uses[i]:

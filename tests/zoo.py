@@ -167,6 +167,28 @@ class StackedRNNEvery(nn.Module):
         return nn.Dense(2)(h)  # a readout at every step
 
 
+class _ScanLayer(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        return nn.relu(nn.Dense(5, param_dtype=x.dtype)(x)), None
+
+
+class ScanStackedMLP(nn.Module):
+    """ReLU layers stacked with ``nn.scan`` (their kernels one leaf, sliced along the scanned axis), with or
+    without ``nn.remat``: a stack of distinct layers, 5 hidden units each, not a recurrence."""
+
+    remat: bool = False
+    length: int = 3
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Dense(5)(x))
+        layer = nn.remat(_ScanLayer) if self.remat else _ScanLayer
+        stack = nn.scan(layer, variable_axes={"params": 0}, split_rngs={"params": True}, length=self.length)
+        x, _ = stack()(x, None)
+        return nn.Dense(2)(x)
+
+
 class EmbedRNN(nn.Module):
     """Token ids -> embedding -> ReLU RNN -> last step.
 
@@ -260,6 +282,22 @@ def _nnx(name, module, draw, hidden, recurrent=False) -> Case:
     return Case(name, lambda s, x: nnx.merge(graphdef, s, rest)(x), state, draw, hidden, 0, recurrent)
 
 
+def _scan_stacked(name: str, module: ScanStackedMLP) -> Case:
+    """`ScanStackedMLP` on 8 inputs with each layer's slice drawn as its own generic Dense (`_alive` per layer: over
+    a stacked leaf it would centre the layers together and leave dead units), stacked along the scanned axis. The
+    seeds give a Jacobian of full rank m - H: a deep narrow ReLU network can have a smaller functional dimension
+    (Grigsby, Lindsey, Meyerhoff, Wu, "Functional dimension of feedforward ReLU neural networks", 2022), as this
+    one has on 3 inputs or with other draws."""
+    x = jax.eval_shape(lambda: _normal(8)(jax.random.key(0), 2))
+    shapes = jax.eval_shape(module.init, jax.random.key(0), x)["params"]
+    stack = next(k for k in shapes if k.startswith("Scan"))
+    one = jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype), shapes[stack])
+    layers = [_alive(_init(one, seed)) for seed in (130, 131, 132)]
+    params = _alive(_init({k: v for k, v in shapes.items() if k != stack}, 7))
+    params[stack] = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *layers)
+    return Case(name, lambda p, x: module.apply({"params": p}, x), params, _normal(8), hidden=20)
+
+
 # ---------------------------------------------------------------------------- plain JAX
 
 
@@ -350,6 +388,8 @@ def _build() -> dict[str, Case]:
         _linen("layernorm_mlp_partly_pinned", LayerNormMLP(), _normal(3), hidden=4, pinned=1, extra_symmetries=4),
         _linen("concat_mlp", ConcatMLP(), _normal(3), hidden=7),
         _linen("fused_lstm_relu_head", FusedLSTMHead(), _normal(3, 2), hidden=5, pinned=1),
+        _scan_stacked("scan_stacked_mlp", ScanStackedMLP()),
+        _scan_stacked("scan_stacked_mlp_remat", ScanStackedMLP(remat=True)),
         _nnx("nnx_mlp", NnxMLP(nnx.Rngs(0)), _normal(4), hidden=11),
         _nnx("nnx_rnn", NnxRNN(nnx.Rngs(1)), _normal(4, 3), hidden=4, recurrent=True),
         _plain_transpose_slice(),

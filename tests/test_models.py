@@ -1,0 +1,211 @@
+"""Models written the ordinary way in flax.linen: a Transformer, layers stacked with nn.scan (± nn.remat), Flax's
+fast LSTM. Layers stacked with nn.scan are the network written as a loop; every optimiser trains each model through
+the README's partition recipe and follows the same trajectory from a rescaled start."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import pathspace_jax as pj
+
+F32, F64 = jnp.float32, jnp.float64
+
+
+class _MLPLayer(nn.Module):
+    dtype: jnp.dtype = F32
+
+    @nn.compact
+    def __call__(self, x, _):
+        return nn.relu(nn.Dense(8, param_dtype=self.dtype)(x)), None
+
+
+class _Block(nn.Module):
+    """A pre-LayerNorm Transformer block: attention and a ReLU MLP, both residual."""
+
+    dtype: jnp.dtype = F32
+
+    @nn.compact
+    def __call__(self, x, _=None):
+        kw = dict(param_dtype=self.dtype)
+        h = nn.LayerNorm(**kw)(x)
+        x = x + nn.MultiHeadDotProductAttention(num_heads=2, **kw)(h, h)
+        x = x + nn.Dense(8, **kw)(nn.relu(nn.Dense(16, **kw)(nn.LayerNorm(**kw)(x))))
+        return x, None
+
+
+class _Stack(nn.Module):
+    """Three layers (``kind``: ReLU Dense or Transformer block) between an input and an output Dense, written as
+    a loop or stacked with ``nn.scan`` (``scan``), with ``nn.remat`` (``remat``)."""
+
+    kind: str = "mlp"
+    scan: bool = False
+    remat: bool = False
+    dtype: jnp.dtype = F32
+
+    @nn.compact
+    def __call__(self, x):
+        layer = _MLPLayer if self.kind == "mlp" else _Block
+        layer = nn.remat(layer) if self.remat else layer
+        x = nn.Dense(8, param_dtype=self.dtype, name="inp")(x)
+        if self.kind == "mlp":
+            x = nn.relu(x)
+        if self.scan:
+            stack = nn.scan(layer, variable_axes={"params": 0}, split_rngs={"params": True}, length=3)
+            x, _ = stack(self.dtype, name="layers")(x, None)
+        else:
+            for i in range(3):
+                x, _ = layer(self.dtype, name=f"layer{i}")(x, None)
+        return nn.Dense(2, param_dtype=self.dtype, name="out")(x.reshape(x.shape[0], -1))
+
+
+def _unstack(tree):
+    """The loop-written model's params from the scan-stacked one's (layer i's slice of each stacked leaf)."""
+    out = {k: v for k, v in tree.items() if k != "layers"}
+    for i in range(3):
+        out[f"layer{i}"] = jax.tree_util.tree_map(lambda a, i=i: a[i], tree["layers"])
+    return out
+
+
+def _inputs(kind, dtype, batch=6):
+    shape = (batch, 5) if kind == "mlp" else (batch, 4, 5)  # the Transformer reads 4 positions of 5 features
+    return jax.random.normal(jax.random.key(0), shape, dtype)
+
+
+@pytest.mark.parametrize("kind, remat", [("mlp", False), ("mlp", True), ("transformer", False), ("transformer", True)])
+def test_layers_stacked_with_scan_are_the_network_written_as_a_loop(kind, remat):
+    """H, the path norm, Path-SGD's κ and one step of Path-SGD and of DDP-SGD (exact, α = 1 and, on the MLP, 0.5)
+    of the scan-stacked model equal the loop-written model's with the same weights (float32). Before, every
+    scanned weight was "other" (sliced by a scan), H was 0 and Path-SGD and DDP-SGD raised at the first update."""
+    x = _inputs(kind, F32)
+    stacked = _Stack(kind, scan=True, remat=remat)
+    loop = _Stack(kind, scan=False, remat=remat)
+    params = stacked.init(jax.random.key(1), x)["params"]
+    fs, fl = (lambda p, x: stacked.apply({"params": p}, x)), (lambda p, x: loop.apply({"params": p}, x))
+    np.testing.assert_allclose(fs(params, x), fl(_unstack(params), x), rtol=1e-6)
+    ss, sl = pj.trace(fs, params, x), pj.trace(fl, _unstack(params), x)
+    assert ss.num_hidden == sl.num_hidden == (32 if kind == "mlp" else 48)
+    assert not any(leaf.recurrent for leaf in ss.leaves)
+    np.testing.assert_allclose(pj.path_norm(ss, params), pj.path_norm(sl, _unstack(params)), rtol=1e-5)
+    close = lambda a, b: jax.tree_util.tree_map(  # noqa: E731
+        lambda u, v: np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-7), _unstack(a), b
+    )
+    close(pj.path_kappa(ss, params), pj.path_kappa(sl, _unstack(params)))
+    y = jnp.ones((x.shape[0], 2), F32)
+    grad = lambda f, p: jax.grad(lambda p: jnp.mean((f(p, x) - y) ** 2))(p)  # noqa: E731
+    makers = [(lambda s: pj.path_sgd(s, 0.1), {}), (lambda s: pj.ddp_sgd(s, 0.1, alpha=1.0, estimator="exact"), x)]
+    if kind == "mlp":
+        makers.append((lambda s: pj.ddp_sgd(s, 0.1, alpha=0.5, estimator="exact"), x))
+    for make, batch in makers:
+        kw = {"inputs": batch} if isinstance(batch, jax.Array) else {}
+        ts, tl = make(ss), make(sl)
+        us, _ = ts.update(grad(fs, params), ts.init(params), params, **kw)
+        ul, _ = tl.update(grad(fl, _unstack(params)), tl.init(_unstack(params)), _unstack(params), **kw)
+        close(us, ul)
+
+
+# ----------------------------------------------------------------------------- training, every optimiser
+
+
+class _LM(nn.Module):
+    """A two-block pre-LayerNorm Transformer language model (embedding, attention, ReLU MLP), its blocks in a loop
+    or stacked with ``nn.scan`` and ``nn.remat``."""
+
+    scan: bool = False
+    dtype: jnp.dtype = F32
+
+    @nn.compact
+    def __call__(self, ids):
+        x = nn.Embed(12, 8, param_dtype=self.dtype)(ids)
+        if self.scan:
+            stack = nn.scan(nn.remat(_Block), variable_axes={"params": 0}, split_rngs={"params": True}, length=2)
+            x, _ = stack(self.dtype)(x, None)
+        else:
+            for _ in range(2):
+                x, _ = _Block(self.dtype)(x)
+        return nn.Dense(12, param_dtype=self.dtype)(nn.LayerNorm(param_dtype=self.dtype)(x))
+
+
+class _LSTM(nn.Module):
+    dtype: jnp.dtype = F32
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.RNN(nn.OptimizedLSTMCell(8, param_dtype=self.dtype))(x)[:, -1]
+        return nn.Dense(3, param_dtype=self.dtype)(nn.relu(nn.Dense(16, param_dtype=self.dtype)(h)))
+
+
+def _task(name, dtype):
+    """(model, inputs, loss of (logits, batch)): next-token prediction of a cyclic sequence, or which of three
+    features has the largest sum over the sequence."""
+    key = jax.random.key(3)
+    if name == "lstm":
+        x = jax.random.normal(key, (32, 5, 3), dtype)
+        labels = jnp.argmax(x.sum(1), -1)
+        return _LSTM(dtype), x, lambda logits: optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    ids = (jnp.arange(8)[None, :] * 5 + jax.random.randint(key, (16, 1), 0, 12)) % 12
+    model = _LM(scan=name == "scan_lm", dtype=dtype)
+    ce = optax.softmax_cross_entropy_with_integer_labels
+    return model, ids, lambda logits: ce(logits[:, :-1], ids[:, 1:]).mean()
+
+
+_OPTIMISERS = ["g_sgd", "g_adam", "path_sgd", "ddp_sgd"]
+
+
+def _partitioned(space, params, name):
+    """The docs' partition recipe (docs/partition.md) at the learning rates they recommend (SGD's, Adam's); DDP-SGD
+    at α > 0 runs the whole network, so it scales the whole tree first and the partition splits its output.
+    Returns the transformation and whether its update needs the batch."""
+    labels = pj.path_labels(space, params)
+    if name == "ddp_sgd":
+        split = optax.partition({"path": optax.sgd(0.05), "other": optax.adam(1e-3)}, labels)
+        return optax.chain(pj.scale_by_ddp(space, alpha=0.5), split), True
+    path = {"g_sgd": pj.g_sgd(space, 0.05), "g_adam": pj.g_adam(space, 1e-3), "path_sgd": pj.path_sgd(space, 0.05)}
+    return optax.partition({"path": path[name], "other": optax.adam(1e-3)}, labels), False
+
+
+def _run(fn, loss_of, tx, needs_inputs, params, x, steps):
+    @jax.jit
+    def step(p, s):
+        loss, g = jax.value_and_grad(lambda p: loss_of(fn(p, x)))(p)
+        kw = {"inputs": x, "key": jax.random.key(0)} if needs_inputs else {}
+        u, s = tx.update(g, s, p, **kw)
+        return optax.apply_updates(p, u), s, loss
+
+    s, losses = tx.init(params), []
+    for _ in range(steps):
+        params, s, loss = step(params, s)
+        losses.append(float(loss))
+    return params, losses
+
+
+@pytest.mark.parametrize("optimiser", _OPTIMISERS)
+@pytest.mark.parametrize("name", ["lm", "scan_lm", "lstm"])
+def test_ordinary_models_train_with_every_optimiser(name, optimiser):
+    """A Transformer LM (blocks in a loop, or stacked with nn.scan and nn.remat) and an nn.OptimizedLSTMCell with a
+    ReLU head, through ``optax.partition`` with ``pj.path_labels``: 40 steps at the docs' learning rates are finite
+    and lower the loss; from a `pj.random_rescale`d start (float64) the losses and the function follow the same
+    trajectory."""
+    model, x, loss_of = _task(name, F32)
+    params = model.init(jax.random.key(1), x)["params"]
+    fn = lambda p, x: model.apply({"params": p}, x)  # noqa: E731
+    space = pj.trace(fn, params, x)
+    assert space.num_hidden > 0
+    tx, needs_inputs = _partitioned(space, params, optimiser)
+    _, losses = _run(fn, loss_of, tx, needs_inputs, params, x, 40)
+    assert np.all(np.isfinite(losses)) and losses[-1] < losses[0], losses
+
+    model, x, loss_of = _task(name, F64)
+    params = model.init(jax.random.key(1), x)["params"]
+    fn = lambda p, x: model.apply({"params": p}, x)  # noqa: E731
+    space = pj.trace(fn, params, x)
+    rescaled = pj.random_rescale(space, params, jax.random.key(2), max_exponent=4)
+    tx, needs_inputs = _partitioned(space, params, optimiser)
+    p1, l1 = _run(fn, loss_of, tx, needs_inputs, params, x, 5)
+    p2, l2 = _run(fn, loss_of, tx, needs_inputs, rescaled, x, 5)
+    np.testing.assert_allclose(l1, l2, rtol=1e-8)
+    np.testing.assert_allclose(fn(p1, x), fn(p2, x), rtol=1e-8, atol=1e-10)
