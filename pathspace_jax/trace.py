@@ -182,8 +182,7 @@ def boundary_sites(closed, n_params: int, paths: Sequence[str]) -> dict[tuple, t
     avals = jx.in_avals(closed)
     specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
     interp = _interpret(closed, specs[:n_params], specs[n_params:], paths)
-    treedef = jax.tree_util.tree_structure(list(range(n_params)))
-    _build(interp, treedef, specs[:n_params], list(paths), None, tuple(specs[n_params:]), False)
+    _groups(interp, specs[:n_params], paths)  # sets interp.pinned_roots; no PathSpace (no per-entry arrays)
     atoms = interp.atoms
     roots = interp.pinned_roots | {atoms.find(r) for r in _resolve_alias_roots(atoms, interp.fixed)}
 
@@ -205,16 +204,23 @@ def _resolve_alias_roots(atoms: Atoms, xs: Sequence[int]) -> list[int]:
     return out
 
 
-def _build(interp: Interpreter, treedef, leaves, paths, fn, arg_specs, strict) -> PathSpace:
-    """The `PathSpace` from the interpreter's atoms: each leaf's role (`_leaf_roles`), the node groups
-    (`_node_groups`), then every entry's source and destination nodes (`_edge_leaves`)."""
+def _groups(interp: Interpreter, leaves, paths):
+    """Each leaf's role (`_leaf_roles`; the layer slices of stacked leaves appended, `Interpreter.layer_slice`)
+    and the node groups (`_node_groups`): ``(leaves, paths, leaf_info, groups, key_index, num_nodes)``."""
     n = len(leaves)
-    for j in range(n, len(interp.uses)):  # layer slices of stacked leaves (`Interpreter.layer_slice`)
+    for j in range(n, len(interp.uses)):
         stacked = leaves[interp.layers[j][0]]
         leaves = [*leaves, jax.ShapeDtypeStruct(stacked.shape[1:], stacked.dtype)]
     paths = list(paths) + interp.leaf_paths[n:]
     leaf_info = _bias_positions(interp.atoms, _leaf_roles(interp, leaves, paths))
-    groups, key_index, num_nodes = _node_groups(interp, leaf_info)
+    return (leaves, paths, leaf_info, *_node_groups(interp, leaf_info))
+
+
+def _build(interp: Interpreter, treedef, leaves, paths, fn, arg_specs, strict) -> PathSpace:
+    """The `PathSpace` from the interpreter's atoms: the node groups (`_groups`), then every entry's source and
+    destination nodes (`_edge_leaves`)."""
+    n = len(leaves)
+    leaves, paths, leaf_info, groups, key_index, num_nodes = _groups(interp, leaves, paths)
     edge_leaves = _stack_layers(interp, _edge_leaves(interp.atoms, leaves, paths, leaf_info, groups, key_index))
     space = PathSpace(treedef, tuple(edge_leaves[:n]), tuple(groups), num_nodes, fn, arg_specs)
     if strict:
