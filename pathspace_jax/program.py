@@ -104,15 +104,12 @@ def _flatten(
     prefix: tuple = (),
     in_pinned: Sequence[bool] | None = None,
 ) -> Program:
-    """Flatten ``closed`` (calls inlined) into a `Program`.
-
-    ``allow_scan`` keeps each ``scan`` as one equation whose ``body`` is the flattened body (its in_ids:
-    consts, carry, xs; carry kinds joined with the body's carry outputs); otherwise scan, while and cond
-    raise ``err``. ``inline_custom`` enters every ``custom_jvp``/``custom_vjp`` call (ReLU written as
-    ``jax.nn.relu`` becomes a plain ``max``). ``in_kinds`` overrides the kinds of the inputs. ``sites``
-    (`pathspace_jax.trace.boundary_sites` of ``closed``; ``prefix``: this jaxpr's key there) flags the
-    values in boundary groups, ``in_pinned`` the inputs of a scan body.
-    """
+    """Flatten ``closed`` (calls inlined, layer stacks unrolled: `_unroll_layers`) into a `Program`. ``allow_scan``
+    keeps each other ``scan`` as one equation whose ``body`` is the flattened body (its in_ids: consts, carry, xs;
+    carry kinds joined with the body's carry outputs); otherwise scan, while and cond raise ``err``.
+    ``inline_custom`` enters every ``custom_jvp``/``custom_vjp`` call (``jax.nn.relu`` becomes a plain ``max``).
+    ``in_kinds`` overrides the kinds of the inputs. ``sites`` (`pathspace_jax.trace.boundary_sites` of ``closed``;
+    ``prefix``: this jaxpr's key there) flags the values in boundary groups, ``in_pinned`` a scan body's inputs."""
     counter = iter(range(10**9))
     eqns: list[Eqn] = []
     consts: dict[int, Any] = {}
@@ -133,29 +130,6 @@ def _flatten(
             return i
         return x
 
-    def unroll(e, ins, key):
-        """A scan that slices params along its axis (`trace` marks these layer stacks): its body inlined once per
-        layer, layer i reading slice i of every ``xs`` and flagged on its own (``key + (i,)``); the ``ys``
-        stacked back. Each layer's nodes and boundaries are then those of the network written as a loop."""
-        sc = jx.scan(e)
-        nc, nk = sc.num_consts, sc.num_carry
-        carry, xs = ins[nc : nc + nk], ins[nc + nk :]
-        avals = jx.in_avals(sc.body)[nc + nk :]
-        ys: dict[int, list] = {}
-        for layer in reversed(range(sc.length)) if sc.reverse else range(sc.length):
-            sliced = []
-            for k, (x, a) in enumerate(zip(xs, avals, strict=True)):
-                part = jax.make_jaxpr(lambda v, i=layer: v[i])(jax.ShapeDtypeStruct((sc.length, *a.shape), a.dtype))
-                sliced += walk(part.jaxpr, part.consts, [x], key + ("slice", layer, k))
-            outs = walk(sc.body.jaxpr, sc.body.consts, ins[:nc] + carry + [as_var(x) for x in sliced], key + (layer,))
-            carry, ys[layer] = [as_var(o) for o in outs[:nk]], [as_var(o) for o in outs[nk:]]
-        stacked = []
-        for j, a in enumerate(jx.out_avals(sc.body)[nk:]):
-            spec = jax.ShapeDtypeStruct(a.shape, a.dtype)
-            stack = jax.make_jaxpr(lambda *v: jnp.concatenate([x[None] for x in v]))(*[spec] * sc.length)
-            stacked += walk(stack.jaxpr, stack.consts, [ys[layer][j] for layer in range(sc.length)], key + ("y", j))
-        return carry + stacked
-
     def walk(jaxpr, const_vals, in_ids, prefix):
         env = {}
         for v, c in zip(jaxpr.constvars, const_vals, strict=False):
@@ -175,7 +149,7 @@ def _flatten(
             sub = jx.call_body(e)
             name = e.primitive.name
             if name == "scan" and sites.get(key + ("layers",)):
-                for v, o in zip(e.outvars, unroll(e, [as_var(x) for x in ins], key), strict=True):
+                for v, o in zip(e.outvars, _unroll_layers(e, [as_var(x) for x in ins], key, walk, as_var), strict=True):
                     env[v] = as_var(o)
                 continue
             if name == "scan" and allow_scan:
@@ -236,6 +210,31 @@ def _flatten(
                    fixed=fixed)  # fmt: skip
     _find_boundary(prog, _find_nodes(prog, body=in_kinds is not None))
     return prog
+
+
+def _unroll_layers(e, ins, key, walk, as_var) -> list:
+    """A scan that slices params along its axis (`trace` marks these layer stacks), for `_flatten`: its body
+    inlined once per layer (``walk``, `_flatten`'s walker; ``as_var`` its literal-to-constant), layer i reading
+    slice i of every ``xs`` and flagged on its own (``key + (i,)``); the ``ys`` stacked back. Each layer's nodes
+    and boundaries are then those of the network written as a loop."""
+    sc = jx.scan(e)
+    nc, nk = sc.num_consts, sc.num_carry
+    carry, xs = ins[nc : nc + nk], ins[nc + nk :]
+    avals = jx.in_avals(sc.body)[nc + nk :]
+    ys: dict[int, list] = {}
+    for layer in reversed(range(sc.length)) if sc.reverse else range(sc.length):
+        sliced = []
+        for k, (x, a) in enumerate(zip(xs, avals, strict=True)):
+            part = jax.make_jaxpr(lambda v, i=layer: v[i])(jax.ShapeDtypeStruct((sc.length, *a.shape), a.dtype))
+            sliced += walk(part.jaxpr, part.consts, [x], key + ("slice", layer, k))
+        outs = walk(sc.body.jaxpr, sc.body.consts, ins[:nc] + carry + [as_var(x) for x in sliced], key + (layer,))
+        carry, ys[layer] = [as_var(o) for o in outs[:nk]], [as_var(o) for o in outs[nk:]]
+    stacked = []
+    for j, a in enumerate(jx.out_avals(sc.body)[nk:]):
+        spec = jax.ShapeDtypeStruct(a.shape, a.dtype)
+        stack = jax.make_jaxpr(lambda *v: jnp.concatenate([x[None] for x in v]))(*[spec] * sc.length)
+        stacked += walk(stack.jaxpr, stack.consts, [ys[layer][j] for layer in range(sc.length)], key + ("y", j))
+    return carry + stacked
 
 
 def _flag(flags, j):
