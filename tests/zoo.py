@@ -167,6 +167,19 @@ class StackedRNNEvery(nn.Module):
         return nn.Dense(2)(h)  # a readout at every step
 
 
+class UNetSkip(nn.Module):
+    """A U-Net-style skip: a strided convolution's channels upsampled (nearest) and concatenated with the
+    full-resolution ones before the next convolution, whose kernel then leaves two groups (3 + 4 channels)."""
+
+    @nn.compact
+    def __call__(self, x):
+        h1 = nn.relu(nn.Conv(3, (3, 3))(x))
+        h2 = nn.relu(nn.Conv(4, (3, 3), strides=2)(h1))
+        up = jnp.repeat(jnp.repeat(h2, 2, axis=1), 2, axis=2)
+        h3 = nn.relu(nn.Conv(3, (3, 3))(jnp.concatenate([h1, up], -1)))
+        return nn.Dense(2)(h3.mean((1, 2)))
+
+
 class _ScanLayer(nn.Module):
     @nn.compact
     def __call__(self, x, _):
@@ -388,6 +401,7 @@ def _build() -> dict[str, Case]:
         _linen("layernorm_mlp_partly_pinned", LayerNormMLP(), _normal(3), hidden=4, pinned=1, extra_symmetries=4),
         _linen("concat_mlp", ConcatMLP(), _normal(3), hidden=7),
         _linen("fused_lstm_relu_head", FusedLSTMHead(), _normal(3, 2), hidden=5, pinned=1),
+        _linen("unet_concat_skip", UNetSkip(), _normal(6, 6, 1), hidden=10),
         _scan_stacked("scan_stacked_mlp", ScanStackedMLP()),
         _scan_stacked("scan_stacked_mlp_remat", ScanStackedMLP(remat=True)),
         _nnx("nnx_mlp", NnxMLP(nnx.Rngs(0)), _normal(4), hidden=11),
