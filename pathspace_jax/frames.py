@@ -156,8 +156,14 @@ def edge_products(space: PathSpace, up, down):
     powers of two (a clip, a rounding and bit operations) once per entry in every loop that reads them
     (Path-SGD's step on a 784-2048-2048-10 MLP, A/B in one process: 1.23x SGD's step with, 1.17x without).
     """
+    return [None if parts is None else parts[0] * parts[1] for parts in edge_parts(space, up, down)]
+
+
+def edge_parts(space: PathSpace, up, down):
+    """Per leaf, `edge_products`' two factors ``(up_dst, down_src)``, each broadcastable to the leaf (None for
+    leaves of kind "other"): for a dense kernel a row and a column."""
     up, down = materialize(up, down)
-    return [None if li.kind == "other" else take(up, li.dst_r) * take(down, li.src_r) for li in skeleton(space).leaves]
+    return [None if li.kind == "other" else (take(up, li.dst_r), take(down, li.src_r)) for li in skeleton(space).leaves]
 
 
 def frame_factors(space: PathSpace, alpha):
@@ -167,15 +173,14 @@ def frame_factors(space: PathSpace, alpha):
     ``w_{u->v} ↦ w_{u->v} α_v / α_u``; κ, which scales like ``(β_u / β_v)²``, is divided by its square. An α that
     is 0 or not finite (a node on no path one way) counts as 1 there.
     """
-    return [None if parts is None else parts[0] * parts[1] for parts in frame_factor_parts(space, alpha)]
+    a = jnp.where((alpha > 0) & jnp.isfinite(alpha), alpha, 1)
+    return edge_products(space, a, 1 / a)
 
 
 def frame_factor_parts(space: PathSpace, alpha):
-    """Per leaf, `frame_factors` as two factors ``(α_dst, 1 / α_src)``, each broadcastable to the leaf (None for
-    leaves of kind "other"): for a dense kernel a row and a column, whose product is the factor."""
+    """`frame_factors` as two factors per leaf, ``(α_dst, 1 / α_src)`` (`edge_parts`)."""
     a = jnp.where((alpha > 0) & jnp.isfinite(alpha), alpha, 1)
-    a, inv = materialize(a, 1 / a)
-    return [None if li.kind == "other" else (take(a, li.dst_r), take(inv, li.src_r)) for li in skeleton(space).leaves]
+    return edge_parts(space, a, 1 / a)
 
 
 def to_canonical_frame(space: PathSpace, leaves, dtype):

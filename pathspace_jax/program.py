@@ -85,6 +85,10 @@ class Program:
         combination of leaves into fixed coefficients (a kernel concatenated from two, ``fixed``)."""
         return not isinstance(x, tuple) and self.kinds[x] == "param" and x not in self.fixed
 
+    def is_edge(self, e) -> bool:
+        """Whether equation ``e`` is an edge product: a dot or convolution with an edge parameter operand."""
+        return e.prim.name in ("dot_general", "conv_general_dilated") and any(map(self.edge_param, e.ins))
+
 
 def _join(a: str, b: str) -> str:
     order = {"const": 0, "param": 1, "act": 2}
@@ -293,8 +297,7 @@ def _find_nodes(prog: Program, body: bool = False) -> set[int]:
         name = e.prim.name
         if kinds[e.outs[0]] != "act":
             continue
-        edge = name in ("dot_general", "conv_general_dilated") and any(map(prog.edge_param, e.ins))
-        if edge or e.outs[0] in prog.lookups:
+        if prog.is_edge(e) or e.outs[0] in prog.lookups:
             fresh.add(e.outs[0])
         elif rule(name).continues_node:
             if any((not isinstance(x, tuple)) and x in fresh for x in e.ins):
@@ -346,7 +349,7 @@ def _find_boundary(prog: Program, fresh: set[int]) -> None:
                     bnd.add(o)
             continue
         act_ins = [x for x in e.ins if not isinstance(x, tuple) and kinds[x] == "act"]
-        edge = e.prim.name in ("dot_general", "conv_general_dilated") and any(map(prog.edge_param, e.ins))
+        edge = prog.is_edge(e)
         for o in e.outs:
             if kinds[o] != "act":
                 continue

@@ -152,8 +152,8 @@ def _interpret(closed, param_specs, input_specs, paths) -> Interpreter:
             for a in _resolve_alias_roots(interp.atoms, interp.all_atoms(v)):
                 interp.atoms.output[a] = True
     used = [bool(u or o) for u, o in zip(interp.uses, interp.other, strict=True)]
-    for j in sorted(interp.layers, reverse=True):  # a stacked leaf is used where its layers' slices are
-        used[interp.layers[j][0]] |= used[j]
+    for (leaf, _), j in sorted(interp.slices.items(), key=lambda kv: -kv[1]):  # used where its slices are
+        used[leaf] |= used[j]
     if not any(used[:n_leaves]):
         raise ValueError(
             "fn does not use params: its outputs do not depend on any parameter leaf. trace(fn, params, *args) "
@@ -208,9 +208,8 @@ def _groups(interp: Interpreter, leaves, paths):
     """Each leaf's role (`_leaf_roles`; the layer slices of stacked leaves appended, `Interpreter.layer_slice`)
     and the node groups (`_node_groups`): ``(leaves, paths, leaf_info, groups, key_index, num_nodes)``."""
     n = len(leaves)
-    for j in range(n, len(interp.uses)):
-        stacked = leaves[interp.layers[j][0]]
-        leaves = [*leaves, jax.ShapeDtypeStruct(stacked.shape[1:], stacked.dtype)]
+    for (leaf, _), _j in sorted(interp.slices.items(), key=lambda kv: kv[1]):  # in the order of their indices
+        leaves = [*leaves, jax.ShapeDtypeStruct(leaves[leaf].shape[1:], leaves[leaf].dtype)]
     paths = list(paths) + interp.leaf_paths[n:]
     leaf_info = _bias_positions(interp.atoms, _leaf_roles(interp, leaves, paths))
     return (leaves, paths, leaf_info, *_node_groups(interp, leaf_info))
@@ -233,10 +232,10 @@ def _stack_layers(interp: Interpreter, edge_leaves: list[EdgeLeaf]) -> list[Edge
     nodes stacked along the first axis (deepest stacks first: a slice may itself be stacked)."""
     edge_leaves = list(edge_leaves)
     children: dict[int, list[int]] = {}
-    for j, (leaf, _) in interp.layers.items():
+    for (leaf, _), j in sorted(interp.slices.items()):  # by layer
         children.setdefault(leaf, []).append(j)
     for leaf in sorted(children, reverse=True):
-        parts = [edge_leaves[j] for j in sorted(children[leaf], key=lambda j: interp.layers[j][1])]
+        parts = [edge_leaves[j] for j in children[leaf]]
         old, kinds = edge_leaves[leaf], {p.kind for p in parts}
         if kinds == {"other"} or len(kinds) > 1:
             neg = np.full(old.shape, -1, np.int32)
@@ -267,7 +266,7 @@ def _leaf_roles(interp: Interpreter, leaves, paths) -> list[tuple]:
             return [(r, role)]
         return [x for c in atoms.expand[r] for x in expand_roles(c, role, roles)]
 
-    stacked = {leaf for leaf, _ in interp.layers.values()}
+    stacked = {leaf for leaf, _ in interp.slices}
     leaf_info = []  # (kind, factors, node_in, node_out, note, first_step)
     for i in range(len(leaves)):
         if i in stacked:  # its layers' slices are the leaves (`_stack_layers`)

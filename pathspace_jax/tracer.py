@@ -54,8 +54,7 @@ class Interpreter(ShapeRules):
         self.fixed: list[int] = []
         self.deferred: list[tuple[list[int], list[int], str, bool]] = []  # `defer`, settled by `settle`
         # layer i's slice of a params leaf that a scan slices (`layer_slice`): a leaf of its own, after the real ones
-        self.layers: dict[int, tuple[int, int]] = {}  # slice leaf -> (stacked leaf, layer)
-        self.slices: dict[tuple[int, int], int] = {}
+        self.slices: dict[tuple[int, int], int] = {}  # (stacked leaf, layer) -> slice leaf
 
     # -- helpers -------------------------------------------------------------
     def reason(self, what: str = "") -> str:
@@ -521,7 +520,6 @@ class Interpreter(ShapeRules):
         leaf of its own, with fresh atoms (`pathspace_jax.trace` stacks the slices' edges back into one leaf)."""
         if (leaf, layer) not in self.slices:
             self.slices[(leaf, layer)] = len(self.uses)
-            self.layers[len(self.uses)] = (leaf, layer)
             self.uses.append([])
             self.other.append([])
             self.leaf_axes.append([[self.atoms.new(self.size(ax))] for ax in self.leaf_axes[leaf][1:]])
@@ -531,14 +529,9 @@ class Interpreter(ShapeRules):
     def _layer_stack(self, sc, consts, init, xs):
         """A scan that slices params leaves along its axis (``nn.scan`` over layers, with or without remat) is a
         stack of distinct layers, not a recurrence: the body runs once per layer, with layer i's slices as leaves
-        of their own, and each layer's carry feeds the next (their groups are not tied). Outputs stacked over the
-        layers (``ys``) have their atoms tied across the layers."""
-        nk = len(init)
-        for v in xs:
-            if v.axes:
-                for f in self.atoms.factors(v.axes[0]):
-                    self.atoms.position[f] = True
-        site = self.site
+        of their own, and each layer's carry feeds the next (their groups are not tied). Returns the last carry
+        and the per-step outputs (``ys``), their atoms tied across the layers."""
+        nk, site = len(init), self.site
         self.sites[site + ("layers",)] = ["layers"]  # `pathspace_jax.program` inlines the body once per layer
         carry, per_layer = [self._carry_in(v) for v in init], []
         for layer in reversed(range(sc.length)) if sc.reverse else range(sc.length):
@@ -554,41 +547,37 @@ class Interpreter(ShapeRules):
             carry = [self._carry_in(v) for v in outs[:nk]]
             per_layer.append(outs[nk:])
         self.site = site
-        time = [self.atoms.new(sc.length, position=True)]
-        ys = []
         for vals in zip(*per_layer):
             for v in vals[1:]:
                 for a, b in zip(vals[0].axes, v.axes, strict=True):
                     self.atoms.unify(a, b, self.reason("stacked over the layers of a scan"))
-            kind = vals[0].kind if vals[0].kind != PARAM else CONST
-            ys.append(dataclasses.replace(vals[0], axes=[list(time)] + vals[0].axes, kind=kind))
-        return carry + ys
+        return carry, list(per_layer[0]) if per_layer else []
 
     def rule_scan(self, eqn, ins):
         sc = jx.scan(eqn)
         nc, nk = sc.num_consts, sc.num_carry
         consts, init, xs = ins[:nc], ins[nc : nc + nk], ins[nc + nk :]
-        sliced = [v for v in xs if v.kind == PARAM]
-        if sliced and all(v.axes == self.leaf_axes[v.leaf] for v in sliced):
-            return self._layer_stack(sc, consts, init, xs)
-        carry = [self._carry_in(v) for v in init]
-        body_xs = []
-        for v in xs:
+        for v in xs:  # the scanned axis: positions (time steps, or layers)
             if v.axes:
                 for f in self.atoms.factors(v.axes[0]):
                     self.atoms.position[f] = True
-            if v.kind == PARAM:
-                self.mark_other(v, "sliced by a scan")
-                body_xs.append(Val(CONST, [list(ax) for ax in v.axes[1:]]))
-            else:
-                body_xs.append(dataclasses.replace(v, axes=[list(ax) for ax in v.axes[1:]]))
-        outs = self.run_closed(sc.body, list(consts) + carry + body_xs)
-        self._tie_carry(init, carry, outs[:nk])
+        sliced = [v for v in xs if v.kind == PARAM]
+        if sliced and all(v.axes == self.leaf_axes[v.leaf] for v in sliced):
+            carry, ys = self._layer_stack(sc, consts, init, xs)
+        else:
+            carry = [self._carry_in(v) for v in init]
+            body_xs = []
+            for v in xs:
+                if v.kind == PARAM:
+                    self.mark_other(v, "sliced by a scan")
+                    body_xs.append(Val(CONST, [list(ax) for ax in v.axes[1:]]))
+                else:
+                    body_xs.append(dataclasses.replace(v, axes=[list(ax) for ax in v.axes[1:]]))
+            outs = self.run_closed(sc.body, list(consts) + carry + body_xs)
+            self._tie_carry(init, carry, outs[:nk])
+            ys = outs[nk:]
         time = [self.atoms.new(sc.length, position=True)]
-        ys = [
-            dataclasses.replace(v, axes=[list(time)] + v.axes, kind=v.kind if v.kind != PARAM else CONST)
-            for v in outs[nk:]
-        ]
+        ys = [dataclasses.replace(v, axes=[list(time)] + v.axes, kind=v.kind if v.kind != PARAM else CONST) for v in ys]
         return carry + ys
 
     def rule_while(self, eqn, ins):
