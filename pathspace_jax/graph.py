@@ -44,6 +44,32 @@ LeafKind = Literal["weight", "bias", "other"]
 BIAS_NODE = 0
 
 
+def node_view(small: np.ndarray, sizes, shape) -> np.ndarray:
+    """A read-only int32 array of ``shape``: ``small`` broadcast to ``sizes``, reshaped. A view (no memory per
+    entry) where ``sizes`` is ``shape``; a copy only where atoms split one of the leaf's axes (rare)."""
+    out = np.broadcast_to(np.asarray(small, np.int32), tuple(sizes))
+    if out.shape != tuple(shape):
+        out = out.reshape(shape)
+    out.setflags(write=False)
+    return out
+
+
+def reduced(a: np.ndarray) -> tuple[np.ndarray, tuple[int, ...]]:
+    """The smallest array broadcasting back to ``a`` (size 1 on the axes along which ``a`` is constant), and those
+    axes. O(size of the result) on a broadcast view (`node_view`): its axes of stride 0 are dropped without
+    reading; the remaining ones are compared value by value, so the result is the same for a copy."""
+    a = np.asarray(a)
+    a = a[tuple(slice(0, 1) if n > 1 and st == 0 else slice(None) for n, st in zip(a.shape, a.strides))]
+    for k in range(a.ndim):
+        if a.shape[k] > 1:
+            first = a[(slice(None),) * k + (slice(0, 1),)]
+            if np.array_equal(np.broadcast_to(first, a.shape), a):
+                a = first
+    out = np.ascontiguousarray(a)
+    out.setflags(write=False)
+    return out, tuple(k for k in range(a.ndim) if a.shape[k] == 1)
+
+
 def compute_dtype(leaves) -> np.dtype:
     """The dtype path-space arithmetic runs in: float32 for half-precision leaves, else the widest float."""
     floats = [jnp.result_type(x) for x in leaves if jnp.issubdtype(jnp.result_type(x), jnp.floating)]
@@ -124,9 +150,10 @@ class EdgeLeaf:
         unchanged by rescaling, e.g. a LayerNorm scale).
       src_groups, dst_groups: indices of the groups its edges leave / enter
         (empty for the bias node or for ``"other"`` leaves).
-      src, dst: int32 arrays of ``shape`` with the global node index of every
+      src, dst: read-only int32 arrays of ``shape`` with the global node index of every
         entry's source and destination node (``BIAS_NODE`` for biases, -1 for
-        ``"other"`` leaves).
+        ``"other"`` leaves); broadcast views (`node_view`) that hold one entry per node, not per
+        parameter: `reduced` gives the small array behind one.
       note: why the leaf is ``"other"``.
       stacked: for a leaf that a scan slices along its first axis (layers stacked with ``nn.scan``), whether
         some layer's edges leave and enter the same group (each layer's slice is its own edge bundle, so the
@@ -266,8 +293,9 @@ class PathSpace:
             h.update(repr((self.treedef, self.groups, self.num_nodes, specs)).encode())
             for leaf in self.leaves:
                 h.update(repr((leaf.path, leaf.shape, leaf.dtype, leaf.kind)).encode())
-                h.update(leaf.src.tobytes())
-                h.update(leaf.dst.tobytes())
+                for nodes in (leaf.src, leaf.dst):
+                    small, _ = reduced(nodes)
+                    h.update(repr(small.shape).encode() + small.tobytes())
             for edges in self.skeleton_edges or ():
                 h.update(edges.tobytes())
             fp = h.hexdigest()

@@ -23,8 +23,8 @@ import numpy as np
 
 from pathspace_jax.coords import get_flat, node_factors, to_coords
 from pathspace_jax.frames import edge_products, finite, frame_k, materialize, node_sum, pow2_pair, safe_inv, take
-from pathspace_jax.graph import BIAS_NODE, PathSpace, compute_dtype
-from pathspace_jax.skeleton import Skeleton, candidates, skeleton
+from pathspace_jax.graph import BIAS_NODE, PathSpace, compute_dtype, reduced
+from pathspace_jax.skeleton import Skeleton, levels, skeleton
 
 __all__ = ["coord_scales", "check_chart", "path_norms", "balanced_frame", "frame_level", "balancing_factors",
            "chart", "chart_at", "allocate"]  # fmt: skip
@@ -91,36 +91,37 @@ RECURRENT_STEPS = 2
 @functools.lru_cache(maxsize=64)
 def _sweep_plan(space: PathSpace, forward: bool):
     """Static plan of `path_norms`: per level d, ``(nodes at d, parts, lateral)``, each of ``parts`` and
-    ``lateral`` a tuple of ``(leaf index, mask or None)``.
+    ``lateral`` a tuple of ``(leaf index, far-end node mask or None)``.
 
     Forward (levels: BFS depth from the inputs): the edges into a hidden node v at depth d in ``parts`` are
     its bias edge and its weight edges from nodes of smaller depth. Backward (levels: BFS distance to the
     outputs): the weight edges out of v to nodes closer to the outputs. These are the admissible skeleton
     edges (`pathspace_jax.skeleton`): never an edge within one node group. ``lateral`` holds the edges
-    between hidden nodes of level d themselves (recurrent kernels). ``mask`` selects a part's edges where
-    a leaf holds other edges too.
+    between hidden nodes of level d themselves (recurrent kernels). The mask selects the far ends (sources
+    forward, destinations backward) where a leaf's far ends are not all admissible; the near end is v itself,
+    which `path_norms` selects by level. O(nodes) per leaf and level: no array per parameter entry.
     """
-    c = candidates(space)
-    level, hidden = (c.depth if forward else c.dist), c.hidden
-    levels = []
-    for d in range(1, int(level[hidden].max(initial=0)) + 1):
+    level, hidden = levels(space)[0 if forward else 1], space.node_kinds() == 2
+    far_ok = (level >= 0)[None, :] & (level[None, :] < np.arange(1, int(level[hidden].max(initial=0)) + 1)[:, None])
+    if forward:
+        far_ok[:, BIAS_NODE] = True
+    plan = []
+    for d, ok in enumerate(far_ok, start=1):
         at = hidden & (level == d)
         parts, lateral = [], []
         for li, leaf in enumerate(space.leaves):
-            if leaf.kind == "other":
+            if leaf.kind == "other" or not leaf.size:
                 continue
-            src, dst = np.asarray(leaf.src, np.int64), np.asarray(leaf.dst, np.int64)
-            if forward:
-                ok = at[dst] & ((src == BIAS_NODE) | ((level[src] >= 0) & (level[src] < d)))
-            else:
-                ok = at[src] & (level[dst] >= 0) & (level[dst] < d)
-            lat = at[src] & at[dst] if leaf.kind == "weight" else np.zeros(leaf.shape, bool)
-            for out, sel in ((parts, ok), (lateral, lat)):
-                if sel.any():
-                    out.append((li, None if sel.all() else sel))
+            near, far = (reduced(leaf.dst)[0], reduced(leaf.src)[0])[:: 1 if forward else -1]
+            if not at[near].any():
+                continue
+            for out, mask, use in ((parts, ok, True), (lateral, at, leaf.kind == "weight")):
+                if use and mask[far].any():
+                    mask = None if mask[far].all() else mask
+                    out.append((li, mask if mask is None else np.array(mask)))
         if parts or lateral:
-            levels.append((at, tuple(parts), tuple(lateral)))
-    return tuple(levels)
+            plan.append((at, tuple(parts), tuple(lateral)))
+    return tuple(plan)
 
 
 def path_norms(space: PathSpace, leaves, dtype):
@@ -150,12 +151,11 @@ def path_norms(space: PathSpace, leaves, dtype):
                 (idx.src_r, idx.dst_r, idx.dst_sum_axes) if forward else (idx.dst_r, idx.src_r, idx.sum_axes)
             )
             w = jnp.asarray(leaves[li], dtype)
-            t = w * (w * take(q, read))  # not square(w) · q: a W² shared by both sweeps would be materialised
-            if mask is None:
-                vals.append((write, jnp.sum(t, axis=axes, keepdims=True)))
-            else:
-                leaf = space.leaves[li]
-                vals.append((np.asarray(leaf.dst if forward else leaf.src), jnp.where(mask, t, 0)))
+            q_far = q if mask is None else jnp.where(mask, q, 0)
+            t = w * (w * take(q_far, read))  # not square(w) · q: a W² shared by both sweeps would be materialised
+            # a leaf given as its small array (`frame_level`): the axes it broadcasts along count their size
+            times = np.prod([space.leaves[li].shape[k] for k in axes if t.shape[k] == 1], dtype=np.int64)
+            vals.append((write, jnp.sum(t, axis=axes, keepdims=True) * times))
         return node_sum(space.num_nodes, vals, dtype)
 
     out = []
@@ -195,16 +195,17 @@ def frame_level(space: PathSpace) -> np.ndarray:
     space (cached, read-only), outside any trace, in float32 whatever the params' dtype and JAX's x64
     setting, so that it is the same constant in every process.
     """
-    ref = []
+    ref = []  # 1 / sqrt(fan_in) as a small array broadcasting to the leaf: O(nodes), not O(params)
     for leaf in space.leaves:
         if leaf.kind != "weight":
-            ref.append(np.zeros(leaf.shape, np.float32))
+            ref.append(np.zeros((1,) * len(leaf.shape), np.float32))
             continue
         # per layer for a leaf stacked over layers (``nn.scan``): each slice is initialised as its own kernel
-        layers = leaf.shape[0] if leaf.stacked is not None else 1
-        dst = np.broadcast_to(np.asarray(leaf.dst), leaf.shape).reshape(layers, -1)
-        fan_in = np.stack([np.bincount(d, minlength=space.num_nodes)[d] for d in dst])
-        ref.append(np.reshape(1 / np.sqrt(fan_in), leaf.shape).astype(np.float32))
+        dst, axes = reduced(leaf.dst)
+        stacked = leaf.stacked is not None
+        per_node = np.prod([leaf.shape[k] for k in axes if k > 0 or not stacked], dtype=np.int64)
+        fan_in = np.stack([np.bincount(d.ravel(), minlength=space.num_nodes)[d] for d in (dst if stacked else [dst])])
+        ref.append(np.reshape(1 / np.sqrt(fan_in * per_node), dst.shape).astype(np.float32))
     with jax.ensure_compile_time_eval():
         q_in, q_out = (np.asarray(q, np.float64) for q in path_norms(space, ref, jnp.float32))
     ok = (q_in > 0) & (q_out > 0) & np.isfinite(q_in) & np.isfinite(q_out)  # nodes on at least one path each way

@@ -35,16 +35,18 @@ Which admissible edge? Two rules, both commuting with rescaling:
   the rescaling-invariant `pathspace_jax.coord_scales` instead, and trains with either rule.
 * **by index** (``trace``'s default: from the graph alone, so one space serves any params), in the
   spirit of Alg. 1 of the G-SGD-for-RNNs paper (``M[j][j % n_in] = 1``): the k-th hidden node of a group takes the
-  ``k mod n``-th admissible neighbour (in node order), and among parallel edges between the same two
-  nodes (conv kernel taps) the middle one in flat order — the centre tap of an odd kernel. It also
-  decides for nodes whose value candidates are all zero.
+  ``k mod n``-th of its n admissible neighbours, listed leaf by leaf (in leaf order) and within a leaf by node,
+  and among the parallel edges from that neighbour in that leaf (conv kernel taps) the middle one in flat
+  order — the centre tap of an odd kernel. It also decides for nodes whose value candidates are all zero.
 
 Fallbacks, documented because they make a divisor possibly zero: a hidden node that no weight edge
 reaches from a start node may take a bias edge as its incoming skeleton edge; a hidden node with no
 admissible edge at all raises ``ValueError``.
 
 Everything here is numpy at Python time, computed once per `PathSpace` (``functools.lru_cache`` on
-the hashable space).
+the hashable space), in O(nodes) memory and time per leaf for the index rule: a leaf's edges are read as a
+`Bundle` (the small node arrays behind its ``src`` and ``dst`` views and the flat offsets of its axes), never
+as one array per parameter entry. The value rule reads every entry's magnitude, one leaf at a time.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ import functools
 import jax.numpy as jnp
 import numpy as np
 
-from pathspace_jax.graph import BIAS_NODE, PathSpace
+from pathspace_jax.graph import PathSpace, reduced
 
 __all__ = ["Skeleton", "skeleton", "choose_by_value"]
 
@@ -153,143 +155,168 @@ class Skeleton:
         return out
 
 
-def _reduce(a: np.ndarray) -> tuple[np.ndarray, tuple[int, ...]]:
-    """The smallest array broadcasting back to ``a`` (size-1 axes where ``a`` is constant), and those axes."""
-    axes = []
-    for k in range(a.ndim):
-        first = np.take(a, [0], axis=k) if a.shape[k] else a
-        if a.shape[k] > 1 and np.array_equal(np.broadcast_to(first, a.shape), a):
-            a = first
-            axes.append(k)
-        elif a.shape[k] == 1:
-            axes.append(k)
-    return np.ascontiguousarray(a), tuple(axes)
-
-
-def _bfs(num_nodes, start, src, dst):
-    """Breadth-first distance from ``start`` along edges ``src -> dst`` (int64 arrays); -1 if unreachable."""
-    dist = np.full(num_nodes, -1, np.int64)
-    dist[start] = 0
-    frontier = start.copy()
-    d = 0
-    if src.size == 0:
-        return dist
-    order = np.argsort(src, kind="stable")
-    s_sorted, d_sorted = src[order], dst[order]
-    while frontier.any():
-        d += 1
-        nodes = np.flatnonzero(frontier)
-        lo = np.searchsorted(s_sorted, nodes, "left")
-        hi = np.searchsorted(s_sorted, nodes, "right")
-        idx = np.concatenate([np.arange(a, b) for a, b in zip(lo, hi)]) if len(nodes) else np.zeros(0, np.int64)
-        reached = np.unique(d_sorted[idx]) if idx.size else np.zeros(0, np.int64)
-        reached = reached[dist[reached] < 0]
-        dist[reached] = d
-        frontier = np.zeros(num_nodes, bool)
-        frontier[reached] = True
-    return dist
-
-
-def _choose(num_nodes, cand_node, cand_other, cand_leaf, cand_flat, rank_in_group):
-    """For each node, one candidate edge: the (rank mod n)-th distinct neighbour, its middle parallel edge.
-
-    ``cand_*`` are parallel arrays over candidate edges (``cand_node`` the node choosing, ``cand_other``
-    the neighbour). Returns per-node leaf and flat index and the neighbour (-1 where none).
-    """
-    leaf = np.full(num_nodes, -1, np.int64)
-    flat = np.full(num_nodes, -1, np.int64)
-    other = np.full(num_nodes, -1, np.int64)
-    if cand_node.size == 0:
-        return leaf, flat, other
-    order = np.lexsort((cand_flat, cand_leaf, cand_other, cand_node))
-    cn, co, cl, cf = cand_node[order], cand_other[order], cand_leaf[order], cand_flat[order]
-    starts = np.flatnonzero(np.r_[True, cn[1:] != cn[:-1]])
-    ends = np.r_[starts[1:], cn.size]
-    for a, b in zip(starts, ends):
-        v = cn[a]
-        nb = co[a:b]
-        firsts = np.flatnonzero(np.r_[True, nb[1:] != nb[:-1]])  # distinct neighbours, sorted
-        k = rank_in_group[v] % firsts.size
-        lo = a + firsts[k]
-        hi = a + (firsts[k + 1] if k + 1 < firsts.size else b - a)
-        mid = lo + (hi - lo) // 2  # middle parallel edge: the centre tap of an odd kernel
-        leaf[v], flat[v], other[v] = cl[mid], cf[mid], co[mid]
-    return leaf, flat, other
-
-
-def _key(n, nodes, flats, node_r):
-    """Per entry of a reduced node array: the flat index of that node's special entry in the leaf (-1 if none)."""
-    if nodes.size == 0:
-        return None
-    per_node = np.full(n, -1, np.int64)
-    per_node[nodes] = flats
-    key = per_node[node_r].astype(np.int32)
-    key.flags.writeable = False
-    return key
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
-class Candidates:
-    """The edges of a space flattened over its edge leaves, and which may be skeleton edges (numpy)."""
+class Bundle:
+    """The edges of one edge leaf, by node, in O(nodes) numbers for an O(params) leaf.
 
+    The leaf's axes regrouped into those along which both ends vary (B: e.g. the layer axis of a stacked kernel),
+    only the source (S), only the destination (D), and neither (P: parallel edges, a conv kernel's taps): entry
+    ``(b, s, d, p)`` goes from ``src[b, s]`` to ``dst[b, d]`` and has flat index ``fb[b] + fs[s] + fd[d] + fp[p]``
+    in the leaf; ``perm`` orders the leaf's axes as B, S, D, P.
+    """
+
+    leaf: int
+    kind: str
     src: np.ndarray
     dst: np.ndarray
-    lid: np.ndarray  # leaf index
-    flat: np.ndarray  # flat index in the leaf
-    ravel: np.ndarray  # index into ravel_pytree(params)[0] (increasing)
-    is_bias: np.ndarray
-    incoming: np.ndarray  # bool: admissible incoming skeleton edge of its dst
-    outgoing: np.ndarray  # bool: admissible outgoing skeleton edge of its src
-    depth: np.ndarray  # per node: BFS depth from the start nodes along weight edges (-1: unreachable)
-    dist: np.ndarray  # per node: BFS distance to the end nodes
-    hidden: np.ndarray
-    rank: np.ndarray  # per node: index within its group
+    fb: np.ndarray
+    fs: np.ndarray
+    fd: np.ndarray
+    fp: np.ndarray
+    perm: tuple[int, ...]
+
+    def ends(self, forward: bool):
+        """``(me, them, f_me, f_them)``: the end that chooses an edge on one side, and the other end."""
+        return (self.dst, self.src, self.fd, self.fs) if forward else (self.src, self.dst, self.fs, self.fd)
 
 
-def candidates(space: PathSpace) -> Candidates:
-    n = space.num_nodes
-    kinds = space.node_kinds()  # 0 bias, 1 input, 2 hidden, 3 output, 4 pinned
-    hidden = kinds == 2
-    group = np.full(n, -1, np.int64)
-    rank = np.zeros(n, np.int64)
+def _bundle(li: int, leaf) -> Bundle:
+    src_r, dst_r = reduced(leaf.src)[0], reduced(leaf.dst)[0]
+    shape, ndim = leaf.shape, len(leaf.shape)
+    strides = [int(np.prod(shape[k + 1 :], dtype=np.int64)) for k in range(ndim)]
+    role = [(src_r.shape[k] > 1, dst_r.shape[k] > 1) for k in range(ndim)]
+    b, s, d, p = ([k for k in range(ndim) if role[k] == r] for r in ((1, 1), (1, 0), (0, 1), (0, 0)))
+
+    def offsets(axes):  # flat offset of every point of the grid over ``axes``, in C order
+        o = np.zeros(1, np.int64)
+        for k in axes:
+            o = (o[:, None] + np.arange(shape[k], dtype=np.int64) * strides[k]).ravel()
+        return o
+
+    fb, fs, fd, fp = offsets(b), offsets(s), offsets(d), offsets(p)
+    perm = tuple(b + s + d + p)
+    src = src_r.transpose(perm).reshape(fb.size, fs.size).astype(np.int64)
+    dst = dst_r.transpose(perm).reshape(fb.size, fd.size).astype(np.int64)
+    return Bundle(li, leaf.kind, src, dst, fb, fs, fd, fp, perm)
+
+
+@functools.lru_cache(maxsize=64)
+def bundles(space: PathSpace) -> tuple[Bundle, ...]:
+    """The `Bundle` of every non-empty edge leaf, in leaf order (cached per space)."""
+    return tuple(_bundle(li, leaf) for li, leaf in enumerate(space.leaves) if leaf.kind != "other" and leaf.size)
+
+
+def _group_of(space: PathSpace) -> np.ndarray:
+    group = np.full(space.num_nodes, -1, np.int64)
     for gi, g in enumerate(space.groups):
         group[g.offset : g.offset + g.size] = gi
-        rank[g.offset : g.offset + g.size] = np.arange(g.size)
+    return group
 
-    # all edges, flattened (numpy, one pass over m)
-    srcs, dsts, lids, flats, ravels = [], [], [], [], []
-    offset = 0
-    for li, leaf in enumerate(space.leaves):
-        if leaf.kind != "other":
-            srcs.append(leaf.src.reshape(-1).astype(np.int64))
-            dsts.append(leaf.dst.reshape(-1).astype(np.int64))
-            lids.append(np.full(leaf.size, li, np.int64))
-            flats.append(np.arange(leaf.size, dtype=np.int64))
-            ravels.append(offset + flats[-1])
-        offset += leaf.size
-    cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, np.int64)  # noqa: E731
-    src, dst = cat(srcs), cat(dsts)
-    is_bias = src == BIAS_NODE
-    ok = (~is_bias) & (group[src] != group[dst])  # weight edges between different groups
-    start = (kinds == 1) | (kinds == 4)
-    end = (kinds == 3) | (kinds == 4)
-    depth = _bfs(n, start, src[ok], dst[ok])
-    dist = _bfs(n, end, dst[ok], src[ok])
-    return Candidates(
-        src=src,
-        dst=dst,
-        lid=cat(lids),
-        flat=cat(flats),
-        ravel=cat(ravels),
-        is_bias=is_bias,
-        # incoming: a weight edge from a strictly shallower node; outgoing: to a node strictly closer to the end
-        incoming=ok & hidden[dst] & (depth[src] >= 0) & (depth[dst] >= 0) & (depth[src] < depth[dst]),
-        outgoing=ok & hidden[src] & (dist[dst] >= 0) & (dist[src] >= 0) & (dist[dst] < dist[src]),
-        depth=depth,
-        dist=dist,
-        hidden=hidden,
-        rank=rank,
-    )
+
+def _relax(num_nodes: int, edges: tuple[Bundle, ...], group, start, forward: bool) -> np.ndarray:
+    """Breadth-first distance from the ``start`` nodes along weight edges between different groups (forward:
+    from sources to destinations; backward: the reverse), -1 where unreachable. Bellman-Ford on the bundles:
+    each sweep relaxes every bundle in O(its nodes), in leaf order (backward: reversed), until nothing changes."""
+    far = num_nodes + 1
+    level = np.where(start, 0, far)
+    changed = True
+    while changed:
+        changed = False
+        for bd in edges if forward else edges[::-1]:
+            me, them, _, _ = bd.ends(forward)
+            lt, gt, gm = level[them], group[them], group[me]
+            cand = np.full(me.shape, far)
+            for g in np.unique(gt):  # the nearest end of another group than me
+                near = np.minimum(np.where(gt == g, lt, far).min(axis=1, keepdims=True) + 1, far)
+                cand = np.where(gm != g, np.minimum(cand, near), cand)
+            better = cand < level[me]
+            if better.any():
+                np.minimum.at(level, me[better], cand[better])
+                changed = True
+    return np.where(level >= far, -1, level)
+
+
+@functools.lru_cache(maxsize=64)
+def levels(space: PathSpace) -> tuple[np.ndarray, np.ndarray]:
+    """``(depth, dist)`` per node: breadth-first depth from the start nodes (inputs and pinned nodes) and distance to
+    the end nodes (outputs and pinned nodes), along weight edges between different node groups; -1: unreachable.
+    Read-only, cached per space."""
+    kinds = space.node_kinds()  # 0 bias, 1 input, 2 hidden, 3 output, 4 pinned
+    group, edges = _group_of(space), tuple(bd for bd in bundles(space) if bd.kind == "weight")
+    out = tuple(_relax(space.num_nodes, edges, group, (kinds == k) | (kinds == 4), fw) for k, fw in ((1, 1), (3, 0)))
+    for a in out:
+        a.setflags(write=False)
+    return out
+
+
+def _choose(space: PathSpace, chooses, forward: bool, bias: bool = False):
+    """Per node where ``chooses``: one edge on one side by the index rule, as ``(leaf, flat, other end)`` (-1: none).
+
+    Forward, node v takes an incoming edge ``u -> v``: the admissible ones (`levels`) listed leaf by leaf in leaf
+    order and, within a leaf, by source node; v takes the ``(rank_v mod count)``-th, rank_v its index in its group,
+    and of that source's parallel edges the middle one in flat order (the centre tap of an odd kernel). Backward
+    likewise with the outgoing edges ``v -> y``. ``bias``: among v's bias edges, whatever the levels.
+    """
+    n = space.num_nodes
+    level = levels(space)[0 if forward else 1]
+    group, rank = _group_of(space), np.zeros(n, np.int64)
+    for g in space.groups:
+        rank[g.offset : g.offset + g.size] = np.arange(g.size)
+    found = []  # per bundle with a choosing node: (bundle, rows, cols, counts, cum, order)
+    for bd in bundles(space):
+        if bd.kind != ("bias" if bias else "weight"):
+            continue
+        me, them, _, _ = bd.ends(forward)
+        rows, cols = np.nonzero(chooses[me])
+        if not rows.size:
+            continue
+        _, once = np.unique(rows * n + me[rows, cols], return_index=True)  # a node repeated along me's axes: once
+        rows, cols = rows[np.sort(once)], cols[np.sort(once)]
+        order = np.argsort(them, axis=1, kind="stable")
+        by_node = np.take_along_axis(them, order, axis=1)
+        # one admissibility row per distinct (row, level, group) of the choosing nodes: O(nodes), not O(params)
+        keys = np.stack([rows, level[me[rows, cols]], group[me[rows, cols]]], axis=1)
+        keys, which = np.unique(keys, axis=0, return_inverse=True)
+        lt, gt = level[by_node[keys[:, 0]]], group[by_node[keys[:, 0]]]
+        adm = np.ones(lt.shape, bool) if bias else (lt >= 0) & (lt < keys[:, 1:2]) & (gt != keys[:, 2:3])
+        adm[:, 1:] &= by_node[keys[:, 0], 1:] != by_node[keys[:, 0], :-1]  # a node repeated along S: count it once
+        cum = np.cumsum(adm, axis=1)
+        which = which.reshape(-1)
+        found.append((bd, rows, cols, cum[which, -1], cum, which, order))
+    leaf, flat, other = (np.full(n, -1, np.int64) for _ in range(3))
+    if not found:
+        return leaf, flat, other
+    node = np.concatenate([f[0].ends(forward)[0][f[1], f[2]] for f in found])
+    count = np.concatenate([f[3] for f in found])
+    o = np.argsort(node, kind="stable")  # by node, then leaf order, then position: each node's candidate list
+    before = np.cumsum(count[o]) - count[o]
+    first = np.r_[True, node[o][1:] != node[o][:-1]]
+    before -= np.maximum.accumulate(np.where(first, before, 0))
+    start = np.empty_like(before)
+    start[o] = before
+    total = np.bincount(node, weights=count, minlength=n).astype(np.int64)
+    k = rank[node] % np.maximum(total[node], 1) - start  # the candidate's index within its own instance
+    hit = (count > 0) & (k >= 0) & (k < count)
+    at = 0
+    for bd, rows, cols, _, cum, which, order in found:
+        sel = slice(at, at + rows.size)
+        at += rows.size
+        h = hit[sel]
+        r, c, w, kk = rows[h], cols[h], which[h], k[sel][h]
+        me, them, f_me, f_them = bd.ends(forward)
+        width = cum.shape[1] + 1  # the rows of cum made one increasing sequence, for one vectorised search
+        rising = (cum + width * np.arange(len(cum))[:, None]).ravel()
+        pos = np.searchsorted(rising, kk + 1 + width * w) - w * (width - 1)
+        s = order[r, pos]
+        v = me[r, c]
+        leaf[v], other[v] = bd.leaf, them[r, s]
+        flat[v] = bd.fb[r] + f_them[s] + f_me[c] + bd.fp[bd.fp.size // 2]
+        repeated = ((them[r] == them[r, s][:, None]).sum(axis=1) > 1) | ((me[r] == v[:, None]).sum(axis=1) > 1)
+        for i in np.flatnonzero(repeated):  # rare (a flattened pooling): parallel edges along S or D too
+            b = r[i]
+            flats = f_them[them[b] == other[v[i]]][:, None, None] + f_me[me[b] == v[i]][:, None] + bd.fp
+            flat[v[i]] = bd.fb[b] + np.sort(flats.ravel())[flats.size // 2]
+    return leaf, flat, other
 
 
 def choose_by_value(space: PathSpace, leaves) -> tuple[np.ndarray, np.ndarray]:
@@ -309,67 +336,88 @@ def choose_by_value(space: PathSpace, leaves) -> tuple[np.ndarray, np.ndarray]:
     Returns:
       ``(incoming, outgoing)``: int64 arrays of length ``space.num_nodes``.
     """
-    c = candidates(space)
-    mag = [
-        np.abs(np.asarray(w, np.float64)).reshape(-1) for w, leaf in zip(leaves, space.leaves) if leaf.kind != "other"
-    ]
-    mag = np.concatenate(mag) if mag else np.zeros(0)
+    n, group, hidden = space.num_nodes, _group_of(space), space.node_kinds() == 2
+    offsets = np.cumsum([0] + [leaf.size for leaf in space.leaves])
+    edges = [bd for bd in bundles(space) if bd.kind == "weight"]
 
-    def pick(sel, level, node, other, factor):
-        chosen = np.full(space.num_nodes, -1, np.int64)
+    def pick(level, forward):
+        chosen, factor = np.full(n, -1, np.int64), np.ones(n)
         for d in range(1, int(level.max(initial=0)) + 1):
-            e = np.flatnonzero(sel & (level[node] == d))
-            if not e.size:
+            cands = []  # (node, score, ravel index) of each node's best edge in each bundle
+            for bd in edges:
+                me, them, f_me, f_them = bd.ends(forward)
+                at = hidden[me] & (level[me] == d)
+                if not at.any():
+                    continue
+                w = np.abs(np.asarray(leaves[bd.leaf], np.float64)).transpose(bd.perm)
+                w = w.reshape(bd.fb.size, bd.fs.size, bd.fd.size, bd.fp.size)
+                lt, gt = level[them][:, :, None], group[them][:, :, None]  # (b, them, 1)
+                lm, gm = level[me][:, None, :], group[me][:, None, :]  # (b, 1, me)
+                adm = at[:, None, :] & (lt >= 0) & (lt < lm) & (gt != gm)  # (b, them, me)
+                w = w if forward else w.transpose(0, 2, 1, 3)  # (b, them, me, p)
+                score = w * factor[them][:, :, None, None]
+                idx = bd.fb[:, None, None, None] + f_them[:, None, None] + f_me[:, None] + bd.fp
+                score = np.where(adm[..., None], score, -1.0)
+                best = score.max(axis=(1, 3))  # (b, me)
+                tie = np.where(score == best[:, None, :, None], idx, np.iinfo(np.int64).max).min(axis=(1, 3))
+                ok = adm.any(axis=1)
+                cands.append((me[ok], best[ok], offsets[bd.leaf] + tie[ok]))
+            if not cands:
                 continue
-            score, v_of = mag[e] * factor[other[e]], node[e]
-            best = np.full(space.num_nodes, -1.0)
-            np.maximum.at(best, v_of, score)
-            top = np.flatnonzero(score == best[v_of])  # increasing: a node's first is its lowest index
-            v, first = np.unique(v_of[top], return_index=True)
-            factor[v] = best[v]
-            chosen[v] = np.where(best[v] > 0, c.ravel[e[top[first]]], -1)
+            v, score, idx = (np.concatenate(x) for x in zip(*cands))
+            o = np.lexsort((idx, -score, v))
+            first = o[np.r_[True, v[o][1:] != v[o][:-1]]]
+            factor[v[first]] = score[first]
+            chosen[v[first]] = np.where(score[first] > 0, idx[first], -1)
         chosen.setflags(write=False)
         return chosen
 
-    ones = lambda: np.ones(space.num_nodes)  # noqa: E731
-    return (
-        pick(c.incoming, c.depth, c.dst, c.src, ones()),
-        pick(c.outgoing, c.dist, c.src, c.dst, ones()),
-    )
+    depth, dist = levels(space)
+    return pick(depth, True), pick(dist, False)
 
 
-def _prefer(c: Candidates, preferred, leaf, flat, other, other_end):
+def _prefer(space: PathSpace, preferred, leaf, flat, other, forward: bool):
     """Replace the index rule's choice by ``preferred`` (ravel indices, -1: keep) where given."""
     if preferred is None or not (preferred >= 0).any():
         return leaf, flat, other
+    offsets = np.cumsum([0] + [lf.size for lf in space.leaves])
     v = np.flatnonzero(preferred >= 0)
-    k = np.searchsorted(c.ravel, preferred[v])
+    lid = np.searchsorted(offsets, preferred[v], side="right") - 1
     leaf, flat, other = leaf.copy(), flat.copy(), other.copy()
-    leaf[v], flat[v], other[v] = c.lid[k], c.flat[k], other_end[k]
+    leaf[v], flat[v] = lid, preferred[v] - offsets[lid]
+    for li in np.unique(lid):
+        e = space.leaves[li]
+        at = v[lid == li]
+        other[at] = (e.src if forward else e.dst)[np.unravel_index(flat[at], e.shape)]
     return leaf, flat, other
+
+
+def _key(n, nodes, flats, node_r):
+    """Per entry of a reduced node array: the flat index of that node's special entry in the leaf (-1 if none)."""
+    if nodes.size == 0:
+        return None
+    per_node = np.full(n, -1, np.int64)
+    per_node[nodes] = flats
+    key = per_node[node_r].astype(np.int32)
+    key.flags.writeable = False
+    return key
 
 
 @functools.lru_cache(maxsize=64)
 def skeleton(space: PathSpace) -> Skeleton:
     """The skeleton of ``space`` (cached per space). See the module docstring for the rule."""
     n = space.num_nodes
-    c = candidates(space)
-    src, dst, lid, flat, hidden, rank, is_bias = c.src, c.dst, c.lid, c.flat, c.hidden, c.rank, c.is_bias
+    hidden = space.node_kinds() == 2
     pref_in, pref_out = space.skeleton_edges or (None, None)
 
-    sel = c.incoming
-    in_leaf, in_flat, parent = _choose(n, dst[sel], src[sel], lid[sel], flat[sel], rank)
-    in_leaf, in_flat, parent = _prefer(c, pref_in, in_leaf, in_flat, parent, src)
+    in_leaf, in_flat, parent = _prefer(space, pref_in, *_choose(space, hidden, True), forward=True)
     missing = hidden & (in_leaf < 0)
     if missing.any():  # fallback: a bias edge (documented: the divisor may then be zero)
-        selb = is_bias & missing[dst]
-        bl, bf, bp = _choose(n, dst[selb], src[selb], lid[selb], flat[selb], rank)
+        bl, bf, bp = _choose(space, missing, True, bias=True)
         in_leaf = np.where(missing, bl, in_leaf)
         in_flat = np.where(missing, bf, in_flat)
         parent = np.where(missing, bp, parent)
-    sel = c.outgoing
-    out_leaf, out_flat, child = _choose(n, src[sel], dst[sel], lid[sel], flat[sel], rank)
-    out_leaf, out_flat, child = _prefer(c, pref_out, out_leaf, out_flat, child, dst)
+    out_leaf, out_flat, child = _prefer(space, pref_out, *_choose(space, hidden, False), forward=False)
     for name, arr in (("incoming", in_leaf), ("outgoing", out_leaf)):
         bad = np.flatnonzero(hidden & (arr < 0))
         if bad.size:
@@ -403,8 +451,8 @@ def skeleton(space: PathSpace) -> Skeleton:
             z = np.zeros(0, np.int64)
             li_obj = LeafIndex("other", offset, z, z, (), z, z, z)
         else:
-            src_r, sum_axes = _reduce(np.asarray(leaf.src, np.int64))
-            dst_r, dst_sum_axes = _reduce(np.asarray(leaf.dst, np.int64))
+            src_r, sum_axes = reduced(leaf.src)
+            dst_r, dst_sum_axes = reduced(leaf.dst)
             g_nodes = np.flatnonzero(hidden & (out_leaf == li))
             i_nodes = np.flatnonzero(hidden & (in_leaf == li) & ~in_is_gauge)
             li_obj = LeafIndex(

@@ -20,7 +20,7 @@ import numpy as np
 from pathspace_jax import jaxpr as jx
 from pathspace_jax.atoms import ACT, CONST, PARAM, Atoms, Val
 from pathspace_jax.errors import UnsupportedModelError
-from pathspace_jax.graph import BIAS_NODE, EdgeLeaf, NodeGroup, PathSpace, leaf_path_strings
+from pathspace_jax.graph import BIAS_NODE, EdgeLeaf, NodeGroup, PathSpace, leaf_path_strings, node_view, reduced
 from pathspace_jax.skeleton import choose_by_value
 from pathspace_jax.tracer import Interpreter
 
@@ -227,6 +227,13 @@ def _build(interp: Interpreter, treedef, leaves, paths, fn, arg_specs, strict) -
     return space
 
 
+def _stack_nodes(per_layer: list[np.ndarray], shape) -> np.ndarray:
+    """The node arrays of a leaf's layers stacked along a first axis, as a view of their small arrays."""
+    small = [reduced(a)[0] for a in per_layer]
+    common = np.broadcast_shapes(*(a.shape for a in small))
+    return node_view(np.stack([np.broadcast_to(a, common) for a in small]), shape, shape)
+
+
 def _stack_layers(interp: Interpreter, edge_leaves: list[EdgeLeaf]) -> list[EdgeLeaf]:
     """Each stacked params leaf from its layers' slices (`Interpreter.layer_slice`): their source and destination
     nodes stacked along the first axis (deepest stacks first: a slice may itself be stacked)."""
@@ -238,14 +245,11 @@ def _stack_layers(interp: Interpreter, edge_leaves: list[EdgeLeaf]) -> list[Edge
         parts = [edge_leaves[j] for j in children[leaf]]
         old, kinds = edge_leaves[leaf], {p.kind for p in parts}
         if kinds == {"other"} or len(kinds) > 1:
-            neg = np.full(old.shape, -1, np.int32)
-            neg.setflags(write=False)
+            neg = node_view(-1, old.shape, old.shape)
             note = "; ".join(dict.fromkeys(p.note for p in parts if p.note)) or "its layers have different roles"
             edge_leaves[leaf] = EdgeLeaf(old.path, old.shape, old.dtype, "other", (), (), neg, neg, note)
             continue
-        src, dst = np.stack([p.src for p in parts]), np.stack([p.dst for p in parts])
-        src.setflags(write=False)
-        dst.setflags(write=False)
+        src, dst = (_stack_nodes([getattr(p, side) for p in parts], old.shape) for side in ("src", "dst"))
         groups = [tuple(sorted({g for p in parts for g in getattr(p, side)})) for side in ("src_groups", "dst_groups")]
         recurrent = any(p.recurrent for p in parts)
         edge_leaves[leaf] = EdgeLeaf(old.path, old.shape, old.dtype, parts[0].kind, *groups, src, dst, "", recurrent)
@@ -401,8 +405,7 @@ def _edge_leaves(atoms: Atoms, leaves, paths, leaf_info, groups, key_index) -> l
     for i, (leaf, (kind, factors, node_in, node_out, note, _)) in enumerate(zip(leaves, leaf_info)):
         shape = tuple(int(d) for d in leaf.shape)
         if kind == "other":
-            neg = np.full(shape, -1, np.int32)
-            neg.setflags(write=False)
+            neg = node_view(-1, shape, shape)
             edge_leaves.append(EdgeLeaf(paths[i], shape, str(leaf.dtype), "other", (), (), neg, neg, note))
             continue
         sizes = [atoms.size[r] for r in factors]
@@ -414,24 +417,20 @@ def _edge_leaves(atoms: Atoms, leaves, paths, leaf_info, groups, key_index) -> l
                 return np.arange(sizes[k]).reshape([-1 if j == k else 1 for j in range(len(sizes))])
 
             if not nodes:
-                return np.full(shape, BIAS_NODE, np.int32), ()
+                return node_view(BIAS_NODE, shape, shape), ()
             if len(nodes) == 1:
                 ids = node_ids(factors[nodes[0]])
-                full = np.broadcast_to(ids[grid(nodes[0])], sizes).reshape(shape)
                 gidx = np.searchsorted(offsets, np.unique(ids), side="right") - 1
-                return full.astype(np.int32), tuple(sorted(set(gidx.tolist())))
+                return node_view(ids[grid(nodes[0])], sizes, shape), tuple(sorted(set(gidx.tolist())))
             order = sorted(nodes, key=lambda k: factors[k])
             g = key_index[tuple(factors[k] for k in order)]
             local = np.zeros([1] * len(sizes), np.int64)
             for k in order:
                 local = local * sizes[k] + grid(k)
-            full = np.broadcast_to(groups[g].offset + local, sizes).reshape(shape)
-            return full.astype(np.int32), (g,)
+            return node_view(groups[g].offset + local, sizes, shape), (g,)
 
         src, sg = side(node_in)
         dst, dg = side(node_out)
-        src.setflags(write=False)
-        dst.setflags(write=False)
         edge_leaves.append(EdgeLeaf(paths[i], shape, str(leaf.dtype), kind, sg, dg, src, dst))
     return edge_leaves
 

@@ -74,6 +74,68 @@ def _inskel(rows):
     return on_other_paths & (rows[:, 0] >= 0)
 
 
+def _edges(space):
+    """Every edge entry as parallel arrays in ravel order, and the admissible skeleton edges, by brute force: the
+    BFS levels relaxed edge by edge over the full (src, dst) arrays (independent of the library's bundles)."""
+    kinds = space.node_kinds()
+    group = np.full(space.num_nodes, -1)
+    for gi, g in enumerate(space.groups):
+        group[g.offset : g.offset + g.size] = gi
+    src, dst, kind, lid, flat = [], [], [], [], []
+    for li, leaf in enumerate(space.leaves):
+        src += np.ravel(leaf.src).tolist()
+        dst += np.ravel(leaf.dst).tolist()
+        kind += [leaf.kind] * leaf.size
+        lid += [li] * leaf.size
+        flat += range(leaf.size)
+    src, dst, kind, lid, flat = map(np.array, (src, dst, kind, lid, flat))
+    ok = (kind == "weight") & (group[np.maximum(src, 0)] != group[np.maximum(dst, 0)])
+
+    def bfs(start, a, b):
+        level = np.where(start, 0, -1)
+        for _ in range(space.num_nodes):
+            for u, v in zip(a[ok], b[ok]):
+                if level[u] >= 0 and (level[v] < 0 or level[v] > level[u] + 1):
+                    level[v] = level[u] + 1
+        return level
+
+    depth = bfs((kinds == 1) | (kinds == 4), src, dst)
+    dist = bfs((kinds == 3) | (kinds == 4), dst, src)
+    hidden = kinds == 2
+    incoming = ok & hidden[dst] & (depth[src] >= 0) & (depth[src] < depth[dst])
+    outgoing = ok & hidden[src] & (dist[dst] >= 0) & (dist[dst] < dist[src])
+    return dict(src=src, dst=dst, lid=lid, flat=flat, incoming=incoming, outgoing=outgoing, depth=depth, dist=dist)
+
+
+def test_index_skeleton_is_its_rule(spaces):
+    """The default skeleton, by its definition over the full edge list: hidden node v (the k-th of its group) lists
+    its admissible incoming edges leaf by leaf, within a leaf by source node (parallel edges once), takes the
+    (k mod count)-th source and, of the parallel edges from it in that leaf, the middle one in flat order; likewise
+    outgoing. The library finds it from O(nodes) arrays per leaf; here every entry is enumerated."""
+    from pathspace_jax.skeleton import levels, skeleton
+
+    for case in CASES:
+        space = spaces[case.name]
+        e, sk = _edges(space), skeleton(space)
+        np.testing.assert_array_equal(levels(space)[0], e["depth"], err_msg=case.name)
+        np.testing.assert_array_equal(levels(space)[1], e["dist"], err_msg=case.name)
+        for g in space.groups:
+            if g.kind != "hidden":
+                continue
+            for k, v in enumerate(range(g.offset, g.offset + g.size)):
+                for adm, me, them, leaf, flat in (
+                    (e["incoming"], e["dst"], e["src"], sk.in_leaf, sk.in_flat),
+                    (e["outgoing"], e["src"], e["dst"], sk.out_leaf, sk.out_flat),
+                ):
+                    sel = np.flatnonzero(adm & (me == v))
+                    listed = sorted({(e["lid"][i], them[i]) for i in sel})  # by leaf, then by node
+                    if not listed:
+                        continue
+                    li, u = listed[k % len(listed)]
+                    parallel = sorted(e["flat"][i] for i in sel if e["lid"][i] == li and them[i] == u)
+                    assert (leaf[v], flat[v]) == (li, parallel[len(parallel) // 2]), (case.name, v)
+
+
 def _loss_fn(case):
     x = case.inputs(4)
     y = jnp.sin(jnp.arange(np.prod(jax.eval_shape(case.fn, case.params, x).shape))).reshape(
@@ -208,7 +270,7 @@ def test_value_skeleton_takes_the_largest_paths_and_commutes_with_rescaling(name
     """trace(skeleton="values") (opt-in): each node's chosen chain carries the largest |path value| among the
     admissible edges (checked by multiplying along the chains in numpy), and a rescaled copy of the params gets
     the same; the default skeleton comes from the graph alone."""
-    from pathspace_jax.skeleton import candidates, skeleton
+    from pathspace_jax.skeleton import skeleton
 
     case, by_index = ZOO[name], spaces[name]
     space = pj.trace(case.fn, case.params, case.inputs(2), skeleton="values")
@@ -223,11 +285,11 @@ def test_value_skeleton_takes_the_largest_paths_and_commutes_with_rescaling(name
         return np.prod(np.where(chains >= 0, flat[np.maximum(chains, 0)], 1.0), axis=1)
 
     a, b = chain_product(sk.chain_in_global()), chain_product(sk.chain_out_global())
-    c = candidates(space)
-    e = np.flatnonzero(c.incoming)
-    assert (flat[c.ravel[e]] * a[c.src[e]] <= a[c.dst[e]] * (1 + 1e-12)).all()
-    e = np.flatnonzero(c.outgoing)
-    assert (flat[c.ravel[e]] * b[c.dst[e]] <= b[c.src[e]] * (1 + 1e-12)).all()
+    c = _edges(space)  # in ravel order
+    e = np.flatnonzero(c["incoming"])
+    assert (flat[e] * a[c["src"][e]] <= a[c["dst"][e]] * (1 + 1e-12)).all()
+    e = np.flatnonzero(c["outgoing"])
+    assert (flat[e] * b[c["dst"][e]] <= b[c["src"][e]] * (1 + 1e-12)).all()
 
     # the default, abstract params, or skeleton="index": the rule from the graph alone, whatever the values
     abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), case.params)
