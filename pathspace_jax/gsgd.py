@@ -337,9 +337,9 @@ def check_chart(space: PathSpace, params, who: str = "check_chart") -> None:
     for w, leaf, li in zip(space.leaves_of(params), space.leaves, skeleton(space).leaves):
         if isinstance(w, jax.core.Tracer) or li.kind == "other":
             continue
-        flat = np.asarray(w).reshape(-1)
         for what, idx in (("incoming skeleton", li.inskel_flat), ("gauge (outgoing skeleton)", li.gauge_flat)):
-            for k in idx[flat[idx] == 0]:
+            at = np.asarray(jnp.ravel(w)[idx]) if idx.size else idx  # read the skeleton's entries only, on device
+            for k in idx[at == 0]:
                 bad.append(f"'{leaf.path}' entry {tuple(int(i) for i in np.unravel_index(k, leaf.shape))} ({what})")
     if bad:
         shown = "; ".join(bad[:8]) + (f"; and {len(bad) - 8} more" if len(bad) > 8 else "")

@@ -249,6 +249,12 @@ def levels(space: PathSpace) -> tuple[np.ndarray, np.ndarray]:
     return out
 
 
+def _repeats(nodes: np.ndarray) -> np.ndarray:
+    """Per row of a bundle's node array: whether some node appears in it more than once."""
+    by_node = np.sort(nodes, axis=1)
+    return (by_node[:, 1:] == by_node[:, :-1]).any(axis=1)
+
+
 def _choose(space: PathSpace, chooses, forward: bool, bias: bool = False):
     """Per node where ``chooses``: one edge on one side by the index rule, as ``(leaf, flat, other end)`` (-1: none).
 
@@ -311,8 +317,8 @@ def _choose(space: PathSpace, chooses, forward: bool, bias: bool = False):
         v = me[r, c]
         leaf[v], other[v] = bd.leaf, them[r, s]
         flat[v] = bd.fb[r] + f_them[s] + f_me[c] + bd.fp[bd.fp.size // 2]
-        repeated = ((them[r] == them[r, s][:, None]).sum(axis=1) > 1) | ((me[r] == v[:, None]).sum(axis=1) > 1)
-        for i in np.flatnonzero(repeated):  # rare (a flattened pooling): parallel edges along S or D too
+        # rare (a flattened pooling): a node repeated along S or D, its parallel edges there too
+        for i in np.flatnonzero(_repeats(them)[r] | _repeats(me)[r]):
             b = r[i]
             flats = f_them[them[b] == other[v[i]]][:, None, None] + f_me[me[b] == v[i]][:, None] + bd.fp
             flat[v[i]] = bd.fb[b] + np.sort(flats.ravel())[flats.size // 2]
