@@ -335,8 +335,8 @@ def check_chart(space: PathSpace, params, who: str = "check_chart") -> None:
     """
     bad = []
     for w, leaf, li in zip(space.leaves_of(params), space.leaves, skeleton(space).leaves):
-        if isinstance(w, jax.core.Tracer) or li.kind == "other":
-            continue
+        if isinstance(w, jax.core.Tracer) or li.kind == "other" or not getattr(w, "is_fully_addressable", True):
+            continue  # abstract, or spread over other processes: checked where the values are (or not at all)
         for what, idx in (("incoming skeleton", li.inskel_flat), ("gauge (outgoing skeleton)", li.gauge_flat)):
             at = np.asarray(jnp.ravel(w)[idx]) if idx.size else idx  # read the skeleton's entries only, on device
             for k in idx[at == 0]:

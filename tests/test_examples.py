@@ -84,3 +84,19 @@ def test_digits_mlp_cnn_quick(tmp_path):
         assert np.mean(r["test_error"]) < 0.5, (name, r["test_error"])  # chance is 90%
     # DDP-SGD at α = 0 is Path-SGD (its κ is the path-norm κ): the same steps, up to rounding
     np.testing.assert_allclose(runs["DDP-SGD α=0"]["loss"], runs["Path-SGD"]["loss"], rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_multiprocess_quick(tmp_path):
+    """Two processes joined by jax.distributed, a (data, model) mesh of 2 x 2 CPU devices: every optimiser's params
+    after 3 steps equal the one-device run's up to float32 rounding."""
+    import jax
+
+    if "jax_cpu_collectives_implementation" not in jax.config.values:
+        pytest.skip(f"JAX {jax.__version__} has no CPU collectives (jax_cpu_collectives_implementation)")
+    result = _load("multiprocess").main(["--quick", "--out", str(tmp_path)])
+    diffs = result["max_relative_difference"]
+    assert set(diffs) == {"SGD", "Adam", "G-SGD", "G-Adam", "Path-SGD", "DDP-SGD (α=1)"}
+    for name, diff in diffs.items():  # Adam's steps divide by the root of tiny second moments: rounding shows more
+        assert diff < (1e-4 if "Adam" in name else 1e-6), (name, diff)
+
