@@ -84,11 +84,12 @@ def main() -> None:
                 p_sh = jax.tree_util.tree_map(place, params)
                 s_sh = jax.tree_util.tree_map(lambda a, place=place: place(a) if a.ndim else replicated, state)
                 batch = NamedSharding(mesh, P("data"))
+                spec = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)  # noqa: E731
                 args = (
-                    jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), params, p_sh),
-                    jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, s_sh),
-                    jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=batch),
-                    jax.ShapeDtypeStruct(y.shape, y.dtype, sharding=batch),
+                    jax.tree_util.tree_map(spec, params, p_sh),
+                    jax.tree_util.tree_map(spec, state, s_sh),
+                    spec(x, batch),
+                    spec(y, batch),
                 )
                 hlo = make_step(model, tx, extra).lower(*args).compile().as_text()
                 counts = collectives(hlo)

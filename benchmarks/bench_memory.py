@@ -40,7 +40,6 @@ def one(widths: tuple[int, ...], name: str, host: bool) -> dict:
     ``tracemalloc`` peak (it slows Python down and adds to the RSS, so the other figures come from a run without)."""
     import flax.linen as nn
     import jax
-    import jax.numpy as jnp
     import optax
 
     import pathspace_jax as pj

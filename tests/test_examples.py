@@ -99,4 +99,3 @@ def test_multiprocess_quick(tmp_path):
     assert set(diffs) == {"SGD", "Adam", "G-SGD", "G-Adam", "Path-SGD", "DDP-SGD (α=1)"}
     for name, diff in diffs.items():  # Adam's steps divide by the root of tiny second moments: rounding shows more
         assert diff < (1e-4 if "Adam" in name else 1e-6), (name, diff)
-

@@ -52,4 +52,4 @@ def test_host_memory_of_structure_is_small_against_the_params(name):
     finally:
         tracemalloc.stop()
     assert nbytes > 20e6
-    assert peak < 0.5 * nbytes, f"{name}: host allocations peaked at {peak / 1e6:.1f} MB for {nbytes / 1e6:.1f} MB of params"
+    assert peak < 0.5 * nbytes, f"{name}: host allocations peaked at {peak / 1e6:.1f} MB, params {nbytes / 1e6:.1f} MB"
