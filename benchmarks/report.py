@@ -17,7 +17,7 @@ import jax
 
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
-ORDER = ("scale", "peers", "gsgd", "path_sgd", "ddp", "ddp_norm", "trace")
+ORDER = ("scale", "peers", "gsgd", "path_sgd", "ddp", "ddp_norm", "trace", "memory", "collectives")
 CAPTIONS = {
     "scale": "Every optimiser on the shapes users train (`bench_scale.py`): step time as a ratio to `optax.sgd` "
     "and to `optax.adam` in the same rounds, optimizer state, and the compiled step's peak memory as a ratio "
@@ -33,6 +33,11 @@ CAPTIONS = {
     "ddp_norm": "An SGD step on the DDP-normalised network against the plain one and against BatchNorm "
     "(`bench_ddp_norm.py`).",
     "trace": "`pj.trace` in seconds (`bench_trace.py`).",
+    "memory": "Peak host memory of trace + init + the first step, one process per run (`bench_memory.py`): "
+    "`over_sgd_x` is the excess over `optax.sgd`'s peak in units of the params' bytes, `over_plain_x` over the "
+    "plain counterpart's (Adam for G-Adam); `host_peak_mb` the library's Python/numpy allocations; set-up seconds.",
+    "collectives": "Collectives per train step in the compiled program on 4 devices, data parallel and FSDP-style "
+    "(`bench_collectives.py`): count, MB of results, and `extra_x` the bytes beyond SGD's in units of the params'.",
 }
 
 

@@ -1,7 +1,7 @@
 """Run every benchmark, one process each, then write the tables from their JSON (`report.py`).
 
 Each script writes ``results/<backend>-jax<version>/<name>.json``; the same command runs unchanged on CPU
-and GPU. Run: ``python benchmarks/run_all.py`` (about 10 minutes on 2 CPU cores); ``--only gsgd scale``
+and GPU. Run: ``python benchmarks/run_all.py`` (about 20 minutes on 2 CPU cores); ``--only gsgd scale``
 runs some of them.
 """
 
@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).parent
-SCRIPTS = ("trace", "gsgd", "path_sgd", "ddp", "ddp_norm", "scale")
+SCRIPTS = ("trace", "gsgd", "path_sgd", "ddp", "ddp_norm", "scale", "memory", "collectives")
 
 
 def main(argv=None) -> None:

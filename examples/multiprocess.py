@@ -11,10 +11,10 @@ multi-host GPU or TPU job is (there, one process per host and the accelerators a
 * runs ``jax.jit(tx.init)`` and ``--steps`` jitted steps of SGD, Adam, G-SGD, G-Adam, Path-SGD and DDP-SGD (α = 1)
   on scikit-learn's digits (an MLP 64-128-128-10, batch 64); XLA inserts the collectives.
 
-Process 0 gathers the final params; this (launching) process then trains the same optimisers on one device and
-prints, per optimiser, the largest difference between the two, relative to the params' largest entry: float32
-rounding (reductions split across devices sum in another order), about 1e-7; Adam and G-Adam 1e-5, as their
-steps divide by the root of tiny second moments, which that rounding perturbs relatively more.
+Process 0 gathers the final params; one more process trains the same optimisers on one device, and this
+(launching) process prints, per optimiser, the largest difference between the two, relative to the params'
+largest entry: float32 rounding (reductions split across devices sum in another order), about 1e-7; Adam and
+G-Adam 1e-5, as their steps divide by the root of tiny second moments, which that rounding perturbs more.
 
 Run:  pip install -e ".[examples]" && python examples/multiprocess.py   (--steps 20: the default; --quick: 3 steps)
 Writes examples/out/multiprocess.json and prints the table. See docs/scaling.md for multi-host GPU and TPU.
@@ -106,11 +106,19 @@ def train(steps: int, place=None, put_batch=None) -> dict[str, dict[str, np.ndar
     return out
 
 
+def save(params: dict, path: Path) -> None:
+    np.savez(path, **{f"{name}|{'/'.join(k)}": v for name, tree in params.items() for k, v in _flatten(tree)})
+
+
 def worker(args) -> None:
-    """One process of the job: join the runtime, build the mesh, train, and (process 0) save the params."""
+    """One process of the job: join the runtime, build the mesh, train, and (process 0) save the params. With
+    ``--processes 0``: the one-device reference, in a process of its own (whatever the caller's JAX settings)."""
     import jax
 
     jax.config.update("jax_platforms", "cpu")
+    if args.processes == 0:
+        save(train(args.steps), args.save)
+        return
     jax.config.update("jax_num_cpu_devices", args.devices)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(f"localhost:{args.port}", num_processes=args.processes, process_id=args.process_id)
@@ -132,9 +140,7 @@ def worker(args) -> None:
 
     params = train(args.steps, place, put_batch)
     if jax.process_index() == 0:
-        flat = {f"{name}|{'/'.join(map(str, path))}": leaf for name, tree in params.items()
-                for path, leaf in _flatten(tree)}  # fmt: skip
-        np.savez(args.save, **flat)
+        save(params, args.save)
     jax.distributed.shutdown()
 
 
@@ -168,14 +174,18 @@ def main(argv=None) -> dict:
         return {}
 
     args.out.mkdir(parents=True, exist_ok=True)
-    save = args.out / "multiprocess_params.npz"
-    common = ["--processes", str(args.processes), "--devices", str(args.devices), "--model", str(args.model),
-              "--steps", str(args.steps), "--port", str(_free_port()), "--save", str(save)]  # fmt: skip
+    files = [args.out / "multiprocess_sharded.npz", args.out / "multiprocess_one_device.npz"]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+
+    def launch(processes: int, path: Path, port: int = 0) -> list[subprocess.Popen]:
+        common = ["--processes", str(processes), "--devices", str(args.devices), "--model", str(args.model),
+                  "--steps", str(args.steps), "--port", str(port), "--save", str(path)]  # fmt: skip
+        return [subprocess.Popen([sys.executable, __file__, *common, "--process-id", str(i)], env=env,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                for i in range(max(processes, 1))]  # fmt: skip
+
     t0 = time.perf_counter()
-    jobs = [subprocess.Popen([sys.executable, __file__, *common, "--process-id", str(i)], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            for i in range(args.processes)]  # fmt: skip
+    jobs = launch(args.processes, files[0], _free_port()) + launch(0, files[1])  # the job, and the reference
     try:
         logs = [job.communicate(timeout=args.timeout)[0] for job in jobs]
     finally:
@@ -183,16 +193,15 @@ def main(argv=None) -> dict:
             job.kill()
     for i, (job, log) in enumerate(zip(jobs, logs)):
         if job.returncode:
-            raise RuntimeError(f"process {i} of the job exited with {job.returncode}:\n{log[-3000:]}")
+            who = f"process {i} of the job" if i < args.processes else "the one-device run"
+            raise RuntimeError(f"{who} exited with {job.returncode}:\n{log[-3000:]}")
     seconds = time.perf_counter() - t0
-    sharded = np.load(save)
-    single = train(args.steps)
+    sharded, single = (dict(np.load(f)) for f in files)
     rows = {}
-    for name, tree in single.items():
-        leaves = dict(_flatten(tree))
-        scale = max(float(np.abs(v).max()) for v in leaves.values())
-        diff = max(float(np.abs(sharded[f"{name}|{'/'.join(k)}"] - v).max()) for k, v in leaves.items())
-        rows[name] = diff / scale
+    for name in dict.fromkeys(k.split("|")[0] for k in single):
+        keys = [k for k in single if k.startswith(name + "|")]
+        scale = max(float(np.abs(single[k]).max()) for k in keys)
+        rows[name] = max(float(np.abs(sharded[k] - single[k]).max()) for k in keys) / scale
     mesh = f"({args.processes * args.devices // args.model}, {args.model})"
     print(f"{args.processes} processes x {args.devices} CPU devices, mesh (data, model) = {mesh}, {args.steps} steps, "
           f"{seconds:.0f} s")  # fmt: skip
@@ -202,7 +211,8 @@ def main(argv=None) -> dict:
     result = {"config": {k: v for k, v in vars(args).items() if k in ("processes", "devices", "model", "steps")},
               "seconds": seconds, "max_relative_difference": rows}  # fmt: skip
     (args.out / "multiprocess.json").write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n")
-    save.unlink()
+    for f in files:
+        f.unlink()
     return result
 
 

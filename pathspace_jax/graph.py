@@ -45,11 +45,28 @@ BIAS_NODE = 0
 
 
 def node_view(small: np.ndarray, sizes, shape) -> np.ndarray:
-    """A read-only int32 array of ``shape``: ``small`` broadcast to ``sizes``, reshaped. A view (no memory per
-    entry) where ``sizes`` is ``shape``; a copy only where atoms split one of the leaf's axes (rare)."""
-    out = np.broadcast_to(np.asarray(small, np.int32), tuple(sizes))
-    if out.shape != tuple(shape):
-        out = out.reshape(shape)
+    """A read-only int32 array of ``shape``: ``small`` broadcast to ``sizes`` (the leaf's axes split into atoms,
+    in order), reshaped. A view holding no entry per parameter: where atoms split a leaf's axis, only the axes
+    along which ``small`` varies are materialised, at their own length."""
+    small, sizes, shape = np.asarray(small, np.int32), tuple(sizes), tuple(shape)
+    small = small.reshape((1,) * (len(sizes) - small.ndim) + small.shape)
+    if sizes != shape:
+        groups, k = [], 0  # the atoms of each leaf axis: a reshape merges consecutive ones
+        for n in shape:
+            group, size = [], 1
+            while k < len(sizes) and size * sizes[k] <= n and (size < n or sizes[k] == 1):
+                size *= sizes[k]
+                group.append(k)
+                k += 1
+            groups.append(group)
+        if k == len(sizes) and all(np.prod([sizes[j] for j in g]) == n for g, n in zip(groups, shape)):
+            varies = [any(small.shape[j] > 1 for j in g) for g in groups]
+            keep = [sizes[j] if v else 1 for g, v in zip(groups, varies) for j in g]
+            merged = [n if v else 1 for n, v in zip(shape, varies)]
+            small, sizes = np.broadcast_to(small, keep).reshape(merged), shape
+        else:  # a shape the atoms do not tile in order (not produced by trace): materialise
+            small, sizes = np.broadcast_to(small, sizes).reshape(shape), shape
+    out = np.broadcast_to(small, shape)
     out.setflags(write=False)
     return out
 
