@@ -17,7 +17,7 @@ def ddp_sgd(
     moment: str = "second",
     estimator: str = "probes",
     num_probes: int = 1,
-    probe_damping: float = 0.1,
+    probe_damping: float = 0.3,
     probe_batch_size: int | None = None,
     momentum: float | None = None,
     every: int = 1,

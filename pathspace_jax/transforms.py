@@ -158,7 +158,7 @@ def scale_by_ddp(
     moment: str = "second",
     estimator: str = "probes",
     num_probes: int = 1,
-    probe_damping: float = 0.1,
+    probe_damping: float = 0.3,
     probe_batch_size: int | None = None,
     normalize: bool = True,
     damping: float = 0.0,

@@ -374,7 +374,7 @@ def test_one_probe_can_be_exactly_zero_and_probe_damping_bounds_it():
         raw = pj.ddp_kappa(space, params, x, alpha=1.0, estimator="probes", num_probes=1, probe_damping=0.0, key=key)
         zeros += int(np.sum(np.asarray(raw["Dense_2"]["bias"]) == 0))
         damped = pj.ddp_kappa(space, params, x, alpha=1.0, estimator="probes", num_probes=1, key=key)
-        np.testing.assert_allclose(damped["Dense_2"]["bias"], raw["Dense_2"]["bias"] + 0.1, rtol=1e-6)
+        np.testing.assert_allclose(damped["Dense_2"]["bias"], raw["Dense_2"]["bias"] + 0.3, rtol=1e-6)
     assert zeros > 0  # the failure mode is real
     exact = pj.ddp_kappa(space, params, x, alpha=1.0)
     np.testing.assert_allclose(exact["Dense_2"]["bias"], 1.0, rtol=1e-6)
