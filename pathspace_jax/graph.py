@@ -134,6 +134,38 @@ def warn_if_plain(space: PathSpace, who: str) -> None:
         )
 
 
+# what a user can do about a pinned group, by a phrase one of its reasons holds (the tracer's wording), most
+# specific first (a reason that says it already, like dropout's, has none)
+PIN_HINTS = (
+    ("sums over the nodes", "a normalisation or softmax over units: its units stay fixed; for BatchNorm, fold it "
+     "into the layer before for inference, or train with pj.ddp_normalize instead"),
+    ("not positively homogeneous", "expected for tanh, sigmoid, GELU or a normalisation: these units stay fixed and "
+     "the rest is still optimised in path space; use relu or leaky_relu where units should be rescalable"),
+    ("accumulates along the nodes", "a cumulative sum over units: its units stay fixed (expected)"),
+    ("product of activations", "a gate, attention or normalisation multiplies activations: those units stay "
+     "fixed (expected)"),
+    ("product of a parameter and an activation", "a learned per-unit scale (e.g. LayerNorm's): train it as an "
+     "'other' leaf (optax.partition with pj.path_labels)"),
+    ("product with a parameter", "a learned per-unit scale (e.g. LayerNorm's): train it as an 'other' leaf "
+     "(optax.partition with pj.path_labels)"),
+    ("constant offset", "a constant added to an activation: make it a learned bias, or remove it"),
+    ("non-zero constant", "clip at 0 (relu) rather than at another constant (relu6 -> relu), or start from zeros"),
+    ("selects on an activation", "a jnp.where on activations: write it as relu or leaky_relu if it is one"),
+    ("mixes nodes with fixed coefficients", "a fixed, non-parameter matrix mixes units: make it a parameter if it "
+     "should be learned; otherwise these units stay fixed"),
+    ("no parameter edge enters", "a reshape made a node axis that no kernel writes: reshape after the ReLU, or "
+     "accept fixed units"),
+)  # fmt: skip
+
+
+def pin_hint(reasons) -> str | None:
+    """What a user can do about a group pinned for ``reasons`` (`PIN_HINTS`), or None."""
+    for phrase, hint in PIN_HINTS:
+        if any(phrase in reason for reason in reasons):
+            return hint
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class NodeGroup:
     """A set of nodes that one rescaling vector acts on.

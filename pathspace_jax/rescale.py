@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pathspace_jax.exact import pow2
-from pathspace_jax.graph import PathSpace
+from pathspace_jax.graph import PathSpace, pin_hint
 
 __all__ = ["rescale", "random_alphas", "random_rescale", "describe", "node_vector"]
 
@@ -138,4 +138,6 @@ def describe(space: PathSpace) -> str:
         lines.append(f"{g.name:<5}  {g.size:<6}  {g.kind}" + (", because:" if g.reasons else ""))
         for reason in g.reasons:
             lines += textwrap.wrap(reason, 110, initial_indent=" " * 17 + "- ", subsequent_indent=" " * 19)
+        if g.kind == "pinned" and (hint := pin_hint(g.reasons)):
+            lines += textwrap.wrap(f"what you can do: {hint}", 110, initial_indent=" " * 17, subsequent_indent=" " * 19)
     return "\n".join(lines)

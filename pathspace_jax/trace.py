@@ -20,7 +20,16 @@ import numpy as np
 from pathspace_jax import jaxpr as jx
 from pathspace_jax.atoms import ACT, CONST, PARAM, Atoms, Val
 from pathspace_jax.errors import UnsupportedModelError
-from pathspace_jax.graph import BIAS_NODE, EdgeLeaf, NodeGroup, PathSpace, leaf_path_strings, node_view, reduced
+from pathspace_jax.graph import (
+    BIAS_NODE,
+    EdgeLeaf,
+    NodeGroup,
+    PathSpace,
+    leaf_path_strings,
+    node_view,
+    pin_hint,
+    reduced,
+)
 from pathspace_jax.skeleton import choose_by_value
 from pathspace_jax.tracer import Interpreter
 
@@ -448,7 +457,9 @@ def _check_strict(space: PathSpace) -> None:
             near = [leaf.path for leaf in sorted(space.leaves, key=lambda leaf: leaf.kind != "weight")
                     if gi in leaf.src_groups or gi in leaf.dst_groups]  # fmt: skip
             near = ", ".join(near[:2]) + (", ..." if len(near) > 2 else "") if near else "no parameter"
-            problems.append(f"group {g.name} ({g.size} nodes; {near}): {short(g.reasons)}")
+            hint = pin_hint(g.reasons)
+            problems.append(f"group {g.name} ({g.size} nodes; {near}): {short(g.reasons)}"
+                            + (f"\n      what you can do: {hint}" if hint else ""))  # fmt: skip
     for leaf in space.leaves:
         if leaf.kind == "other":
             problems.append(f"parameter {leaf.path} is not an edge: {short(leaf.note.split('; '))}")

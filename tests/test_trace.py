@@ -245,8 +245,10 @@ def test_strict_raises_on_tanh_naming_primitive_line_and_params():
         with pytest.raises(pj.UnsupportedModelError) as err:
             pj.trace(case.fn, case.params, case.inputs(2), strict=True)
         lines = str(err.value).splitlines()
+        hints = [line for line in lines if line.startswith("      what you can do: ")]
         problems = sum(g.kind == "pinned" for g in space.groups) + sum(leaf.kind == "other" for leaf in space.leaves)
-        assert len(lines) == problems + 2 and max(map(len, lines)) <= 250, lines
+        assert len(lines) == problems + len(hints) + 2 and max(map(len, lines)) <= 250, lines
+        assert hints, lines  # a pinned group says what the user can do about it
     # the homogeneous models pass strict mode
     pj.trace(ZOO["residual_cnn"].fn, ZOO["residual_cnn"].params, ZOO["residual_cnn"].inputs(2), strict=True)
 
@@ -577,3 +579,16 @@ def test_a_space_without_hidden_nodes_says_so_and_the_optimisers_warn():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         pj.g_sgd(pj.trace(mlp.fn, mlp.params, mlp.inputs(2)), 0.1)
+
+
+def test_every_pinned_group_of_the_zoo_says_what_the_user_can_do():
+    """`describe` and ``strict=True`` follow each pinned group's reasons with a hint (`graph.PIN_HINTS`)."""
+    from pathspace_jax.graph import pin_hint
+
+    for case in ZOO.values():
+        space = pj.trace(case.fn, case.params, case.inputs(2))
+        for g in space.groups:
+            if g.kind == "pinned":
+                hint = pin_hint(g.reasons)
+                assert hint, (case.name, g.reasons)
+                assert f"what you can do: {hint[:40]}" in " ".join(pj.describe(space).split()), case.name
