@@ -268,7 +268,7 @@ def _choose(space: PathSpace, chooses, forward: bool, bias: bool = False):
     group, rank = _group_of(space), np.zeros(n, np.int64)
     for g in space.groups:
         rank[g.offset : g.offset + g.size] = np.arange(g.size)
-    found = []  # per bundle with a choosing node: (bundle, rows, cols, counts, cum, order)
+    found = []  # per bundle with a choosing node: (bundle, rows, cols, counts, cum, which key, order)
     for bd in bundles(space):
         if bd.kind != ("bias" if bias else "weight"):
             continue
