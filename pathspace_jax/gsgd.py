@@ -23,7 +23,7 @@ import numpy as np
 
 from pathspace_jax.coords import get_flat, node_factors, to_coords
 from pathspace_jax.frames import edge_products, finite, frame_k, materialize, node_sum, pow2_pair, safe_inv, take
-from pathspace_jax.graph import BIAS_NODE, PathSpace, compute_dtype, reduced
+from pathspace_jax.graph import BIAS_NODE, PathSpace, compute_dtype
 from pathspace_jax.skeleton import Skeleton, levels, skeleton
 
 __all__ = ["coord_scales", "check_chart", "path_norms", "balanced_frame", "frame_level", "balancing_factors",
@@ -101,7 +101,7 @@ def _sweep_plan(space: PathSpace, forward: bool):
     forward, destinations backward) where a leaf's far ends are not all admissible; the near end is v itself,
     which `path_norms` selects by level. O(nodes) per leaf and level: no array per parameter entry.
     """
-    level, hidden = levels(space)[0 if forward else 1], space.node_kinds() == 2
+    level, hidden, idx = levels(space)[0 if forward else 1], space.node_kinds() == 2, skeleton(space).leaves
     far_ok = (level >= 0)[None, :] & (level[None, :] < np.arange(1, int(level[hidden].max(initial=0)) + 1)[:, None])
     if forward:
         far_ok[:, BIAS_NODE] = True
@@ -112,13 +112,12 @@ def _sweep_plan(space: PathSpace, forward: bool):
         for li, leaf in enumerate(space.leaves):
             if leaf.kind == "other" or not leaf.size:
                 continue
-            near, far = (reduced(leaf.dst)[0], reduced(leaf.src)[0])[:: 1 if forward else -1]
+            near, far = (idx[li].dst_r, idx[li].src_r)[:: 1 if forward else -1]
             if not at[near].any():
                 continue
             for out, mask, use in ((parts, ok, True), (lateral, at, leaf.kind == "weight")):
                 if use and mask[far].any():
-                    mask = None if mask[far].all() else mask
-                    out.append((li, mask if mask is None else np.array(mask)))
+                    out.append((li, None if mask[far].all() else np.array(mask)))
         if parts or lateral:
             plan.append((at, tuple(parts), tuple(lateral)))
     return tuple(plan)
@@ -196,12 +195,12 @@ def frame_level(space: PathSpace) -> np.ndarray:
     setting, so that it is the same constant in every process.
     """
     ref = []  # 1 / sqrt(fan_in) as a small array broadcasting to the leaf: O(nodes), not O(params)
-    for leaf in space.leaves:
+    for leaf, li in zip(space.leaves, skeleton(space).leaves, strict=True):
         if leaf.kind != "weight":
             ref.append(np.zeros((1,) * len(leaf.shape), np.float32))
             continue
         # per layer for a leaf stacked over layers (``nn.scan``): each slice is initialised as its own kernel
-        dst, axes = reduced(leaf.dst)
+        dst, axes = li.dst_r, li.dst_sum_axes
         stacked = leaf.stacked is not None
         per_node = np.prod([leaf.shape[k] for k in axes if k > 0 or not stacked], dtype=np.int64)
         fan_in = np.stack([np.bincount(d.ravel(), minlength=space.num_nodes)[d] for d in (dst if stacked else [dst])])

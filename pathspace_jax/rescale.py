@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pathspace_jax.exact import pow2
-from pathspace_jax.graph import PathSpace, pin_hint
+from pathspace_jax.graph import PathSpace, pin_hint, reduced
 
 __all__ = ["rescale", "random_alphas", "random_rescale", "describe", "node_vector"]
 
@@ -71,7 +71,7 @@ def rescale(space: PathSpace, params, alphas: Sequence[Any]):
         if spec.kind == "other":
             out.append(w)
         else:
-            factor = a[spec.dst] / a[spec.src]
+            factor = a[reduced(spec.dst)[0]] / a[reduced(spec.src)[0]]  # small arrays: no index per entry
             out.append(w * factor.astype(w.dtype))
     return space.unflatten_like(params, out)
 
