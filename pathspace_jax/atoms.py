@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 # ---------------------------------------------------------------------------
 # Atoms: a union-find over axis labels.
@@ -146,3 +147,4 @@ class Val:
     zero: bool = False
     scalars: list[int] = dataclasses.field(default_factory=list)  # atoms of squeezed size-1 axes
     random: bool = False  # a constant computed from random numbers (a dropout mask, a PRNG key)
+    id: Any = None  # the value's id in the recorded program (`pathspace_jax.ir`), or ("lit", value)

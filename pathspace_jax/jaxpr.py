@@ -189,6 +189,35 @@ def primitive_names(j) -> set[str]:
     return out
 
 
+def equations(fn, specs: Sequence, ins: Sequence, new_id) -> tuple[list[tuple], list]:
+    """The equations of ``fn`` traced at ``specs`` (calls entered), on value ids: ``ins`` for its inputs,
+    ``new_id()`` for every result, ``("lit", value)`` for literals. Returns the equations as
+    ``(primitive, params, ins, outs, source)`` and the ids of ``fn``'s results."""
+    cj = jax.make_jaxpr(fn)(*specs)
+    if cj.consts:
+        raise ValueError("equations: fn must not close over arrays")
+    out: list[tuple] = []
+
+    def walk(j, env_ins):
+        env = dict(zip(j.invars, env_ins, strict=True))
+
+        def read(x):
+            return ("lit", literal_value(x)) if is_literal(x) else env[x]
+
+        for e in j.eqns:
+            args = [read(x) for x in e.invars]
+            sub = call_body(e)
+            if sub is not None and not sub.consts:
+                env.update(zip(e.outvars, walk(sub.jaxpr, args), strict=True))
+                continue
+            outs = [new_id() for _ in e.outvars]
+            env.update(zip(e.outvars, outs, strict=True))
+            out.append((e.primitive, dict(e.params), args, outs, e))
+        return [read(x) for x in j.outvars]
+
+    return out, walk(cj.jaxpr, list(ins))
+
+
 class Scan(NamedTuple):
     """A ``scan`` equation: operands are ``consts + carry + xs``, results ``carry + ys``."""
 

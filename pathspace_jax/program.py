@@ -1,17 +1,17 @@
-"""The flat program of a traced function: its jaxpr flattened once, shared by the |·|^p network, DDP's forward
-pass and DDP-Normalization.
+"""The flat program of a traced function, shared by the |·|^p network, DDP's forward pass and
+DDP-Normalization.
 
-`program` re-traces ``space.fn`` at given shapes and flattens its jaxpr (read through
-`pathspace_jax.jaxpr`, calls inlined) into a list of equations on integer variable ids, each variable of
-kind ``"param"`` (a view of the parameters), ``"act"`` (depends on the inputs) or ``"const"``. A ``scan`` is
-kept as one equation with its flattened body (its carry kinds iterated to a fixed point). It also marks the
-*node* pre-activations that DDP's recursion mixes statistics into: a value produced by a parameterised linear
-map (possibly plus biases, residual branches and constant factors) that is used by anything else (a ReLU,
-the next layer, two consumers, the function's output); every output of the function is a node.
-Values in node groups that `pathspace_jax.trace` pins (found by running its interpreter on the same
-jaxpr, `pathspace_jax.trace.boundary_sites`) make the boundary: pinned nodes are *sinks* and what is
-computed from them *boundary values* (`_find_boundary`). Integer inputs are token ids, and a gather of
-a parameter by them an embedding lookup (the |·|^p network looks it up: `pathspace_jax.squared`).
+`program` re-traces ``space.fn`` at given shapes and runs the interpreter on its jaxpr once
+(`pathspace_jax.trace.record`), which records the equations it runs on integer value ids (calls inlined, a
+scan over layers once per layer: `pathspace_jax.ir`) and flags the values in node groups it pins. `_finish`
+gives each value its kind, ``"param"`` (a view of the parameters), ``"act"`` (depends on the inputs) or
+``"const"``; a recurrence is kept as one ``scan`` equation with its finished body (its carry kinds iterated
+to a fixed point). It also marks the *node* pre-activations that DDP's recursion mixes statistics into: a
+value produced by a parameterised linear map (possibly plus biases, residual branches and constant factors)
+that is used by anything else (a ReLU, the next layer, two consumers, the function's output); every output
+of the function is a node. The flagged values make the boundary: pinned nodes are *sinks* and what is
+computed from them *boundary values* (`_find_boundary`). Integer inputs are token ids, and a gather of a
+parameter by them an embedding lookup (the |·|^p network looks it up: `pathspace_jax.squared`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -27,8 +26,9 @@ import numpy as np
 
 from pathspace_jax import jaxpr as jx
 from pathspace_jax.graph import PathSpace
+from pathspace_jax.ir import Eqn, Frame, Program
 from pathspace_jax.rules import rule
-from pathspace_jax.trace import boundary_sites
+from pathspace_jax.trace import record
 
 # The scans that κ and γ² add run a recurrence step by step, often at a tiny size (Path-SGD's |·|^p network on
 # one all-ones example), where a GPU spends most of a loop iteration launching it: they are unrolled by up to
@@ -51,52 +51,14 @@ def nbytes(tree) -> int:
     return sum(int(np.prod(jnp.shape(a), dtype=np.int64)) * jnp.result_type(a).itemsize for a in jax.tree.leaves(tree))
 
 
-@dataclasses.dataclass
-class Eqn:
-    prim: Any
-    params: dict
-    ins: list  # var ids, or ("lit", value)
-    outs: list[int]
-    where: str
-    scan: jx.Scan | None = None  # for a scan: its operand split, length, direction
-    body: Program | None = None  # for a scan: its flattened body (in_ids: consts, carry, xs)
-
-
-@dataclasses.dataclass
-class Program:
-    eqns: list[Eqn]
-    n_params: int
-    in_ids: list[int]  # param ids then input ids
-    out_ids: list  # var ids or ("lit", value)
-    consts: dict[int, Any]
-    kinds: dict[int, str]  # "act" | "param" | "const"
-    nodes: list[int]  # var ids that are node pre-activations (in order of finalisation)
-    outputs: list[int]  # var ids of the function's outputs that are nodes
-    who: str = "path_kappa"  # the public function errors are reported for
-    err: type = ValueError  # the error it raises
-    pinned: set[int] = dataclasses.field(default_factory=set)  # act vars in a boundary group (from trace)
-    sinks: list[int] = dataclasses.field(default_factory=list)  # pinned nodes: paths end here (`_find_boundary`)
-    bnd: set[int] = dataclasses.field(default_factory=set)  # other boundary values: 1 in the |·|^p network
-    lookups: set[int] = dataclasses.field(default_factory=set)  # results of embedding lookups (`_lookup`)
-    fixed: set[int] = dataclasses.field(default_factory=set)  # params combined into fixed coefficients (trace)
-
-    def edge_param(self, x) -> bool:
-        """Whether operand ``x`` is a parameter as an edge tensor: a view of one params leaf, not a
-        combination of leaves into fixed coefficients (a kernel concatenated from two, ``fixed``)."""
-        return not isinstance(x, tuple) and self.kinds[x] == "param" and x not in self.fixed
-
-    def is_edge(self, e) -> bool:
-        """Whether equation ``e`` is an edge product: a dot or convolution with an edge parameter operand."""
-        return e.prim.name in ("dot_general", "conv_general_dilated") and any(map(self.edge_param, e.ins))
-
-
 def _join(a: str, b: str) -> str:
     order = {"const": 0, "param": 1, "act": 2}
     return a if order[a] >= order[b] else b
 
 
-def _flatten(
-    closed: jx.ClosedJaxpr,
+def _finish(
+    frame: Frame,
+    flags: dict,
     n_params: int,
     *,
     who: str,
@@ -104,170 +66,102 @@ def _flatten(
     allow_scan: bool = False,
     inline_custom: bool = False,
     in_kinds: Sequence[str] | None = None,
-    sites: dict | None = None,
-    prefix: tuple = (),
     in_pinned: Sequence[bool] | None = None,
+    int_inputs: Sequence[bool] = (),
 ) -> Program:
-    """Flatten ``closed`` (calls inlined, layer stacks unrolled: `_unroll_layers`) into a `Program`. ``allow_scan``
-    keeps each other ``scan`` as one equation whose ``body`` is the flattened body (its in_ids: consts, carry, xs;
-    carry kinds joined with the body's carry outputs); otherwise scan, while and cond raise ``err``.
-    ``inline_custom`` enters every ``custom_jvp``/``custom_vjp`` call (``jax.nn.relu`` becomes a plain ``max``).
-    ``in_kinds`` overrides the kinds of the inputs. ``sites`` (`pathspace_jax.trace.boundary_sites` of ``closed``;
-    ``prefix``: this jaxpr's key there) flags the values in boundary groups, ``in_pinned`` a scan body's inputs."""
-    counter = iter(range(10**9))
+    """The `Program` of a recorded ``frame`` (`pathspace_jax.trace.record`; ``flags`` its values' flags): each
+    value's kind, the values in boundary groups, the nodes and the boundary. ``allow_scan`` keeps each recorded
+    ``scan`` as one equation whose ``body`` is the finished body (its in_ids: consts, carry, xs; carry kinds
+    joined with the body's carry outputs); otherwise scan, while and cond raise ``err``. ``inline_custom``
+    enters every ``custom_jvp``/``custom_vjp`` call (``jax.nn.relu`` becomes a plain ``max``); otherwise
+    ReLU-like ones are kept whole (`_kept_whole`). ``in_kinds`` overrides the kinds of the inputs (a scan
+    body's), ``in_pinned`` their flags; ``int_inputs`` marks the inputs that are token ids."""
     eqns: list[Eqn] = []
-    consts: dict[int, Any] = {}
-    kinds: dict[int, str] = {}
+    kinds: dict[int, str] = dict.fromkeys(frame.consts, "const")
     pinned: set[int] = set()
     tokens: set[int] = set()  # integer values computed from integer inputs (token ids), of kind "const"
     lookups: set[int] = set()
     fixed: set[int] = set()
-    sites = sites or {}
+    in_ids = frame.in_ids
 
     def kind_of(x):
         return "const" if isinstance(x, tuple) else kinds[x]
 
-    def as_var(x):  # a literal as a constant variable (a call's operand or result)
-        if isinstance(x, tuple):
-            i = next(counter)
-            consts[i], kinds[i] = x[1], "const"
-            return i
-        return x
-
-    def walk(jaxpr, const_vals, in_ids, prefix):
-        env = {}
-        for v, c in zip(jaxpr.constvars, const_vals, strict=False):
-            i = next(counter)
-            consts[i], kinds[i], env[v] = c, "const", i
-        for v, i in zip(jaxpr.invars, in_ids, strict=False):
-            env[v] = i
-
-        def read(x):
-            return ("lit", jx.literal_value(x)) if jx.is_literal(x) else env[x]
-
-        for idx, e in enumerate(jaxpr.eqns):
-            key = prefix + (idx,)
-            flags = sites.get(key, ())
-            ins = [read(x) for x in e.invars]
-            ks = [kind_of(x) for x in ins]
-            sub = jx.call_body(e)
-            name = e.primitive.name
-            if name == "scan" and sites.get(key + ("layers",)):
-                for v, o in zip(e.outvars, _unroll_layers(e, [as_var(x) for x in ins], key, walk, as_var), strict=True):
-                    env[v] = as_var(o)
+    def walk(raw: list[Eqn]) -> None:
+        for e in raw:
+            ks = [kind_of(x) for x in e.ins]
+            name = e.prim.name
+            if e.inner is not None and (inline_custom or not _kept_whole(e, ks)):
+                walk(e.inner)
                 continue
             if name == "scan" and allow_scan:
-                ins_pinned = [not isinstance(x, tuple) and x in pinned for x in ins]
-                outs, scan_eqn = _flatten_scan(e, ins, ks, kinds, counter, who, err, inline_custom, sites, key,
-                                               ins_pinned)  # fmt: skip
-                eqns.append(scan_eqn)
-                for j, (v, o) in enumerate(zip(e.outvars, outs, strict=True)):
-                    env[v] = o
-                    if _flag(flags, j) is True:
-                        pinned.add(o)
+                eqns.append(_finish_scan(e, ks, kinds, pinned, flags, who, err, inline_custom))
                 continue
             if name in ("scan", "while", "cond"):
                 raise err(
-                    f"{who}: {name} at {jx.where(e)} is not supported: DDP-SGD's closed-form κ holds for "
+                    f"{who}: {name} at {e.where} is not supported: DDP-SGD's closed-form κ holds for "
                     "feed-forward networks, where every path uses a parameter at most once (a recurrent kernel "
                     "is used at every time step, so γ²_net is not quadratic in it)."
                 )
-            if sub is not None and not (not inline_custom and _kept_whole(name, sub, ks)):
-                outs = walk(sub.jaxpr, sub.consts, [as_var(x) for x in ins], key)
-                for v, o in zip(e.outvars, outs, strict=False):
-                    env[v] = as_var(o)
-                continue
-            outs = []
             k = "act" if "act" in ks else "param" if "param" in ks else "const"
-            from_tokens = any(not isinstance(x, tuple) and x in tokens for x in ins)
+            from_tokens = any(not isinstance(x, tuple) and x in tokens for x in e.ins)
             lookup = from_tokens and name == "gather" and ks[0] == "param"
             if lookup:
-                k = "act"  # an embedding lookup: the one-hot input times the table (`_lookup`)
-            for j, v in enumerate(e.outvars):
-                i = next(counter)
-                env[v], kinds[i] = i, k
-                outs.append(i)
-                if _flag(flags, j) is True and k == "act":
+                k = "act"  # an embedding lookup: the one-hot input times the table (`pathspace_jax.squared`)
+            for i in e.outs:
+                kinds[i] = k
+                if flags.get(i) is True and k == "act":
                     pinned.add(i)
-                elif _flag(flags, j) == "const" and k == "param":
+                elif flags.get(i) == "const" and k == "param":
                     fixed.add(i)  # parameters combined into fixed coefficients (not an edge)
                 if lookup:
                     lookups.add(i)
                 elif from_tokens and k == "const":
                     tokens.add(i)
-            eqns.append(Eqn(e.primitive, dict(e.params), ins, outs, jx.where(e)))
-        return [read(x) for x in jaxpr.outvars]
+            eqns.append(dataclasses.replace(e, inner=None))
 
-    top = closed.jaxpr
-    in_ids = [next(counter) for _ in top.invars]
     for j, i in enumerate(in_ids):
         kinds[i] = in_kinds[j] if in_kinds is not None else "param" if j < n_params else "act"
-    if in_kinds is None:  # integer inputs are token ids: constants that select embedding rows
-        for i, aval in zip(in_ids[n_params:], jx.in_avals(closed)[n_params:], strict=True):
-            if jnp.issubdtype(aval.dtype, jnp.integer):
-                kinds[i] = "const"
-                tokens.add(i)
-    in_flags = in_pinned if in_pinned is not None else [False] * n_params + list(sites.get(("in",), ()))
-    pinned.update(i for i, f in zip(in_ids, in_flags, strict=False) if f is True and kinds[i] == "act")
-    out_ids = walk(top, closed.consts, in_ids, prefix)
-    prog = Program(eqns, n_params, in_ids, out_ids, consts, kinds, [], [], who, err, pinned, lookups=lookups,
-                   fixed=fixed)  # fmt: skip
+    for i, is_int in zip(in_ids[n_params:], int_inputs, strict=False):  # token ids select embedding rows
+        if is_int:
+            kinds[i] = "const"
+            tokens.add(i)
+    in_flags = in_pinned if in_pinned is not None else [flags.get(i) for i in in_ids]
+    pinned.update(i for i, f in zip(in_ids, in_flags, strict=True) if f is True and kinds[i] == "act")
+    walk(frame.eqns)
+    prog = Program(eqns, n_params, in_ids, frame.out_ids, frame.consts, kinds, [], [], who, err, pinned,
+                   lookups=lookups, fixed=fixed)  # fmt: skip
     _find_boundary(prog, _find_nodes(prog, body=in_kinds is not None))
     return prog
 
 
-def _unroll_layers(e, ins, key, walk, as_var) -> list:
-    """A scan that slices params along its axis (`trace` marks these layer stacks), for `_flatten`: its body
-    inlined once per layer (``walk``, `_flatten`'s walker; ``as_var`` its literal-to-constant), layer i reading
-    slice i of every ``xs`` and flagged on its own (``key + (i,)``); the ``ys`` stacked back. Each layer's nodes
-    and boundaries are then those of the network written as a loop."""
-    sc = jx.scan(e)
-    nc, nk = sc.num_consts, sc.num_carry
-    carry, xs = ins[nc : nc + nk], ins[nc + nk :]
-    avals = jx.in_avals(sc.body)[nc + nk :]
-    ys: dict[int, list] = {}
-    for layer in reversed(range(sc.length)) if sc.reverse else range(sc.length):
-        sliced = []
-        for k, (x, a) in enumerate(zip(xs, avals, strict=True)):
-            part = jax.make_jaxpr(lambda v, i=layer: v[i])(jax.ShapeDtypeStruct((sc.length, *a.shape), a.dtype))
-            sliced += walk(part.jaxpr, part.consts, [x], key + ("slice", layer, k))
-        outs = walk(sc.body.jaxpr, sc.body.consts, ins[:nc] + carry + [as_var(x) for x in sliced], key + (layer,))
-        carry, ys[layer] = [as_var(o) for o in outs[:nk]], [as_var(o) for o in outs[nk:]]
-    stacked = []
-    for j, a in enumerate(jx.out_avals(sc.body)[nk:]):
-        spec = jax.ShapeDtypeStruct(a.shape, a.dtype)
-        stack = jax.make_jaxpr(lambda *v: jnp.concatenate([x[None] for x in v]))(*[spec] * sc.length)
-        stacked += walk(stack.jaxpr, stack.consts, [ys[layer][j] for layer in range(sc.length)], key + ("y", j))
-    return carry + stacked
-
-
-def _flag(flags, j):
-    """The `pathspace_jax.trace.boundary_sites` flag of output ``j`` (False where there is none)."""
-    return flags[j] if j < len(flags) else False
-
-
-def _kept_whole(name: str, sub, ks) -> bool:
+def _kept_whole(e: Eqn, ks) -> bool:
     """Whether a custom_jvp/custom_vjp call is kept as one equation (not entered): ReLU-like code (``jax.nn.relu``)
-    whose primitives the |·|^p network evaluates as they are, without sums and without parameters."""
+    whose primitives the |·|^p network evaluates as they are, without sums and without parameters, and whose
+    results its body computes."""
+
+    def names(eqns):
+        return {n for x in eqns for n in (names(x.inner) if x.inner is not None else {x.prim.name})}
+
+    made = {o for x in e.inner for o in x.outs}
     return (
-        name.startswith("custom_")
-        and "param" not in ks
-        and all(rule(n).as_is and not rule(n).sums for n in jx.primitive_names(sub))
+        "param" not in ks
+        and all(not isinstance(o, tuple) and o in made for o in e.outs)
+        and all(rule(n).as_is and not rule(n).sums for n in names(e.inner))
     )
 
 
-def _flatten_scan(e, ins, ks, kinds, counter, who, err, inline_custom, sites, key, ins_pinned):
-    """One ``scan`` equation: flatten its body (carry kinds iterated to a fixed point), append it."""
-    sc = jx.scan(e)
+def _finish_scan(e: Eqn, ks, kinds, pinned, flags, who, err, inline_custom) -> Eqn:
+    """A recorded recurrence (``scan``): its body finished with the carry kinds iterated to a fixed point."""
+    sc = e.scan
     nc, ncar = sc.num_consts, sc.num_carry
     in_k = list(ks)
-    flags = sites.get(key, ())
-    in_p = list(ins_pinned)  # a carry is pinned where its result is (trace ties their atoms)
-    for j in range(ncar):
-        in_p[nc + j] = _flag(flags, j) is True
+    in_p = [not isinstance(x, tuple) and x in pinned for x in e.ins]
+    for j in range(ncar):  # a carry is pinned where its result is (trace ties their atoms)
+        in_p[nc + j] = flags.get(e.outs[j]) is True
     for _ in range(len(in_k) + 2):
-        bp = _flatten(sc.body, 0, who=who, err=err, allow_scan=True, inline_custom=inline_custom, in_kinds=in_k,
-                      sites=sites, prefix=key, in_pinned=in_p)  # fmt: skip
+        bp = _finish(e.body, flags, 0, who=who, err=err, allow_scan=True, inline_custom=inline_custom,
+                     in_kinds=in_k, in_pinned=in_p)  # fmt: skip
         out_k = [("const" if isinstance(x, tuple) else bp.kinds[x]) for x in bp.out_ids]
         new_k = list(in_k)
         for j in range(ncar):
@@ -275,12 +169,11 @@ def _flatten_scan(e, ins, ks, kinds, counter, who, err, inline_custom, sites, ke
         if new_k == in_k:
             break
         in_k = new_k
-    outs = []
-    for j, _v in enumerate(e.outvars):
-        i = next(counter)
-        kinds[i] = in_k[nc + j] if j < ncar else out_k[j]
-        outs.append(i)
-    return outs, Eqn(e.primitive, dict(e.params), ins, outs, jx.where(e), scan=sc, body=bp)
+    for j, o in enumerate(e.outs):
+        kinds[o] = in_k[nc + j] if j < ncar else out_k[j]
+        if flags.get(o) is True:
+            pinned.add(o)
+    return dataclasses.replace(e, body=bp)
 
 
 def _find_nodes(prog: Program, body: bool = False) -> set[int]:
@@ -375,7 +268,7 @@ def program(space: PathSpace, param_key: tuple, input_key: tuple, **flatten_opti
     """The flat program of ``space.fn`` at these (shape, dtype) keys (cached: a `PathSpace` is hashable).
 
     ``flatten_options``: ``who`` and ``err`` (the public function and the error it raises), ``allow_scan``,
-    ``inline_custom`` (see `_flatten`).
+    ``inline_custom`` (see `_finish`).
     """
     param_specs = [jax.ShapeDtypeStruct(s, d) for s, d in param_key]
     input_specs = [jax.ShapeDtypeStruct(s, d) for s, d in input_key]
@@ -385,8 +278,9 @@ def program(space: PathSpace, param_key: tuple, input_key: tuple, **flatten_opti
         return space.fn(jax.tree_util.tree_unflatten(space.treedef, ps), *jax.tree_util.tree_unflatten(args_def, xs))
 
     closed = jax.make_jaxpr(f)(param_specs, input_specs)
-    sites = boundary_sites(closed, len(param_specs), [leaf.path for leaf in space.leaves])
-    return _flatten(closed, len(param_specs), sites=sites, **flatten_options)
+    frame, flags = record(closed, len(param_specs), [leaf.path for leaf in space.leaves])
+    int_inputs = [jnp.issubdtype(s.dtype, jnp.integer) for s in input_specs]
+    return _finish(frame, flags, len(param_specs), int_inputs=int_inputs, **flatten_options)
 
 
 def bind(e: Eqn, vals) -> list:

@@ -30,6 +30,7 @@ from pathspace_jax.graph import (
     pin_hint,
     reduced,
 )
+from pathspace_jax.ir import Frame
 from pathspace_jax.skeleton import choose_by_value
 from pathspace_jax.tracer import Interpreter
 
@@ -151,9 +152,14 @@ def _interpret(closed, param_specs, input_specs, paths) -> Interpreter:
         else:
             is_key = jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key)
             in_vals.append(Val(CONST, interp.fresh(a.shape, input=True), random=is_key))
-    interp.sites[("in",)] = [interp.all_atoms(v) if v.kind == ACT else None for v in in_vals[n_leaves:]]
+    rec = interp.rec
+    in_vals = [dataclasses.replace(v, id=rec.new()) for v in in_vals]
+    rec.top.in_ids = [v.id for v in in_vals]
+    for v in in_vals[n_leaves:]:
+        rec.notes[v.id] = interp.all_atoms(v) if v.kind == ACT else None
     consts = [interp.const_val(c) for c in closed.consts]
     outs = interp.run(closed.jaxpr, consts, in_vals)
+    rec.top.out_ids = [v.id for v in outs]
     interp.eqn = None
     interp.settle()
     for v in outs:
@@ -177,16 +183,16 @@ def _interpret(closed, param_specs, input_specs, paths) -> Interpreter:
     return interp
 
 
-def boundary_sites(closed, n_params: int, paths: Sequence[str]) -> dict[tuple, tuple[bool | str, ...]]:
-    """Which values of ``closed`` lie in a node group that is not positively homogeneous.
+def record(closed, n_params: int, paths: Sequence[str]) -> tuple[Frame, dict[int, bool | str]]:
+    """The flat program of ``closed`` as the interpreter records it (`pathspace_jax.ir`), and which of its
+    values lie in a node group that is not positively homogeneous.
 
-    ``closed`` is a jaxpr of ``(param leaves..., input leaves...)`` (as `pathspace_jax.squared` makes
-    it). The interpreter is run on it, and for every equation (keyed by the chain of equation indices
-    through calls and loop bodies; the inputs under ``("in",)``) each output gets a flag: True where the
-    value's node axis belongs to a pinned group, or to an output group that meets an operation that is
-    not positively homogeneous (a tanh head), or where fixed coefficients produce or read it (a kernel
-    concatenated from parameters); ``"const"`` for a value that depends on no input (parameters combined
-    into fixed coefficients included). Path-SGD and DDP-SGD treat the flagged values as boundaries.
+    ``closed`` is a jaxpr of ``(param leaves..., input leaves...)`` (as `pathspace_jax.program` makes it). The
+    interpreter runs on it once, and every recorded value gets a flag: True where its node axis belongs to a
+    pinned group, or to an output group that meets an operation that is not positively homogeneous (a tanh
+    head), or where fixed coefficients produce or read it (a kernel concatenated from parameters); ``"const"``
+    for a value that depends on no input (parameters combined into fixed coefficients included). Path-SGD and
+    DDP-SGD treat the flagged values as boundaries.
     """
     avals = jx.in_avals(closed)
     specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
@@ -200,7 +206,7 @@ def boundary_sites(closed, n_params: int, paths: Sequence[str]) -> dict[tuple, t
             return al
         return al is not None and any(atoms.find(r) in roots for r in _resolve_alias_roots(atoms, al))
 
-    return {k: tuple(flag(a) for a in v) for k, v in interp.sites.items()}
+    return interp.rec.top, {i: flag(a) for i, a in interp.rec.notes.items()}
 
 
 def _resolve_alias_roots(atoms: Atoms, xs: Sequence[int]) -> list[int]:

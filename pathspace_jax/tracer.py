@@ -23,18 +23,26 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from pathspace_jax import jaxpr as jx
 from pathspace_jax import rules
 from pathspace_jax.atoms import ACT, CONST, PARAM, Atoms, Val
+from pathspace_jax.ir import Eqn, Recorder
 from pathspace_jax.shape_rules import ShapeRules
+
+
+class Recorded(list):
+    """A rule's results that are recorded already (a call's body inlined, a scan): `Interpreter.run` keeps
+    their ids and records nothing more for the equation."""
 
 
 class Interpreter(ShapeRules):
     """The abstract interpreter behind `pathspace_jax.trace`: runs a jaxpr on `Val`s, one rule per equation
-    (`pathspace_jax.rules` says which), unifying and pinning atoms; records every equation's output atoms by
-    site (the chain of equation indices through calls and loop bodies) for `pathspace_jax.squared`."""
+    (`pathspace_jax.rules` says which), unifying and pinning atoms; records every equation it runs, with its
+    results' atoms, in ``rec`` (`pathspace_jax.ir.Recorder`): the flat program, in the same pass."""
 
     def __init__(self, leaf_paths: Sequence[str]):
         self.atoms = Atoms()
@@ -45,12 +53,9 @@ class Interpreter(ShapeRules):
         self.step = 0
         self.eqn = None
         self.callers: list = []  # the call equations being run (`run_closed`), outermost first
-        # the atoms of every equation's outputs, keyed by the chain of equation indices through calls and
-        # loop bodies (``site``); `boundary_sites` turns them into pinned flags for `pathspace_jax.squared`
-        self.site: tuple = ()
-        self.sites: dict[tuple, list[list[int] | str | None]] = {}
+        self.rec = Recorder()
         # atoms of values that fixed coefficients produce (pinned, though not always a node group): the |·|^p
-        # network and DDP treat those values as boundaries (`pathspace_jax.trace.boundary_sites`)
+        # network and DDP treat those values as boundaries (`pathspace_jax.trace.record`)
         self.fixed: list[int] = []
         self.deferred: list[tuple[list[int], list[int], str, bool]] = []  # `defer`, settled by `settle`
         # layer i's slice of a params leaf that a scan slices (`layer_slice`): a leaf of its own, after the real ones
@@ -112,7 +117,7 @@ class Interpreter(ShapeRules):
     def read(self, env, x) -> Val:
         if jx.is_literal(x):
             val = jx.literal_value(x)
-            return Val(CONST, self.fresh(np.shape(val)), zero=not np.any(val))
+            return Val(CONST, self.fresh(np.shape(val)), zero=not np.any(val), id=("lit", val))
         return env[x]
 
     def run(self, jaxpr: jx.Jaxpr, consts: Sequence[Val], args: Sequence[Val]) -> list[Val]:
@@ -121,23 +126,29 @@ class Interpreter(ShapeRules):
             env[var] = val
         for var, val in zip(jaxpr.invars, args):
             env[var] = val
-        prefix = self.site
-        for idx, eqn in enumerate(jaxpr.eqns):
+        for eqn in jaxpr.eqns:
             self.eqn = eqn
             self.step += 1
-            self.site = prefix + (idx,)
             ins = [self.read(env, x) for x in eqn.invars]
             outs = self.apply(eqn, ins)
             if any(v.random for v in ins):
                 self.randomness(ins, outs)
+            if not isinstance(outs, Recorded):
+                outs = self.record(eqn, ins, outs)
             for var, val in zip(eqn.outvars, outs):
                 shape = getattr(var.aval, "shape", ())
                 assert len(val.axes) == len(shape), (eqn.primitive.name, val.axes, shape)
                 env[var] = val
-            self.sites[self.site] = [self.all_atoms(v) if v.kind == ACT else "const" if v.kind == CONST else None
-                                     for v in outs]  # fmt: skip
-        self.site = prefix
         return [self.read(env, x) for x in jaxpr.outvars]
+
+    def record(self, eqn, ins: Sequence[Val], outs: Sequence[Val], **extra) -> Recorded:
+        """Record ``eqn`` in the flat program (`pathspace_jax.ir`): its results get fresh ids, and their atoms
+        are noted for the flags that `pathspace_jax.trace.record` derives."""
+        outs = [dataclasses.replace(v, id=self.rec.new()) for v in outs]
+        for v in outs:
+            self.rec.notes[v.id] = self.all_atoms(v) if v.kind == ACT else "const" if v.kind == CONST else None
+        self.rec.emit(Eqn(eqn.primitive, dict(eqn.params), [v.id for v in ins], [v.id for v in outs], eqn, **extra))
+        return Recorded(outs)
 
     def run_closed(self, cj: jx.ClosedJaxpr, args: Sequence[Val]) -> list[Val]:
         """Run a sub-jaxpr (``self.eqn`` is restored afterwards: reasons name the calling equation's line)."""
@@ -154,7 +165,7 @@ class Interpreter(ShapeRules):
             zero = not np.any(np.asarray(c))
         except Exception:
             zero = False
-        return Val(CONST, self.fresh(shape), zero=zero)
+        return Val(CONST, self.fresh(shape), zero=zero, id=self.rec.const(c))
 
     # -- dispatch ------------------------------------------------------------
     def apply(self, eqn, ins: list[Val]) -> list[Val]:
@@ -175,8 +186,20 @@ class Interpreter(ShapeRules):
             return [Val(CONST, self.fresh(v.aval.shape)) for v in eqn.outvars]
         sub = jx.call_body(eqn)  # jit, custom_jvp_call, custom_vjp_call, checkpoint, ...: entered
         if sub is not None:
-            return self.run_closed(sub, ins)
+            return self.enter(eqn, sub, ins)
         return self.unknown(eqn, ins)
+
+    def enter(self, eqn, sub: jx.ClosedJaxpr, ins: list[Val]) -> Recorded:
+        """A call, inlined. A ``custom_jvp``/``custom_vjp`` call is also recorded as one equation holding its
+        body's equations (`pathspace_jax.program` keeps ReLU-like ones whole where their derivative matters)."""
+        if not eqn.primitive.name.startswith("custom_"):
+            return Recorded(self.run_closed(sub, ins))
+        frame = self.rec.push(consts_of_caller=True)
+        outs = self.run_closed(sub, ins)
+        self.rec.pop()
+        self.rec.emit(Eqn(eqn.primitive, dict(eqn.params), [v.id for v in ins], [v.id for v in outs], eqn,
+                          inner=frame.eqns))  # fmt: skip
+        return Recorded(outs)
 
     def randomness(self, ins: Sequence[Val], outs: Sequence[Val]) -> None:
         """Random numbers reach the network (dropout, noise): the groups they touch are pinned, since κ, path
@@ -499,10 +522,10 @@ class Interpreter(ShapeRules):
     # -- control flow ---------------------------------------------------------------
     def _carry_in(self, v: Val) -> Val:
         if v.kind == CONST:
-            return Val(ACT, [list(ax) for ax in v.axes]) if v.zero else v
+            return Val(ACT, [list(ax) for ax in v.axes], id=v.id) if v.zero else v
         if v.kind == PARAM:
             self.mark_other(v, "carried through a loop")
-            return Val(CONST, [list(ax) for ax in v.axes])
+            return Val(CONST, [list(ax) for ax in v.axes], id=v.id)
         return v
 
     def _tie_carry(self, init: Sequence[Val], carry_in: Sequence[Val], carry_out: Sequence[Val]):
@@ -528,30 +551,36 @@ class Interpreter(ShapeRules):
 
     def _layer_stack(self, sc, consts, init, xs):
         """A scan that slices params leaves along its axis (``nn.scan`` over layers, with or without remat) is a
-        stack of distinct layers, not a recurrence: the body runs once per layer, with layer i's slices as leaves
-        of their own, and each layer's carry feeds the next (their groups are not tied). Returns the last carry
-        and the per-step outputs (``ys``), their atoms tied across the layers."""
-        nk, site = len(init), self.site
-        self.sites[site + ("layers",)] = ["layers"]  # `pathspace_jax.program` inlines the body once per layer
-        carry, per_layer = [self._carry_in(v) for v in init], []
+        stack of distinct layers, not a recurrence: the body runs (and is recorded) once per layer, with layer
+        i's slices as leaves of their own, and each layer's carry feeds the next (their groups are not tied).
+        Returns the last carry and the per-step outputs (``ys``, recorded stacked), their atoms tied across the
+        layers."""
+        nk = len(init)
+        x_avals, y_avals = jx.in_avals(sc.body)[len(consts) + nk :], jx.out_avals(sc.body)[nk:]
+        carry, per_layer = [self._carry_in(v) for v in init], {}
         for layer in reversed(range(sc.length)) if sc.reverse else range(sc.length):
-            self.site = site + (layer,)  # each layer's values are flagged on their own
             body_xs = []
-            for v in xs:
+            for v, a in zip(xs, x_avals, strict=True):
+                stacked = jax.ShapeDtypeStruct((sc.length, *a.shape), a.dtype)
+                (i,) = self.rec.inline(lambda x, i=layer: x[i], [stacked], [v.id])
                 if v.kind == PARAM:
                     leaf = self.layer_slice(v.leaf, layer)
-                    body_xs.append(Val(PARAM, [list(ax) for ax in self.leaf_axes[leaf]], leaf=leaf))
+                    body_xs.append(Val(PARAM, [list(ax) for ax in self.leaf_axes[leaf]], leaf=leaf, id=i))
                 else:
-                    body_xs.append(dataclasses.replace(v, axes=[list(ax) for ax in v.axes[1:]]))
+                    body_xs.append(dataclasses.replace(v, axes=[list(ax) for ax in v.axes[1:]], id=i))
             outs = self.run_closed(sc.body, list(consts) + carry + body_xs)
-            carry = [self._carry_in(v) for v in outs[:nk]]
-            per_layer.append(outs[nk:])
-        self.site = site
-        for vals in zip(*per_layer):
+            carry, per_layer[layer] = [self._carry_in(v) for v in outs[:nk]], outs[nk:]
+        ys = []
+        for j, a in enumerate(y_avals):
+            vals = [per_layer[layer][j] for layer in range(sc.length)]
             for v in vals[1:]:
-                for a, b in zip(vals[0].axes, v.axes, strict=True):
-                    self.atoms.unify(a, b, self.reason("stacked over the layers of a scan"))
-        return carry, list(per_layer[0]) if per_layer else []
+                for a0, b in zip(vals[0].axes, v.axes, strict=True):
+                    self.atoms.unify(a0, b, self.reason("stacked over the layers of a scan"))
+            spec = jax.ShapeDtypeStruct(a.shape, a.dtype)
+            (i,) = self.rec.inline(lambda *v: jnp.concatenate([x[None] for x in v]), [spec] * sc.length,
+                                   [v.id for v in vals])  # fmt: skip
+            ys.append(dataclasses.replace(vals[0], id=i))
+        return carry, ys
 
     def rule_scan(self, eqn, ins):
         sc = jx.scan(eqn)
@@ -562,9 +591,10 @@ class Interpreter(ShapeRules):
                 for f in self.atoms.factors(v.axes[0]):
                     self.atoms.position[f] = True
         sliced = [v for v in xs if v.kind == PARAM]
-        if sliced and all(v.axes == self.leaf_axes[v.leaf] for v in sliced):
+        layers = sliced and all(v.axes == self.leaf_axes[v.leaf] for v in sliced)
+        if layers:
             carry, ys = self._layer_stack(sc, consts, init, xs)
-        else:
+        else:  # a recurrence: its body recorded as a program of its own
             carry = [self._carry_in(v) for v in init]
             body_xs = []
             for v in xs:
@@ -573,25 +603,34 @@ class Interpreter(ShapeRules):
                     body_xs.append(Val(CONST, [list(ax) for ax in v.axes[1:]]))
                 else:
                     body_xs.append(dataclasses.replace(v, axes=[list(ax) for ax in v.axes[1:]]))
-            outs = self.run_closed(sc.body, list(consts) + carry + body_xs)
+            body = self.rec.push()
+            body_ins = [dataclasses.replace(v, id=self.rec.new()) for v in list(consts) + carry + body_xs]
+            body.in_ids = [v.id for v in body_ins]
+            outs = self.run_closed(sc.body, body_ins)
+            body.out_ids = [v.id for v in outs]
+            self.rec.pop()
             self._tie_carry(init, carry, outs[:nk])
             ys = outs[nk:]
         time = [self.atoms.new(sc.length, position=True)]
         ys = [dataclasses.replace(v, axes=[list(time)] + v.axes, kind=v.kind if v.kind != PARAM else CONST) for v in ys]
-        return carry + ys
+        return Recorded(carry + ys) if layers else self.record(eqn, ins, carry + ys, scan=sc, body=body)
 
     def rule_while(self, eqn, ins):
         w = jx.while_loop(eqn)
         cn, bn = w.cond_nconsts, w.body_nconsts
         bconsts, init = ins[cn : cn + bn], ins[cn + bn :]
         carry = [self._carry_in(v) for v in init]
+        self.rec.push()  # recorded as one equation (the programs refuse while loops)
         outs = self.run_closed(w.body, list(bconsts) + carry)
+        self.rec.pop()
         self._tie_carry(init, carry, outs)
         return carry
 
     def rule_cond(self, eqn, ins):
         ops = ins[1:]
+        self.rec.push()  # recorded as one equation (the programs refuse cond)
         results = [self.run_closed(br, ops) for br in jx.cond_branches(eqn)]
+        self.rec.pop()
         outs = []
         for vals in zip(*results):
             acts = [v for v in vals if v.kind == ACT]

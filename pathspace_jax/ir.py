@@ -1,0 +1,118 @@
+"""The flat program's form: equations on integer value ids (`Eqn`, `Program`), and the `Recorder` that the
+abstract interpreter (`pathspace_jax.tracer`) writes them with as it runs a jaxpr.
+
+The interpreter is the one walk over a traced function's equations: every equation it interprets is recorded
+once, calls inlined (a ``custom_jvp``/``custom_vjp`` call also kept as one equation with its body's equations,
+``inner``), a scan over layers once per layer, a recurrence as one ``scan`` equation whose ``body`` is a
+recording of its own. `pathspace_jax.program` turns the recording into the `Program` that the |·|^p network,
+the forward executor and DDP-Normalization run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any
+
+from pathspace_jax import jaxpr as jx
+
+
+@dataclasses.dataclass
+class Eqn:
+    prim: Any
+    params: dict
+    ins: list  # value ids, or ("lit", value)
+    outs: list[int]
+    source: Any = None  # the jaxpr equation it was read from (its source line: `where`)
+    scan: jx.Scan | None = None  # for a scan: its operand split, length, direction
+    body: Any = None  # for a scan: its body, a `Frame` as recorded, a `Program` once finished
+    inner: list[Eqn] | None = None  # for a custom_jvp/custom_vjp call: its body's equations, as recorded
+
+    @property
+    def where(self) -> str:
+        """The user's source line of the equation."""
+        return jx.where(self.source) if self.source is not None else jx.UNKNOWN_SOURCE
+
+
+@dataclasses.dataclass
+class Frame:
+    """What the interpreter records for one jaxpr: its input ids, equations, constants and output ids."""
+
+    in_ids: list[int] = dataclasses.field(default_factory=list)
+    eqns: list[Eqn] = dataclasses.field(default_factory=list)
+    consts: dict[int, Any] = dataclasses.field(default_factory=dict)
+    out_ids: list = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class Program:
+    eqns: list[Eqn]
+    n_params: int
+    in_ids: list[int]  # param ids then input ids
+    out_ids: list  # var ids or ("lit", value)
+    consts: dict[int, Any]
+    kinds: dict[int, str]  # "act" | "param" | "const"
+    nodes: list[int]  # var ids that are node pre-activations (in order of finalisation)
+    outputs: list[int]  # var ids of the function's outputs that are nodes
+    who: str = "path_kappa"  # the public function errors are reported for
+    err: type = ValueError  # the error it raises
+    pinned: set[int] = dataclasses.field(default_factory=set)  # act vars in a boundary group (from trace)
+    sinks: list[int] = dataclasses.field(default_factory=list)  # pinned nodes: paths end here
+    bnd: set[int] = dataclasses.field(default_factory=set)  # other boundary values: 1 in the |·|^p network
+    lookups: set[int] = dataclasses.field(default_factory=set)  # results of embedding lookups
+    fixed: set[int] = dataclasses.field(default_factory=set)  # params combined into fixed coefficients (trace)
+
+    def edge_param(self, x) -> bool:
+        """Whether operand ``x`` is a parameter as an edge tensor: a view of one params leaf, not a
+        combination of leaves into fixed coefficients (a kernel concatenated from two, ``fixed``)."""
+        return not isinstance(x, tuple) and self.kinds[x] == "param" and x not in self.fixed
+
+    def is_edge(self, e) -> bool:
+        """Whether equation ``e`` is an edge product: a dot or convolution with an edge parameter operand."""
+        return e.prim.name in ("dot_general", "conv_general_dilated") and any(map(self.edge_param, e.ins))
+
+
+class Recorder:
+    """Where the interpreter writes the equations it runs: a stack of `Frame`s (the function's, then a scan
+    body's while it runs), fresh ids, and each recorded value's atoms (``notes``: its atoms if it is an
+    activation, ``"const"`` if it depends on no input, else None) for the flags `pathspace_jax.trace.record`
+    derives from them once every atom is settled."""
+
+    def __init__(self):
+        self._ids = itertools.count()
+        self.frames = [Frame()]
+        self.notes: dict[int, Any] = {}
+
+    @property
+    def top(self) -> Frame:
+        return self.frames[0]
+
+    def new(self) -> int:
+        return next(self._ids)
+
+    def const(self, value) -> int:
+        """A constant of the current frame (a closed jaxpr's consts)."""
+        i = self.new()
+        self.frames[-1].consts[i] = value
+        return i
+
+    def emit(self, eqn: Eqn) -> None:
+        self.frames[-1].eqns.append(eqn)
+
+    def push(self, *, consts_of_caller: bool = False) -> Frame:
+        """Record into a new frame (a scan body; with ``consts_of_caller``, a call's body whose constants
+        belong to the frame that calls it)."""
+        frame = Frame(consts=self.frames[-1].consts if consts_of_caller else {})
+        self.frames.append(frame)
+        return frame
+
+    def pop(self) -> Frame:
+        return self.frames.pop()
+
+    def inline(self, fn, specs, ins: list) -> list:
+        """Record the equations of a small function of the library's own (a layer's slice of a stacked array,
+        the layers' outputs stacked back) applied to values ``ins``; returns the ids of its results."""
+        eqns, outs = jx.equations(fn, specs, ins, self.new)
+        for prim, params, e_ins, e_outs, source in eqns:
+            self.emit(Eqn(prim, params, e_ins, e_outs, source))
+        return outs
