@@ -320,6 +320,8 @@ def ddp_kappa_canonical(
     param_key = tuple((tuple(p.shape), str(p.dtype)) for p in leaves)
     input_key = tuple(((1, *jnp.shape(x)[1:]), str(jnp.result_type(x))) for x in xs)
     prog = flat.program(space, param_key, input_key, who="ddp_kappa", err=DDPUnsupportedError, allow_scan=True)
+    flat.refuse_tying(prog, "ddp_kappa", "DDP-SGD's κ is not implemented for that (path_sgd with "
+                      "second_order=False needs no such condition)")  # fmt: skip
     scans = any(e.body is not None for e in prog.eqns)
     if scans and alpha == 0.0:  # Path-SGD's κ, with the κ⁽²⁾ of the recurrent kernels
         return kappa_canonical(space, leaves, True)

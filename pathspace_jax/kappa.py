@@ -66,8 +66,11 @@ the |·|^p network every looked-up vector is then Σ_rows |table[row, :]|^p, so 
 those of the same network fed one-hot vectors (tested against that formulation).
 
 **Scope.** For κ⁽²⁾: recurrent bodies that are not linear in the carry after squaring, weight tying
-(a parameter used by two operations), and recurrent parameters that are not leaves of params
-themselves are refused. ``second_order=False`` (κ⁽¹⁾) needs none of these conditions.
+(a parameter used by two operations of which one is downstream of the other on some path, or used twice
+in a recurrence), and recurrent parameters that are not leaves of params themselves are refused. A tied
+embedding (the table looked up and read again as the decoder) is no such tying: the embedding dimension is
+then a pinned group, where the paths into it end and those out of it start. ``second_order=False`` (κ⁽¹⁾)
+needs none of these conditions.
 
 **Numerics.** `path_norm` carries every tensor of the |·|^p network as a mantissa and a power-of-two
 exponent (an int32 scalar per tensor), renormalised after every operation, so intermediate products
@@ -166,51 +169,6 @@ def _setup(space, leaves):
     )
     ones = [jnp.ones(s, d) for s, d in input_key]  # token ids: 1 (any id; the |·|^p lookup sums the rows)
     return dt, leaves, lg, prog, ones
-
-
-def _live(eqns, out_ids) -> list:
-    """The equations whose outputs reach ``out_ids`` (dead code, e.g. flax's unused reshapes, dropped)."""
-    live = {x for x in out_ids if not isinstance(x, tuple)}
-    kept = []
-    for e in reversed(eqns):
-        if live & set(e.outs):
-            kept.append(e)
-            live |= {x for x in e.ins if not isinstance(x, tuple)}
-    return kept[::-1]
-
-
-def _check_second_order(prog: flat.Program) -> None:
-    """Weight tying (one parameter used by two operations) puts it twice on some paths: refuse for κ⁽²⁾."""
-    todo = [(set(prog.in_ids[: prog.n_params]), prog, "")]
-    for e in prog.eqns:
-        if e.prim.name == "scan":
-            bp = e.body
-            todo.append(({i for i in bp.in_ids if bp.kinds[i] == "param"}, bp, f" (scan body at {e.where})"))
-    for p_ids, pr, where in todo:
-        uses: dict[int, list] = {}
-        for e in _live(pr.eqns, pr.out_ids):
-            for x in {x for x in e.ins if not isinstance(x, tuple)}:
-                if x in p_ids:
-                    uses.setdefault(x, []).append(e)
-        if any(len(es) > 1 and not _disjoint_slices(es) for es in uses.values()):
-            raise PathKappaUnsupportedError(
-                f"{_WHO}(second_order=True): a parameter is used by several operations{where} (weight tying), "
-                "so a path can cross it twice outside a recurrence; the exact κ⁽²⁾ is not implemented for that "
-                "(use second_order=False for κ⁽¹⁾)"
-            )
-
-
-def _disjoint_slices(eqns) -> bool:
-    """Whether every use of a parameter is a static slice and no two slices share an entry (the layers of a leaf
-    stacked with ``nn.scan``): no path crosses one entry twice, so that is no weight tying."""
-    boxes = [jx.slice_box(e.prim.name, e.params) for e in eqns]
-    if any(b is None for b in boxes):
-        return False
-    return all(
-        any(hi_a <= lo_b or hi_b <= lo_a for (lo_a, hi_a), (lo_b, hi_b) in zip(a, b, strict=True))
-        for i, a in enumerate(boxes)
-        for b in boxes[i + 1 :]
-    )
 
 
 def path_kappa(space: PathSpace, params, *, second_order: bool = True):
@@ -346,7 +304,8 @@ def kappa_canonical(space, leaves, second_order, factored=False):
     (the others as arrays); otherwise every κ as an array."""
     dt, ps, lg, prog, ones = _setup(space, leaves)
     if second_order:
-        _check_second_order(prog)
+        flat.refuse_tying(prog, f"{_WHO}(second_order=True)", "the exact κ⁽²⁾ is not implemented for that (use "
+                          "second_order=False for κ⁽¹⁾)")  # fmt: skip
     perts = {}
     if second_order:
         for idx, e in enumerate(prog.eqns):

@@ -294,3 +294,69 @@ def refuse_random(space: PathSpace, who: str, err: type) -> None:
     for g in space.groups:
         if g.random:
             raise err(f"{who}: node group {g.name} (size {g.size}) {'; '.join(g.reasons)}")
+
+
+def live(eqns, out_ids) -> list:
+    """The equations whose outputs reach ``out_ids`` (dead code, e.g. flax's unused reshapes, dropped)."""
+    live = {x for x in out_ids if not isinstance(x, tuple)}
+    kept = []
+    for e in reversed(eqns):
+        if live & set(e.outs):
+            kept.append(e)
+            live |= {x for x in e.ins if not isinstance(x, tuple)}
+    return kept[::-1]
+
+
+def refuse_tying(prog: Program, who: str, what: str) -> None:
+    """Weight tying (one parameter used by several operations) puts it twice on a path where one use is
+    downstream of another: raise ``prog.err`` for that (``who`` the function refusing, ``what`` why and what
+    to do), and for a parameter used twice in a recurrence's body. Uses that no path joins (a tied embedding
+    whose table is looked up into a pinned group and read again as the decoder: the paths end at the
+    boundary) are no tying for path sums: no path crosses the table twice."""
+    todo = [(set(prog.in_ids[: prog.n_params]), prog, "")]
+    for e in prog.eqns:
+        if e.prim.name == "scan":
+            bp = e.body
+            todo.append(({i for i in bp.in_ids if bp.kinds[i] == "param"}, bp, f" (scan body at {e.where})"))
+    for p_ids, pr, where in todo:
+        uses: dict[int, list] = {}
+        for e in live(pr.eqns, pr.out_ids):
+            for x in {x for x in e.ins if not isinstance(x, tuple)}:
+                if x in p_ids:
+                    uses.setdefault(x, []).append(e)
+        for es in uses.values():
+            if len(es) > 1 and not _disjoint_slices(es) and (where or _on_one_path(pr, es)):
+                raise prog.err(
+                    f"{who}: a parameter is used by several operations{where} (weight tying, at {es[0].where} "
+                    f"and {es[1].where}), so a path can cross it twice outside a recurrence; {what}"
+                )
+
+
+def _on_one_path(prog: Program, uses: list) -> bool:
+    """Whether some path of the |·|^p network crosses two of ``uses`` (equations reading one parameter): a use
+    in a loop, or one whose operands depend on another's results through values that are not boundaries (the
+    paths that reach a pinned node end there, and what is computed from it starts new ones at 1)."""
+    if any(e.body is not None for e in uses):
+        return True
+    stop, at = prog.bnd | set(prog.sinks), {id(e) for e in uses}
+    reach: set[int] = set()
+    for e in prog.eqns:
+        joined = any(x in reach and x not in stop for x in e.ins if not isinstance(x, tuple))
+        if joined and id(e) in at:
+            return True
+        if joined or id(e) in at:
+            reach.update(e.outs)
+    return False
+
+
+def _disjoint_slices(eqns) -> bool:
+    """Whether every use of a parameter is a static slice and no two slices share an entry (the layers of a leaf
+    stacked with ``nn.scan``): no path crosses one entry twice, so that is no weight tying."""
+    boxes = [jx.slice_box(e.prim.name, e.params) for e in eqns]
+    if any(b is None for b in boxes):
+        return False
+    return all(
+        any(hi_a <= lo_b or hi_b <= lo_a for (lo_a, hi_a), (lo_b, hi_b) in zip(a, b, strict=True))
+        for i, a in enumerate(boxes)
+        for b in boxes[i + 1 :]
+    )

@@ -417,6 +417,7 @@ _TXS = {
         ("stacked_rnn_every_step", "clip_schedule_sgd"),
         ("embedding_rnn", "g_adam"),
         ("tanh_mlp_partly_pinned", "g_sgd_momentum"),
+        ("tied_embedding_rnn", "g_sgd_momentum"),
     ],
 )
 def test_update_invariant_under_rescaling(name, tx_name, spaces):

@@ -687,6 +687,52 @@ def test_weight_tying_refused_for_second_order_only():
     # κ⁽¹⁾ = ∂G/∂p̃ with G(p̃) the model on squared params and an all-ones input
     g_tilde = jax.grad(lambda q: jnp.sum(tied_fn(q, jnp.ones((1, 3), F64))))(_squared(p))
     chex.assert_trees_all_close(pj.path_kappa(space, p, second_order=False), g_tilde, rtol=1e-10)
+    with pytest.raises(pj.DDPUnsupportedError, match="tying, at .*test_kappa.py"):  # DDP's κ: the same
+        pj.ddp_kappa(space, p, x, alpha=1.0)
+
+
+def _tied_lm(p, ids):  # the table looked up, then read again as the decoder (``nn.Embed.attend``)
+    h = jax.nn.relu(p["emb"][ids] @ p["w0"] + p["b0"])
+    return jax.nn.relu(h @ p["w1"] + p["b1"]) @ p["emb"].T
+
+
+def test_tied_embedding_is_no_tying_for_kappa():
+    """A tied embedding is no edge tensor: the embedding dimension is a pinned group, so the paths into it end
+    there and those out of it start at 1; no path crosses the table twice. κ⁽¹⁾ + κ⁽²⁾ (the default) is then
+    exact: ½ diag ∇² of γ² with those boundaries, written out by hand, and κ⁽²⁾ adds nothing."""
+    shapes = {"emb": (7, 3), "w0": (3, 4), "b0": (4,), "w1": (4, 3), "b1": (3,)}
+    params = _tree_normal({k: jax.ShapeDtypeStruct(v, F64) for k, v in shapes.items()}, 7, scale=0.8)
+    space = pj.trace(_tied_lm, params, jnp.arange(3))
+    assert [g.kind for g in space.groups].count("hidden") == 1 and space.num_hidden == 4
+
+    def gamma2(p):  # one-hot inputs -> table (ends at the pinned group); 1 -> w0, b0 -> w1, b1 (ends); 1 -> table
+        q = _squared(p)
+        lookups = jnp.sum(jnp.ones(7) @ q["emb"])
+        middle = jnp.sum((jnp.ones(3) @ q["w0"] + q["b0"]) @ q["w1"] + q["b1"])
+        return lookups + middle + jnp.sum(jnp.ones(3) @ q["emb"].T)
+
+    np.testing.assert_allclose(float(pj.path_norm(space, params)) ** 2, float(gamma2(params)), rtol=1e-12)
+    ref = _half_hessian_diag(gamma2, params)
+    chex.assert_trees_all_close(pj.path_kappa(space, params), ref, rtol=1e-10, atol=1e-12)
+    chex.assert_trees_all_close(pj.path_kappa(space, params, second_order=False), ref, rtol=1e-10, atol=1e-12)
+    ids = jnp.arange(5) % 7  # DDP-SGD's κ at α = 0 is Path-SGD's
+    chex.assert_trees_all_close(pj.ddp_kappa(space, params, ids, alpha=0.0), ref, rtol=1e-10, atol=1e-12)
+
+
+def test_tied_embedding_rnn_takes_default_path_sgd_and_ddp_steps_invariantly():
+    """The zoo's tied-embedding LM (a ReLU RNN between the lookup and the decoder): Path-SGD with its default
+    κ⁽¹⁾ + κ⁽²⁾ (the recurrent kernel's κ⁽²⁾ exact, the table no tying) and DDP-SGD step invariantly."""
+    case = ZOO["tied_embedding_rnn"]
+    space, x = pj.trace(case.fn, case.params, case.inputs(2)), case.inputs(3)
+    kappa = pj.path_kappa(space, case.params)
+    first = pj.path_kappa(space, case.params, second_order=False)
+    np.testing.assert_array_equal(kappa["Embed_0"]["embedding"], first["Embed_0"]["embedding"])
+    k_rec, f_rec = kappa["SimpleCell_0"]["h"]["kernel"], first["SimpleCell_0"]["h"]["kernel"]
+    assert float(jnp.min(k_rec - f_rec)) >= 0 and float(jnp.max(k_rec - f_rec)) > 1e-3 * float(jnp.max(k_rec))
+    y = jnp.zeros_like(case.fn(case.params, x))
+    for tx, kw in ((pj.path_sgd(space, 0.05), {}), (pj.ddp_sgd(space, 0.05, alpha=0.5), {"inputs": x})):
+        assert_update_invariant(tx, jax.jit(_loss(case.fn)), space, case.params, (x, y), update_kwargs=kw,
+                                num_steps=2, rtol=1e-8, atol=1e-10)  # fmt: skip
 
 
 def test_recurrence_other_than_single_entries_refused_for_second_order_only():

@@ -202,6 +202,21 @@ class ScanStackedMLP(nn.Module):
         return nn.Dense(2)(x)
 
 
+class TiedEmbedRNN(nn.Module):
+    """Token ids -> embedding -> ReLU RNN -> ReLU dense -> the same embedding as the decoder (``attend``).
+
+    The table is used with both axis roles (rows in, rows out), so it is no edge tensor and the embedding
+    dimension is a pinned group (3 nodes). Its node-wise rescalings are still exact symmetries (E -> E D,
+    the RNN's input kernel D⁻¹ W, the dense layer's kernel and bias times D⁻¹): 3 beyond H.
+    """
+
+    @nn.compact
+    def __call__(self, ids):
+        embed = nn.Embed(16, 3, param_dtype=jnp.float64)
+        h = nn.RNN(nn.SimpleCell(4, activation_fn=nn.relu, param_dtype=jnp.float64))(embed(ids))
+        return embed.attend(nn.relu(nn.Dense(3, param_dtype=jnp.float64)(h[:, -1])))
+
+
 class EmbedRNN(nn.Module):
     """Token ids -> embedding -> ReLU RNN -> last step.
 
@@ -396,6 +411,15 @@ def _build() -> dict[str, Case]:
             recurrent=True,
             extra_symmetries=9,
             flax_init=True,  # its rank check needs the original values (numpy draws leave a degenerate unit)
+        ),
+        _linen(
+            "tied_embedding_rnn",
+            TiedEmbedRNN(),
+            lambda key, b: jax.random.randint(key, (b, 5), 0, 16),
+            hidden=4,
+            pinned=1,
+            recurrent=True,
+            extra_symmetries=3,
         ),
         _linen("tanh_mlp_partly_pinned", TanhMLP(), _normal(3), hidden=4, pinned=1),
         _linen("layernorm_mlp_partly_pinned", LayerNormMLP(), _normal(3), hidden=4, pinned=1, extra_symmetries=4),
