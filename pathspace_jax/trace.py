@@ -293,11 +293,12 @@ def _leaf_roles(interp: Interpreter, leaves, paths) -> list[tuple]:
             continue
         note = "; ".join(dict.fromkeys(interp.other[i]))
         roles: dict[int, str] = {}
-        for a, role, _ in interp.uses[i]:
+        lines: dict[int, str] = {}
+        for a, role, _, where in interp.uses[i]:
             if roles.get(a, role) != role:
-                note = note or f"one axis used with two roles ({roles[a]} and {role})"
-            roles[a] = role
-        first_step = min((s for _, _, s in interp.uses[i]), default=0)
+                note = note or f"one axis used with two roles ({roles[a]} at {lines[a]}, {role} at {where})"
+            roles[a], lines[a] = role, where
+        first_step = min((s for _, _, s, _ in interp.uses[i]), default=0)
         factors = [f for ax in interp.leaf_axes[i] for a in ax for f in expand_roles(a, None, roles)]
         kind = "other"
         if not note and any(role is None for _, role in factors):

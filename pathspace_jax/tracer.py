@@ -47,7 +47,7 @@ class Interpreter(ShapeRules):
     def __init__(self, leaf_paths: Sequence[str]):
         self.atoms = Atoms()
         self.leaf_paths = list(leaf_paths)
-        self.uses: list[list[tuple[int, str, int]]] = [[] for _ in leaf_paths]
+        self.uses: list[list[tuple[int, str, int, str]]] = [[] for _ in leaf_paths]  # (atom, role, step, line)
         self.other: list[list[str]] = [[] for _ in leaf_paths]
         self.leaf_axes: list[list[list[int]]] = []
         self.step = 0
@@ -81,8 +81,9 @@ class Interpreter(ShapeRules):
         return int(np.prod([self.atoms.size[self.atoms.find(a)] for a in axis], dtype=np.int64))
 
     def use(self, v: Val, atoms: Sequence[int], role: str) -> None:
+        where = self.where()
         for a in atoms:
-            self.uses[v.leaf].append((a, role, self.step))
+            self.uses[v.leaf].append((a, role, self.step, where))
 
     def mark_other(self, v: Val, why: str) -> None:
         if v.kind == PARAM:
