@@ -18,8 +18,19 @@ learning rate is chosen by the validation error at the end of training, and the 
 error (fresh sequences) of that learning rate, mean ± std over the seeds. No gradient clipping: it acts
 on the weight gradients and would break the path-space optimisers' invariance under rescaling.
 
+Two budgets. ``--budget short`` (the default, a few minutes): T = 50, 100, 200, hidden 64, 1,000 steps, 2
+seeds, fixed grids. ``--budget paper``: T = 100, hidden 100 as in the paper, 50,000 steps, 3 seeds, and grids
+*found*, not guessed: a pilot (1 seed, 2,000 steps, 8 rates a factor √10 apart) gives each
+optimiser the largest rate that does not diverge, and the run trains that rate and four below it (factors of
+2). The table then gives, per optimiser, the largest rate that did not diverge over the run (no seed's error
+non-finite or above 1) and the fraction of seeds that solve the task (test error below 0.05). The paper
+budget takes about 15 hours on 2 CPU cores: it saves every member's state after each chunk of steps, and
+running the same command again resumes it (``--hours`` stops it after that much time; the files are in
+``<out>/adding_problem_paper_checkpoints``, removed when the run completes).
+
 Run:  pip install -e ".[examples]" && python examples/adding_problem.py   (--quick: under a minute)
-Writes examples/out/adding_problem.json and examples/out/adding_problem.png and prints the table.
+      python examples/adding_problem.py --budget paper --out examples/results --hours 2   (again to resume)
+Writes <out>/adding_problem[_paper].json and .png and prints the table.
 """
 
 from __future__ import annotations
@@ -44,6 +55,19 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 SGD_GRID = (0.03, 0.01, 0.003)  # SGD, G-SGD and Path-SGD (its κ normalised by default: SGD's rates carry over)
 ADAM_GRID = (3e-3, 1e-3, 3e-4)
+BUDGETS = {
+    "short": {"lengths": [50, 100, 200], "steps": 1000, "hidden": 64, "seeds": 2, "evals": 10},
+    "paper": {"lengths": [100], "steps": 50_000, "hidden": 100, "seeds": 3, "evals": 50},
+}
+PILOT_FRACTION, PILOT_EVALS = 25, 4  # the pilot trains for 1/25 of the steps (2,000 of 50,000)
+SOLVED, DIVERGED = 0.05, 1.0  # test error that solves the task; validation error past which a member diverged
+
+
+def pilot_grid(grid):
+    """The pilot's rates: 8 rates a factor √10 apart, from the power of ten above 10 × ``grid``'s largest down
+    (SGD's family 1, 0.3, ..., 3e-4; Adam's 0.1, ..., 3e-5)."""
+    top = 10.0 ** np.ceil(np.log10(grid[0]) + 1)
+    return tuple(float(f"{top * 10 ** (-k / 2):.1g}") for k in range(8))
 
 
 class ReluRNN(nn.Module):
@@ -79,12 +103,17 @@ def optimisers(space):
     }
 
 
-def train(model, tx, lrs, seeds, *, length, steps, batch, evals, bar):
+def train(model, tx, lrs, seeds, *, length, steps, batch, evals, bar, ckpt=None, deadline=None):
     """Train one member per (seed, learning rate). Returns the validation and test errors (mean squared error
-    on 1,000 fresh sequences each) after every chunk of steps, each of shape (evals, seeds, learning rates)."""
+    on 1,000 fresh sequences each) after every chunk of steps, each of shape (evals, seeds, learning rates).
+
+    With ``ckpt`` (a file), the members' parameters, optimiser states and curves are saved after every chunk,
+    and a saved run resumes from its last chunk; with ``deadline`` (a `time.time`), training stops after the
+    chunk that passes it and returns None (run again to resume)."""
     seed_of = np.repeat(np.asarray(seeds), len(lrs))
     lr_of = np.tile(np.asarray(lrs, np.float32), len(seeds))
     keys = jax.vmap(jax.random.key)(jnp.asarray(seed_of))
+    data_keys = jax.vmap(lambda k: jax.random.fold_in(k, 1))(keys)
     x0, _ = adding_batch(jax.random.key(0), 1, length)
     params = jax.vmap(lambda k: model.init(k, x0)["params"])(keys)
     state = jax.vmap(tx.init)(params)
@@ -101,34 +130,64 @@ def train(model, tx, lrs, seeds, *, length, steps, batch, evals, bar):
         return (optax.apply_updates(p, u), s), None
 
     @jax.jit
-    def chunk(params, state, keys):  # keys: (members, steps per chunk)
-        (params, state), _ = jax.vmap(lambda p, s, k: jax.lax.scan(step, (p, s), k))(params, state, keys)
+    def chunk(params, state, i):  # chunk i: every member's next steps // evals fresh batches
+        part = jax.vmap(lambda k: jax.random.split(jax.random.fold_in(k, i), steps // evals))(data_keys)
+        (params, state), _ = jax.vmap(lambda p, s, k: jax.lax.scan(step, (p, s), k))(params, state, part)
         errs = [jax.vmap(mse, in_axes=(0, None, None))(params, x, y) for x, y in held_out]
         return params, state, *(jnp.where(jnp.isfinite(e), e, jnp.inf) for e in errs)
 
-    data_keys = jax.vmap(lambda k: jax.random.split(jax.random.fold_in(k, 1), steps))(keys)
-    curves = []
-    for i in range(evals):
-        part = data_keys[:, i * steps // evals : (i + 1) * steps // evals]
-        params, state, *errs = chunk(params, state, part)
+    signature = json.dumps([lrs, seeds, length, steps, batch, evals])
+    curves, treedef = [], jax.tree.structure((params, state))
+    if ckpt is not None and ckpt.exists():
+        with np.load(ckpt) as f:
+            if str(f["signature"]) != signature:
+                raise SystemExit(f"{ckpt} was saved by another configuration: remove it to start afresh")
+            leaves = [jnp.asarray(f[f"leaf_{k}"]) for k in range(treedef.num_leaves)]
+            curves = [[f["val"][i], f["test"][i]] for i in range(int(f["done"]))]
+        params, state = jax.tree.unflatten(treedef, leaves)
+        bar.update(len(curves))
+    for i in range(len(curves), evals):
+        params, state, *errs = chunk(params, state, i)
         curves.append([np.asarray(e).reshape(len(seeds), len(lrs)) for e in errs])
+        if ckpt is not None:
+            tmp = ckpt.with_suffix(".tmp.npz")
+            leaves = {f"leaf_{k}": np.asarray(a) for k, a in enumerate(jax.tree.leaves((params, state)))}
+            val, test = (np.stack(c) for c in zip(*curves, strict=True))
+            np.savez(tmp, signature=signature, done=len(curves), val=val, test=test, **leaves)
+            tmp.replace(ckpt)
         bar.update()
+        if deadline is not None and time.time() > deadline and len(curves) < evals:
+            return None
     return (np.stack(c) for c in zip(*curves, strict=True))
+
+
+def diverged(val_last) -> np.ndarray:
+    """Per learning rate: whether any seed's final validation error is non-finite or above `DIVERGED`."""
+    return np.any(~np.isfinite(val_last) | (val_last > DIVERGED), axis=0)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--lengths", type=int, nargs="+", default=[50, 100, 200])
-    ap.add_argument("--steps", type=int, default=1000)
-    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--budget", choices=list(BUDGETS), default="short")
+    ap.add_argument("--lengths", type=int, nargs="+", help="sequence lengths T (default: the budget's)")
+    ap.add_argument("--steps", type=int, help="training steps (default: the budget's)")
+    ap.add_argument("--hidden", type=int, help="hidden units (default: the budget's)")
+    ap.add_argument("--seeds", type=int, help="seeds per learning rate (default: the budget's)")
+    ap.add_argument("--evals", type=int, help="evaluations, and checkpoints, per run (default: the budget's)")
     ap.add_argument("--batch", type=int, default=50)
-    ap.add_argument("--seeds", type=int, default=2)
+    ap.add_argument("--hours", type=float, help="stop after this many hours (paper budget; run again to resume)")
     ap.add_argument("--quick", action="store_true", help="T = 20, 1 learning rate, 150 steps")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "out")
     args = ap.parse_args(argv)
+    for k, v in BUDGETS[args.budget].items():
+        if getattr(args, k, None) is None:
+            setattr(args, k, v)
     if args.quick:
         args.lengths, args.steps = [20], 150
-    evals = 10
+    paper = args.budget == "paper"
+    stem = "adding_problem_paper" if paper else "adding_problem"
+    ckpts = args.out / f"{stem}_checkpoints" if paper else None
+    deadline = time.time() + 3600 * args.hours if args.hours else None
 
     t0 = time.perf_counter()
     model = ReluRNN(args.hidden)
@@ -140,47 +199,98 @@ def main(argv=None):
         space = pj.trace(lambda p, x: model.apply({"params": p}, x), params, x0)
         opts = optimisers(space)
         results[length] = {}
-        with tqdm(total=len(opts) * evals, desc=f"T = {length}", unit="chunk") as bar:
+        total = len(opts) * (args.evals + (PILOT_EVALS if paper else 0))
+        with tqdm(total=total, desc=f"T = {length}", unit="chunk") as bar:
             for name, (tx, grid) in opts.items():
                 bar.set_postfix_str(name)
+                run = {}
+                if paper:  # the pilot: the largest rate that does not diverge in 1/PILOT_FRACTION of the steps
+                    lrs = list(pilot_grid(grid))
+                    ckpt = ckpts / f"T{length}_{_slug(name)}_pilot.npz"
+                    ckpt.parent.mkdir(parents=True, exist_ok=True)
+                    steps = args.steps // PILOT_FRACTION
+                    out = train(model, tx, lrs, seeds[:1], length=length, steps=steps, batch=args.batch,
+                                evals=PILOT_EVALS, bar=bar, ckpt=ckpt, deadline=deadline)  # fmt: skip
+                    if out is None:
+                        return _stopped(args)
+                    val, _ = out
+                    stable = [lr for lr, d in zip(lrs, diverged(val[-1]), strict=True) if not d]
+                    run["pilot"] = {"lrs": lrs, "val": val[-1, 0].tolist()}
+                    grid = tuple(stable[0] / 2**k for k in range(5)) if stable else lrs[-1:]
                 lrs = list(grid[1:2] if args.quick else grid)
-                val, test = train(model, tx, lrs, seeds, length=length, steps=args.steps, batch=args.batch,
-                                  evals=evals, bar=bar)  # fmt: skip
-                best = int(np.argmin(val[-1].mean(0)))
-                results[length][name] = {"lrs": lrs, "lr": lrs[best], "best": best, "val": val.tolist(),
-                                         "test": test.tolist(), "test_mse": test[-1, :, best].tolist()}  # fmt: skip
+                ckpt = ckpts / f"T{length}_{_slug(name)}.npz" if paper else None
+                out = train(model, tx, lrs, seeds, length=length, steps=args.steps, batch=args.batch,
+                            evals=args.evals, bar=bar, ckpt=ckpt, deadline=deadline)  # fmt: skip
+                if out is None:
+                    return _stopped(args)
+                val, test = out
+                best = int(np.argmin(np.where(diverged(val[-1]), np.inf, val[-1].mean(0))))
+                stable = [lr for lr, d in zip(lrs, diverged(val[-1]), strict=True) if not d]
+                run.update({"lrs": lrs, "lr": lrs[best], "best": best, "val": val.tolist(), "test": test.tolist(),
+                            "test_mse": test[-1, :, best].tolist(), "diverged": diverged(val[-1]).tolist(),
+                            "largest_stable_lr": stable[0] if stable else None,
+                            "solved": int(np.sum(test[-1, :, best] < SOLVED))})  # fmt: skip
+                results[length][name] = run
 
-    names = list(next(iter(results.values())))
-    print(f"\nTest mean squared error after {args.steps} steps, mean ± std over {args.seeds} seeds, at the learning "
-          f"rate chosen on validation sequences (in brackets); always predicting 1: 0.167\n")  # fmt: skip
-    print(f"{'':<8}" + "".join(f"{n:>26}" for n in names))
-    for length, runs in results.items():
-        cells = [f"{np.mean(r['test_mse']):.4f} ± {np.std(r['test_mse']):.4f} ({r['lr']:g})" for r in runs.values()]
-        print(f"{'T = ' + str(length):<8}" + "".join(f"{c:>26}" for c in cells))
     elapsed = time.perf_counter() - t0
-    print(f"\n({elapsed:.0f} s)")
-
+    _table(results, args, elapsed)
     args.out.mkdir(parents=True, exist_ok=True)
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    json_path = args.out / "adding_problem.json"
+    json_path = args.out / f"{stem}.json"
     json_path.write_text(json.dumps({"config": config, "seconds": elapsed, "results": results}, allow_nan=True))
+    png_path = args.out / f"{stem}.png"
+    _plot(results, args, png_path)
+    if ckpts is not None and ckpts.exists():  # the run is complete: its checkpoints are no longer needed
+        for f in ckpts.glob("*.npz"):
+            f.unlink()
+        ckpts.rmdir()
+    print(f"table data: {json_path}\nplot: {png_path}")
+    return results
 
+
+def _slug(name: str) -> str:
+    return "".join(c if c.isascii() and c.isalnum() else "_" for c in name.replace("κ⁽¹⁾", "k1").replace("κ⁽²⁾", "k2"))
+
+
+def _stopped(args):
+    print(f"\nstopped after --hours {args.hours}: the state is saved; run the same command again to resume")
+    return None
+
+
+def _table(results, args, elapsed):
+    print(f"\nTest mean squared error after {args.steps} steps, mean ± std over {args.seeds} seeds, at the learning "
+          f"rate chosen on validation sequences (in brackets), and the seeds that solve the task (test error "
+          f"below {SOLVED}); always predicting 1: 0.167\n")  # fmt: skip
+    names = list(next(iter(results.values())))
+    print(f"{'':<8}" + "".join(f"{n:>30}" for n in names))
+    for length, runs in results.items():
+        cells = [f"{np.mean(r['test_mse']):.4f} ± {np.std(r['test_mse']):.4f} ({r['lr']:g}) {r['solved']}/{args.seeds}"
+                 for r in runs.values()]  # fmt: skip
+        print(f"{'T = ' + str(length):<8}" + "".join(f"{c:>30}" for c in cells))
+        stable = [f"{r['largest_stable_lr']:g}" if r["largest_stable_lr"] else "none" for r in runs.values()]
+        print(f"{'stable ≤':<8}" + "".join(f"{c:>30}" for c in stable))
+    print(f"\n({elapsed:.0f} s in this process)")
+
+
+def _plot(results, args, path):
     fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 4.2), squeeze=False, sharey=True)
     for ax, (length, runs) in zip(axes[0], results.items(), strict=True):
         for i, (name, r) in enumerate(runs.items()):
             err = np.asarray(r["test"])[:, :, r["best"]]  # (evals, seeds)
             at = np.arange(1, len(err) + 1) * args.steps // len(err)
-            ax.plot(at, err.mean(1), "--" if "Adam" in name else "-", color=f"C{i}", label=f"{name} (lr {r['lr']:g})")
+            style = "--" if "Adam" in name else "-"
+            ax.plot(at, err.mean(1), style, color=f"C{i}", label=f"{name} (lr {r['lr']:g}, {r['solved']} solved)")
+            if len(err[0]) > 1:
+                ax.fill_between(at, err.min(1), err.max(1), color=f"C{i}", alpha=0.12, lw=0)
         ax.axhline(1 / 6, color="grey", lw=0.8)
+        ax.axhline(SOLVED, color="grey", lw=0.8, ls=":")
         ax.set(title=f"T = {length}", xlabel="step", yscale="log")
         ax.legend(fontsize=7)
     axes[0, 0].set_ylabel("test mean squared error")
-    fig.suptitle(f"Adding problem, ReLU RNN h={args.hidden}: mean over {args.seeds} seeds (grey: predicting 1)")
+    fig.suptitle(f"Adding problem, ReLU RNN h={args.hidden}: mean and range over {args.seeds} seeds "
+                 f"(grey: predicting 1; dotted: solved)")  # fmt: skip
     fig.tight_layout()
-    png_path = args.out / "adding_problem.png"
-    fig.savefig(png_path, dpi=110)
-    print(f"table data: {json_path}\nplot: {png_path}")
-    return results
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
