@@ -157,6 +157,8 @@ PIN_HINTS = (
      "it is an 'other' leaf and the units it touches stay fixed; expected for a tied embedding"),
     ("no parameter edge enters", "a reshape made a node axis that no kernel writes: reshape after the ReLU, or "
      "accept fixed units"),
+    ("not an edge tensor", "this parameter is no kernel or bias of the homogeneous part: it is an 'other' leaf "
+     "(optax.partition with pj.path_labels trains it) and the units it touches stay fixed"),
 )  # fmt: skip
 
 

@@ -313,6 +313,8 @@ def _leaf_roles(interp: Interpreter, leaves, paths) -> list[tuple]:
             elif any(atoms.alias[factors[k][0]] is not None for k in node_out):
                 note = "its output axis is a concatenation"
         roots = [r for r, _ in factors]
+        if note and interp.uses[i] and " at " not in note:  # where the leaf is first used as an edge
+            note += f", used at {interp.uses[i][0][3]}"
         if note:
             atoms.pin(roots, f"{paths[i]} is not an edge tensor ({note})")
             leaf_info.append(("other", roots, None, None, note, first_step))
