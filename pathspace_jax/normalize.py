@@ -48,7 +48,7 @@ import numpy as np
 from pathspace_jax import program as flat
 from pathspace_jax.errors import DDPNormalizationError
 from pathspace_jax.forward import run_program
-from pathspace_jax.graph import PathSpace, check_path_space
+from pathspace_jax.graph import PathSpace, check_path_space, reduced
 from pathspace_jax.rules import rule
 
 __all__ = ["ddp_normalize", "ddp_normalized_weights", "DDPNormalizationError"]
@@ -136,8 +136,9 @@ def _incoming(space: PathSpace, node: _Node, leaves) -> jax.Array:
     g = space.groups[node.group]
     total = jnp.zeros((g.size,), jnp.result_type(*[leaves[j] for j in node.leaves]))
     for j in node.leaves:
-        dst = np.asarray(space.leaves[j].dst).ravel() - g.offset
-        total = total + jax.ops.segment_sum(jnp.ravel(leaves[j]) ** 2, dst, num_segments=g.size)
+        dst, axes = reduced(space.leaves[j].dst)  # per node, not per entry: sum the other axes first
+        sq = jnp.sum(leaves[j] ** 2, axis=axes, keepdims=True)
+        total = total + jax.ops.segment_sum(jnp.ravel(sq), dst.ravel() - g.offset, num_segments=g.size)
     return total
 
 
@@ -321,7 +322,7 @@ def ddp_normalized_weights(
         gamma, mean = record[v]
         g = space.groups[node.group]
         for j in node.leaves:
-            dst = np.asarray(space.leaves[j].dst) - g.offset
+            dst = reduced(space.leaves[j].dst)[0] - g.offset  # broadcasts against the leaf
             out[j] = (out[j] / gamma[dst]).astype(leaves[j].dtype)
         if center:
             if node.bias is None:
@@ -330,6 +331,6 @@ def ddp_normalized_weights(
                 )
             b = leaves[node.bias]
             shift = (mean - b) / gamma  # mean of the pre-activation without its bias, normalised
-            dst = np.asarray(space.leaves[node.bias].dst) - g.offset
+            dst = reduced(space.leaves[node.bias].dst)[0] - g.offset
             out[node.bias] = (b - shift[dst]).astype(b.dtype)
     return space.unflatten_like(w_tilde, out)
