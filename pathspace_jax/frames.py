@@ -173,14 +173,19 @@ def frame_factors(space: PathSpace, alpha):
     ``w_{u->v} ↦ w_{u->v} α_v / α_u``; κ, which scales like ``(β_u / β_v)²``, is divided by its square. An α that
     is 0 or not finite (a node on no path one way) counts as 1 there.
     """
-    a = jnp.where((alpha > 0) & jnp.isfinite(alpha), alpha, 1)
+    a = _usable(alpha)
     return edge_products(space, a, 1 / a)
 
 
 def frame_factor_parts(space: PathSpace, alpha):
     """`frame_factors` as two factors per leaf, ``(α_dst, 1 / α_src)`` (`edge_parts`)."""
-    a = jnp.where((alpha > 0) & jnp.isfinite(alpha), alpha, 1)
+    a = _usable(alpha)
     return edge_parts(space, a, 1 / a)
+
+
+def _usable(alpha):
+    """α where it is positive and finite, 1 elsewhere (a node on no path one way)."""
+    return jnp.where((alpha > 0) & jnp.isfinite(alpha), alpha, 1)
 
 
 def to_canonical_frame(space: PathSpace, leaves, dtype):
