@@ -22,11 +22,15 @@ Two budgets. ``--budget short`` (the default, a few minutes): T = 50, 100, 200, 
 seeds, fixed grids. ``--budget paper``: T = 100, hidden 100 as in the paper, 50,000 steps, 3 seeds, and grids
 *found*, not guessed: a pilot (1 seed, 2,000 steps, 8 rates a factor √10 apart) gives each
 optimiser the largest rate that does not diverge, and the run trains that rate and four below it (factors of
-2). The table then gives, per optimiser, the largest rate that did not diverge over the run (no seed's error
-non-finite or above 1) and the fraction of seeds that solve the task (test error below 0.05). The paper
+√10), and two more below while fewer than three rates from the largest that did not diverge over the run
+down are left (the adding problem diverges late). The table then gives, per optimiser, the largest rate that
+did not diverge over the run (no seed's error non-finite or above 2) and the fraction of seeds that solve the
+task (test error below 0.05). The paper
 budget takes about 15 hours on 2 CPU cores: it saves every member's state after each chunk of steps, and
 running the same command again resumes it (``--hours`` stops it after that much time; the files are in
-``<out>/adding_problem_paper_checkpoints``, removed when the run completes).
+``<out>/adding_problem_paper_checkpoints``, removed when the run completes). ``--only NAME...`` trains some
+optimisers only (several processes at once, where there are cores or a GPU to share); a run without it then
+assembles the table from their checkpoints.
 
 Run:  pip install -e ".[examples]" && python examples/adding_problem.py   (--quick: under a minute)
       python examples/adding_problem.py --budget paper --out examples/results --hours 2   (again to resume)
@@ -60,14 +64,14 @@ BUDGETS = {
     "paper": {"lengths": [100], "steps": 50_000, "hidden": 100, "seeds": 3, "evals": 50},
 }
 PILOT_FRACTION, PILOT_EVALS = 25, 4  # the pilot trains for 1/25 of the steps (2,000 of 50,000)
-SOLVED, DIVERGED = 0.05, 1.0  # test error that solves the task; validation error past which a member diverged
+SOLVED = 0.05  # the test error that solves the task
+DIVERGED = 2.0  # a validation error non-finite or above this diverged (an untrained network's is about 7/6)
 
 
 def pilot_grid(grid):
     """The pilot's rates: 8 rates a factor √10 apart, from the power of ten above 10 × ``grid``'s largest down
     (SGD's family 1, 0.3, ..., 3e-4; Adam's 0.1, ..., 3e-5)."""
-    top = 10.0 ** np.ceil(np.log10(grid[0]) + 1)
-    return tuple(float(f"{top * 10 ** (-k / 2):.1g}") for k in range(8))
+    return tuple(_half_decade(10.0 ** np.ceil(np.log10(grid[0]) + 1), k) for k in range(8))
 
 
 class ReluRNN(nn.Module):
@@ -158,7 +162,7 @@ def train(model, tx, lrs, seeds, *, length, steps, batch, evals, bar, ckpt=None,
         bar.update()
         if deadline is not None and time.time() > deadline and len(curves) < evals:
             return None
-    return (np.stack(c) for c in zip(*curves, strict=True))
+    return tuple(np.stack(c) for c in zip(*curves, strict=True))
 
 
 def diverged(val_last) -> np.ndarray:
@@ -176,6 +180,13 @@ def main(argv=None):
     ap.add_argument("--evals", type=int, help="evaluations, and checkpoints, per run (default: the budget's)")
     ap.add_argument("--batch", type=int, default=50)
     ap.add_argument("--hours", type=float, help="stop after this many hours (paper budget; run again to resume)")
+    ap.add_argument(
+        "--only",
+        nargs="+",
+        metavar="NAME",
+        help="train (or resume) only these optimisers, e.g. in "
+        "parallel processes; a run without --only then assembles the table from their checkpoints",
+    )
     ap.add_argument("--quick", action="store_true", help="T = 20, 1 learning rate, 150 steps")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "out")
     args = ap.parse_args(argv)
@@ -197,43 +208,29 @@ def main(argv=None):
         x0, _ = adding_batch(jax.random.key(0), 1, length)
         params = model.init(jax.random.key(0), x0)["params"]
         space = pj.trace(lambda p, x: model.apply({"params": p}, x), params, x0)
-        opts = optimisers(space)
+        opts = {k: v for k, v in optimisers(space).items() if not args.only or k in args.only}
+        if not opts:
+            raise SystemExit(f"--only {args.only}: no such optimiser (choose from {list(optimisers(space))})")
         results[length] = {}
         total = len(opts) * (args.evals + (PILOT_EVALS if paper else 0))
         with tqdm(total=total, desc=f"T = {length}", unit="chunk") as bar:
             for name, (tx, grid) in opts.items():
                 bar.set_postfix_str(name)
-                run = {}
-                if paper:  # the pilot: the largest rate that does not diverge in 1/PILOT_FRACTION of the steps
-                    lrs = list(pilot_grid(grid))
-                    ckpt = ckpts / f"T{length}_{_slug(name)}_pilot.npz"
-                    ckpt.parent.mkdir(parents=True, exist_ok=True)
-                    steps = args.steps // PILOT_FRACTION
-                    out = train(model, tx, lrs, seeds[:1], length=length, steps=steps, batch=args.batch,
-                                evals=PILOT_EVALS, bar=bar, ckpt=ckpt, deadline=deadline)  # fmt: skip
-                    if out is None:
-                        return _stopped(args)
-                    val, _ = out
-                    stable = [lr for lr, d in zip(lrs, diverged(val[-1]), strict=True) if not d]
-                    run["pilot"] = {"lrs": lrs, "val": val[-1, 0].tolist()}
-                    grid = tuple(stable[0] / 2**k for k in range(5)) if stable else lrs[-1:]
-                lrs = list(grid[1:2] if args.quick else grid)
-                ckpt = ckpts / f"T{length}_{_slug(name)}.npz" if paper else None
-                out = train(model, tx, lrs, seeds, length=length, steps=args.steps, batch=args.batch,
-                            evals=args.evals, bar=bar, ckpt=ckpt, deadline=deadline)  # fmt: skip
+                kw = {"length": length, "batch": args.batch, "bar": bar, "deadline": deadline}
+                if paper:
+                    out = found_grid_run(model, tx, grid, seeds, args, ckpts / f"T{length}_{_slug(name)}", kw)
+                else:
+                    lrs = list(grid[1:2] if args.quick else grid)
+                    out = train(model, tx, lrs, seeds, steps=args.steps, evals=args.evals, **kw)
+                    out = None if out is None else {"lrs": lrs, **dict(zip(("val", "test"), out, strict=True))}
                 if out is None:
                     return _stopped(args)
-                val, test = out
-                best = int(np.argmin(np.where(diverged(val[-1]), np.inf, val[-1].mean(0))))
-                stable = [lr for lr, d in zip(lrs, diverged(val[-1]), strict=True) if not d]
-                run.update({"lrs": lrs, "lr": lrs[best], "best": best, "val": val.tolist(), "test": test.tolist(),
-                            "test_mse": test[-1, :, best].tolist(), "diverged": diverged(val[-1]).tolist(),
-                            "largest_stable_lr": stable[0] if stable else None,
-                            "solved": int(np.sum(test[-1, :, best] < SOLVED))})  # fmt: skip
-                results[length][name] = run
+                results[length][name] = _summary(out)
 
     elapsed = time.perf_counter() - t0
     _table(results, args, elapsed)
+    if args.only:
+        return results  # the checkpoints stay for the run that assembles every optimiser
     args.out.mkdir(parents=True, exist_ok=True)
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     json_path = args.out / f"{stem}.json"
@@ -246,6 +243,56 @@ def main(argv=None):
         ckpts.rmdir()
     print(f"table data: {json_path}\nplot: {png_path}")
     return results
+
+
+def found_grid_run(model, tx, grid, seeds, args, prefix: Path, kw):
+    """The paper budget's run of one optimiser, its learning rates found: a pilot (one seed, 1/`PILOT_FRACTION`
+    of the steps, `pilot_grid`) gives the largest rate that does not diverge; the run trains it and four rates
+    below (factors of √10) and, while fewer than three of its rates from the largest that did not diverge over
+    the run down are left (a late divergence), two more below. Checkpoints ``<prefix>_pilot.npz``,
+    ``<prefix>_rates<k>.npz``. Returns the rates and their curves (and the pilot's), or None when stopped."""
+    pilot_lrs = list(pilot_grid(grid))
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    out = train(model, tx, pilot_lrs, seeds[:1], steps=args.steps // PILOT_FRACTION, evals=PILOT_EVALS,
+                ckpt=prefix.with_name(prefix.name + "_pilot.npz"), **kw)  # fmt: skip
+    if out is None:
+        return None
+    pilot_val = out[0][-1]
+    stable = [lr for lr, d in zip(pilot_lrs, diverged(pilot_val), strict=True) if not d]
+    top = stable[0] if stable else pilot_lrs[-1]
+    lrs, curves, k = [], [], 0
+    while True:
+        rates = [_half_decade(top, k + j) for j in range(5 if k == 0 else 2)]
+        if k:
+            kw["bar"].total += args.evals
+        out = train(model, tx, rates, seeds, steps=args.steps, evals=args.evals,
+                    ckpt=prefix.with_name(f"{prefix.name}_rates{k}.npz"), **kw)  # fmt: skip
+        if out is None:
+            return None
+        lrs, k = lrs + rates, k + len(rates)
+        curves.append(list(out))
+        val, test = (np.concatenate(c, axis=2) for c in zip(*curves, strict=True))
+        ok = np.flatnonzero(~diverged(val[-1]))
+        if (len(ok) and len(lrs) - ok[0] >= 3) or k >= 12:
+            return {"lrs": lrs, "val": val, "test": test, "pilot": {"lrs": pilot_lrs, "val": pilot_val[0].tolist()}}
+
+
+def _half_decade(top: float, k: int) -> float:
+    """``top`` times 10^(-k/2), rounded to one digit on the half-decades (1, 0.3, 0.1, 0.03, ...)."""
+    return float(f"{10 ** (np.round(2 * np.log10(top)) / 2 - k / 2):.1g}")
+
+
+def _summary(out) -> dict:
+    """One optimiser's row: the rate chosen on validation errors (rates where a seed diverged excluded), its test
+    errors per seed, the seeds that solve the task, and the largest rate that did not diverge."""
+    lrs, val, test = out["lrs"], out["val"], out["test"]
+    bad = diverged(val[-1])
+    best = int(np.argmin(np.where(bad, np.inf, val[-1].mean(0))))
+    stable = [lr for lr, d in zip(lrs, bad, strict=True) if not d]
+    return {**{k: v for k, v in out.items() if k not in ("val", "test")}, "lr": lrs[best], "best": best,
+            "val": val.tolist(), "test": test.tolist(), "test_mse": test[-1, :, best].tolist(),
+            "diverged": bad.tolist(), "largest_stable_lr": max(stable, default=None),
+            "solved": int(np.sum(test[-1, :, best] < SOLVED))}  # fmt: skip
 
 
 def _slug(name: str) -> str:
