@@ -264,10 +264,10 @@ def _find_boundary(prog: Program, fresh: set[int]) -> None:
 
 
 @functools.lru_cache(maxsize=64)
-def program(space: PathSpace, param_key: tuple, input_key: tuple, **flatten_options) -> Program:
+def program(space: PathSpace, param_key: tuple, input_key: tuple, **options) -> Program:
     """The flat program of ``space.fn`` at these (shape, dtype) keys (cached: a `PathSpace` is hashable).
 
-    ``flatten_options``: ``who`` and ``err`` (the public function and the error it raises), ``allow_scan``,
+    ``options``: ``who`` and ``err`` (the public function and the error it raises), ``allow_scan``,
     ``inline_custom`` (see `_finish`).
     """
     param_specs = [jax.ShapeDtypeStruct(s, d) for s, d in param_key]
@@ -280,7 +280,7 @@ def program(space: PathSpace, param_key: tuple, input_key: tuple, **flatten_opti
     closed = jax.make_jaxpr(f)(param_specs, input_specs)
     frame, flags = record(closed, len(param_specs), [leaf.path for leaf in space.leaves])
     int_inputs = [jnp.issubdtype(s.dtype, jnp.integer) for s in input_specs]
-    return _finish(frame, flags, len(param_specs), int_inputs=int_inputs, **flatten_options)
+    return _finish(frame, flags, len(param_specs), int_inputs=int_inputs, **options)
 
 
 def bind(e: Eqn, vals) -> list:
