@@ -7,6 +7,7 @@ its nodes are not part of the homogeneous network. `pathspace_jax.tracer` runs t
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
@@ -148,3 +149,9 @@ class Val:
     scalars: list[int] = dataclasses.field(default_factory=list)  # atoms of squeezed size-1 axes
     random: bool = False  # a constant computed from random numbers (a dropout mask, a PRNG key)
     id: Any = None  # the value's id in the recorded program (`pathspace_jax.ir`), or ("lit", value)
+
+    def with_id(self, i) -> Val:
+        """A copy with id ``i`` (a shallow copy: cheaper than `dataclasses.replace`, run for every equation)."""
+        out = copy.copy(self)
+        out.id = i
+        return out

@@ -11,8 +11,13 @@ the forward executor and DDP-Normalization run.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
 
 from pathspace_jax import jaxpr as jx
 
@@ -109,10 +114,28 @@ class Recorder:
     def pop(self) -> Frame:
         return self.frames.pop()
 
-    def inline(self, fn, specs, ins: list) -> list:
-        """Record the equations of a small function of the library's own (a layer's slice of a stacked array,
-        the layers' outputs stacked back) applied to values ``ins``; returns the ids of its results."""
-        eqns, outs = jx.equations(fn, specs, ins, self.new)
+    def layers(self, x, shape, dtype) -> list:
+        """Record the slices ``x[0], x[1], ...`` of a value stacked over layers (leading axis); their ids."""
+        return self._inline(_layers_of(tuple(shape), np.dtype(dtype)), [x])
+
+    def stack(self, xs: list, shape, dtype) -> int:
+        """Record the values ``xs`` (one per layer, each of ``shape``) stacked along a new leading axis; its id."""
+        return self._inline(_stacked(tuple(shape), np.dtype(dtype), len(xs)), xs)[0]
+
+    def _inline(self, closed, ins: list) -> list:
+        eqns, outs = jx.equations(closed, ins, self.new)
         for prim, params, e_ins, e_outs, source in eqns:
             self.emit(Eqn(prim, params, e_ins, e_outs, source))
         return outs
+
+
+# The library's own small functions that a scan over layers adds to a program, traced once per shape.
+@functools.lru_cache(maxsize=256)
+def _layers_of(shape: tuple, dtype: np.dtype):
+    return jax.make_jaxpr(lambda x: [x[i] for i in range(shape[0])])(jax.ShapeDtypeStruct(shape, dtype))
+
+
+@functools.lru_cache(maxsize=256)
+def _stacked(shape: tuple, dtype: np.dtype, n: int):
+    spec = jax.ShapeDtypeStruct(shape, dtype)
+    return jax.make_jaxpr(lambda *v: jnp.concatenate([x[None] for x in v]))(*[spec] * n)

@@ -189,13 +189,12 @@ def primitive_names(j) -> set[str]:
     return out
 
 
-def equations(fn, specs: Sequence, ins: Sequence, new_id) -> tuple[list[tuple], list]:
-    """The equations of ``fn`` traced at ``specs`` (calls entered), on value ids: ``ins`` for its inputs,
+def equations(cj: ClosedJaxpr, ins: Sequence, new_id) -> tuple[list[tuple], list]:
+    """The equations of a closed jaxpr without constants (calls entered), on value ids: ``ins`` for its inputs,
     ``new_id()`` for every result, ``("lit", value)`` for literals. Returns the equations as
-    ``(primitive, params, ins, outs, source)`` and the ids of ``fn``'s results."""
-    cj = jax.make_jaxpr(fn)(*specs)
+    ``(primitive, params, ins, outs, source)`` and the ids of its results."""
     if cj.consts:
-        raise ValueError("equations: fn must not close over arrays")
+        raise ValueError("equations: the jaxpr must not close over arrays")
     out: list[tuple] = []
 
     def walk(j, env_ins):

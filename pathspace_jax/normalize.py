@@ -48,8 +48,10 @@ import numpy as np
 from pathspace_jax import program as flat
 from pathspace_jax.errors import DDPNormalizationError
 from pathspace_jax.forward import run_program
-from pathspace_jax.graph import PathSpace, check_path_space, reduced
+from pathspace_jax.frames import node_sum, take
+from pathspace_jax.graph import PathSpace, check_path_space
 from pathspace_jax.rules import rule
+from pathspace_jax.skeleton import skeleton
 
 __all__ = ["ddp_normalize", "ddp_normalized_weights", "DDPNormalizationError"]
 
@@ -133,13 +135,10 @@ def _nodes(space: PathSpace, prog: flat.Program) -> dict[int, _Node]:
 
 def _incoming(space: PathSpace, node: _Node, leaves) -> jax.Array:
     """Σ_{u→v} w̃²_{u→v} for every node of the group (kernel taps, input channels, bias)."""
-    g = space.groups[node.group]
-    total = jnp.zeros((g.size,), jnp.result_type(*[leaves[j] for j in node.leaves]))
-    for j in node.leaves:
-        dst, axes = reduced(space.leaves[j].dst)  # per node, not per entry: sum the other axes first
-        sq = jnp.sum(leaves[j] ** 2, axis=axes, keepdims=True)
-        total = total + jax.ops.segment_sum(jnp.ravel(sq), dst.ravel() - g.offset, num_segments=g.size)
-    return total
+    g, idx = space.groups[node.group], skeleton(space).leaves
+    parts = [(idx[j].dst_r, jnp.sum(leaves[j] ** 2, axis=idx[j].dst_sum_axes, keepdims=True)) for j in node.leaves]
+    dtype = jnp.result_type(*[leaves[j] for j in node.leaves])
+    return node_sum(space.num_nodes, parts, dtype)[g.offset : g.offset + g.size]
 
 
 def _stat(z, moment):
@@ -317,13 +316,12 @@ def ddp_normalized_weights(
     _check_zero(space, nodes, leaves, alpha, eps)
     record: dict = {}
     _run(space, prog, nodes, leaves, xs, alpha, moment, eps, center, record)
-    out = list(leaves)
+    out, idx = list(leaves), skeleton(space).leaves
     for v, node in nodes.items():
         gamma, mean = record[v]
         g = space.groups[node.group]
         for j in node.leaves:
-            dst = reduced(space.leaves[j].dst)[0] - g.offset  # broadcasts against the leaf
-            out[j] = (out[j] / gamma[dst]).astype(leaves[j].dtype)
+            out[j] = (out[j] / take(gamma, idx[j].dst_r - g.offset)).astype(leaves[j].dtype)
         if center:
             if node.bias is None:
                 raise DDPNormalizationError(
@@ -331,6 +329,5 @@ def ddp_normalized_weights(
                 )
             b = leaves[node.bias]
             shift = (mean - b) / gamma  # mean of the pre-activation without its bias, normalised
-            dst = reduced(space.leaves[node.bias].dst)[0] - g.offset
-            out[node.bias] = (b - shift[dst]).astype(b.dtype)
+            out[node.bias] = (b - take(shift, idx[node.bias].dst_r - g.offset)).astype(b.dtype)
     return space.unflatten_like(w_tilde, out)

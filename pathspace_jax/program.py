@@ -103,7 +103,7 @@ def _finish(
                     "feed-forward networks, where every path uses a parameter at most once (a recurrent kernel "
                     "is used at every time step, so γ²_net is not quadratic in it)."
                 )
-            k = "act" if "act" in ks else "param" if "param" in ks else "const"
+            k = functools.reduce(_join, ks, "const")
             from_tokens = any(not isinstance(x, tuple) and x in tokens for x in e.ins)
             lookup = from_tokens and name == "gather" and ks[0] == "param"
             if lookup:
@@ -118,7 +118,7 @@ def _finish(
                     lookups.add(i)
                 elif from_tokens and k == "const":
                     tokens.add(i)
-            eqns.append(dataclasses.replace(e, inner=None))
+            eqns.append(e if e.inner is None else dataclasses.replace(e, inner=None))  # a custom call kept whole
 
     for j, i in enumerate(in_ids):
         kinds[i] = in_kinds[j] if in_kinds is not None else "param" if j < n_params else "act"

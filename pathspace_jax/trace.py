@@ -153,7 +153,7 @@ def _interpret(closed, param_specs, input_specs, paths) -> Interpreter:
             is_key = jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key)
             in_vals.append(Val(CONST, interp.fresh(a.shape, input=True), random=is_key))
     rec = interp.rec
-    in_vals = [dataclasses.replace(v, id=rec.new()) for v in in_vals]
+    in_vals = [v.with_id(rec.new()) for v in in_vals]
     rec.top.in_ids = [v.id for v in in_vals]
     for v in in_vals[n_leaves:]:
         rec.notes[v.id] = interp.all_atoms(v) if v.kind == ACT else None
@@ -293,11 +293,12 @@ def _leaf_roles(interp: Interpreter, leaves, paths) -> list[tuple]:
             continue
         note = "; ".join(dict.fromkeys(interp.other[i]))
         roles: dict[int, str] = {}
-        lines: dict[int, str] = {}
-        for a, role, _, where in interp.uses[i]:
-            if roles.get(a, role) != role:
-                note = note or f"one axis used with two roles ({roles[a]} at {lines[a]}, {role} at {where})"
-            roles[a], lines[a] = role, where
+        sites: dict[int, tuple] = {}
+        for a, role, _, site in interp.uses[i]:
+            if roles.get(a, role) != role and not note:
+                before, now = interp.line(sites[a]), interp.line(site)
+                note = f"one axis used with two roles ({roles[a]} at {before}, {role} at {now})"
+            roles[a], sites[a] = role, site
         first_step = min((s for _, _, s, _ in interp.uses[i]), default=0)
         factors = [f for ax in interp.leaf_axes[i] for a in ax for f in expand_roles(a, None, roles)]
         kind = "other"
@@ -314,7 +315,7 @@ def _leaf_roles(interp: Interpreter, leaves, paths) -> list[tuple]:
                 note = "its output axis is a concatenation"
         roots = [r for r, _ in factors]
         if note and interp.uses[i] and " at " not in note:  # where the leaf is first used as an edge
-            note += f", used at {interp.uses[i][0][3]}"
+            note += f", used at {interp.line(interp.uses[i][0][3])}"
         if note:
             atoms.pin(roots, f"{paths[i]} is not an edge tensor ({note})")
             leaf_info.append(("other", roots, None, None, note, first_step))

@@ -23,8 +23,6 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from pathspace_jax import jaxpr as jx
@@ -47,7 +45,7 @@ class Interpreter(ShapeRules):
     def __init__(self, leaf_paths: Sequence[str]):
         self.atoms = Atoms()
         self.leaf_paths = list(leaf_paths)
-        self.uses: list[list[tuple[int, str, int, str]]] = [[] for _ in leaf_paths]  # (atom, role, step, line)
+        self.uses: list[list[tuple[int, str, int, tuple]]] = [[] for _ in leaf_paths]  # (atom, role, step, site)
         self.other: list[list[str]] = [[] for _ in leaf_paths]
         self.leaf_axes: list[list[list[int]]] = []
         self.step = 0
@@ -69,7 +67,16 @@ class Interpreter(ShapeRules):
     def where(self) -> str:
         """The source line of the current equation, or of the nearest enclosing call that has one (JAX's own
         helpers, a ReLU's custom_jvp for one, carry none)."""
-        for eqn in [self.eqn, *reversed(self.callers)]:
+        return self.line(self.site())
+
+    def site(self) -> tuple:
+        """Where the interpreter is (the equation and its callers), for `line` to name later if need be."""
+        return (*self.callers, self.eqn)
+
+    @staticmethod
+    def line(site: tuple) -> str:
+        """The source line of a `site`: its innermost equation's that has one."""
+        for eqn in reversed(site):
             if eqn is not None and (w := jx.where(eqn)) != jx.UNKNOWN_SOURCE:
                 return w
         return jx.UNKNOWN_SOURCE
@@ -81,9 +88,9 @@ class Interpreter(ShapeRules):
         return int(np.prod([self.atoms.size[self.atoms.find(a)] for a in axis], dtype=np.int64))
 
     def use(self, v: Val, atoms: Sequence[int], role: str) -> None:
-        where = self.where()
+        site = self.site()  # named only if the leaf turns out not to be an edge tensor (`trace._leaf_roles`)
         for a in atoms:
-            self.uses[v.leaf].append((a, role, self.step, where))
+            self.uses[v.leaf].append((a, role, self.step, site))
 
     def mark_other(self, v: Val, why: str) -> None:
         if v.kind == PARAM:
@@ -145,7 +152,7 @@ class Interpreter(ShapeRules):
     def record(self, eqn, ins: Sequence[Val], outs: Sequence[Val], **extra) -> Recorded:
         """Record ``eqn`` in the flat program (`pathspace_jax.ir`): its results get fresh ids, and their atoms
         are noted for the flags that `pathspace_jax.trace.record` derives."""
-        outs = [dataclasses.replace(v, id=self.rec.new()) for v in outs]
+        outs = [v.with_id(self.rec.new()) for v in outs]
         for v in outs:
             self.rec.notes[v.id] = self.all_atoms(v) if v.kind == ACT else "const" if v.kind == CONST else None
         self.rec.emit(Eqn(eqn.primitive, dict(eqn.params), [v.id for v in ins], [v.id for v in outs], eqn, **extra))
@@ -559,11 +566,11 @@ class Interpreter(ShapeRules):
         nk = len(init)
         x_avals, y_avals = jx.in_avals(sc.body)[len(consts) + nk :], jx.out_avals(sc.body)[nk:]
         carry, per_layer = [self._carry_in(v) for v in init], {}
+        slices = [self.rec.layers(v.id, (sc.length, *a.shape), a.dtype) for v, a in zip(xs, x_avals, strict=True)]
         for layer in reversed(range(sc.length)) if sc.reverse else range(sc.length):
             body_xs = []
-            for v, a in zip(xs, x_avals, strict=True):
-                stacked = jax.ShapeDtypeStruct((sc.length, *a.shape), a.dtype)
-                (i,) = self.rec.inline(lambda x, i=layer: x[i], [stacked], [v.id])
+            for v, ids in zip(xs, slices, strict=True):
+                i = ids[layer]
                 if v.kind == PARAM:
                     leaf = self.layer_slice(v.leaf, layer)
                     body_xs.append(Val(PARAM, [list(ax) for ax in self.leaf_axes[leaf]], leaf=leaf, id=i))
@@ -577,10 +584,7 @@ class Interpreter(ShapeRules):
             for v in vals[1:]:
                 for a0, b in zip(vals[0].axes, v.axes, strict=True):
                     self.atoms.unify(a0, b, self.reason("stacked over the layers of a scan"))
-            spec = jax.ShapeDtypeStruct(a.shape, a.dtype)
-            (i,) = self.rec.inline(lambda *v: jnp.concatenate([x[None] for x in v]), [spec] * sc.length,
-                                   [v.id for v in vals])  # fmt: skip
-            ys.append(dataclasses.replace(vals[0], id=i))
+            ys.append(dataclasses.replace(vals[0], id=self.rec.stack([v.id for v in vals], a.shape, a.dtype)))
         return carry, ys
 
     def rule_scan(self, eqn, ins):
@@ -605,7 +609,7 @@ class Interpreter(ShapeRules):
                 else:
                     body_xs.append(dataclasses.replace(v, axes=[list(ax) for ax in v.axes[1:]]))
             body = self.rec.push()
-            body_ins = [dataclasses.replace(v, id=self.rec.new()) for v in list(consts) + carry + body_xs]
+            body_ins = [v.with_id(self.rec.new()) for v in list(consts) + carry + body_xs]
             body.in_ids = [v.id for v in body_ins]
             outs = self.run_closed(sc.body, body_ins)
             body.out_ids = [v.id for v in outs]
