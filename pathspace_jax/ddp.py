@@ -405,6 +405,14 @@ def ddp_kappa_canonical(
     return kappa, lg
 
 
+def _sharded_like(z) -> dict:
+    """``out_sharding`` for an array made to be ``z``'s cotangent: under explicit sharding (``AxisType.Explicit``)
+    a VJP's cotangent must carry its primal's sharding; nothing to say otherwise."""
+    sharding = jax.typeof(z).sharding
+    explicit = any(t == jax.sharding.AxisType.Explicit for t in sharding.mesh.axis_types)
+    return {"out_sharding": sharding} if explicit else {}
+
+
 def _second_order_probes(vjp, probe_zs, nus, key, num_probes, moment, b, n) -> list:
     """Σ_t ν_t mean_i (∂z_t(x_i)/∂w)² by ``num_probes`` random-sign probes, each one VJP of the forward pass
     (``vjp``) from the nodes ``probe_zs`` of ``b`` of the batch's ``n`` examples."""
@@ -414,7 +422,7 @@ def _second_order_probes(vjp, probe_zs, nus, key, num_probes, moment, b, n) -> l
         ks = jax.random.split(k, len(probe_zs))
         cots = []
         for kk, z, s in zip(ks, probe_zs, scale, strict=False):
-            r = jax.random.rademacher(kk, z.shape, z.dtype)
+            r = jax.random.rademacher(kk, z.shape, z.dtype, **_sharded_like(z))
             if moment == "variance":
                 r = r - jnp.mean(r, axis=0, keepdims=True)
             cots.append(r * s)

@@ -170,8 +170,13 @@ def _run(space, prog, nodes, leaves, xs, alpha, moment, eps, center, record=None
     return run_program(prog, list(leaves) + list(xs), [], post=normalize)[0]
 
 
-@functools.lru_cache(maxsize=32)
 def _program(space: PathSpace, param_key: tuple, input_key: tuple):
+    return _checked_program(space, param_key, input_key, jax.sharding.get_abstract_mesh())
+
+
+@functools.lru_cache(maxsize=32)
+def _checked_program(space: PathSpace, param_key: tuple, input_key: tuple, mesh):
+    """`_program` for the abstract mesh in context (part of the key, as in `pathspace_jax.program.program`)."""
     prog = flat.program(space, param_key, input_key, who="ddp_normalize", err=DDPNormalizationError)
     if prog.sinks or prog.bnd:
         raise DDPNormalizationError(

@@ -263,13 +263,18 @@ def _find_boundary(prog: Program, fresh: set[int]) -> None:
     prog.outputs = [v for v in prog.outputs if v not in bnd]
 
 
-@functools.lru_cache(maxsize=64)
 def program(space: PathSpace, param_key: tuple, input_key: tuple, **options) -> Program:
-    """The flat program of ``space.fn`` at these (shape, dtype) keys (cached: a `PathSpace` is hashable).
+    """The flat program of ``space.fn`` at these (shape, dtype) keys, for the abstract mesh in context.
 
-    ``options``: ``who`` and ``err`` (the public function and the error it raises), ``allow_scan``,
-    ``inline_custom`` (see `_finish`).
+    Cached per space, keys and mesh: under a mesh (``jax.set_mesh``) JAX records shardings in the equations'
+    params, and a program traced under one mesh (or none) does not run under another. ``options``: ``who`` and
+    ``err`` (the public function and the error it raises), ``allow_scan``, ``inline_custom`` (see `_finish`).
     """
+    return _program(space, param_key, input_key, jax.sharding.get_abstract_mesh(), **options)
+
+
+@functools.lru_cache(maxsize=64)
+def _program(space: PathSpace, param_key: tuple, input_key: tuple, mesh, **options) -> Program:
     param_specs = [jax.ShapeDtypeStruct(s, d) for s, d in param_key]
     input_specs = [jax.ShapeDtypeStruct(s, d) for s, d in input_key]
     args_def = jax.tree_util.tree_structure(space.arg_specs)

@@ -12,6 +12,7 @@ import optax
 
 from pathspace_jax import gsgd
 from pathspace_jax.ddp import check_ddp_space, check_inputs, check_options, ddp_kappa_canonical
+from pathspace_jax.frames import on_mesh_of
 from pathspace_jax.graph import check_path_space, warn_if_plain
 from pathspace_jax.kappa import check_kappa_space, kappa_canonical
 from pathspace_jax.scaling import KeptKappa, current_kappa, divide_by_kappa, is_traced, kappa_state, kept_kappa
@@ -92,9 +93,14 @@ def _accept_masked(space, who: str, tx, *, runs_network: bool = False):
     """
 
     def init_fn(params):
-        return tx.init(_unmask(space, params, who)[0])
+        with on_mesh_of(params):
+            return tx.init(_unmask(space, params, who)[0])
 
     def update_fn(updates, state, params=None, **extra_args):
+        with on_mesh_of(updates):
+            return _update(updates, state, params, **extra_args)
+
+    def _update(updates, state, params, **extra_args):
         updates, flags = _unmask(space, updates, who)
         params, pflags = _unmask(space, params, who)
         if runs_network and pflags is not None:
