@@ -180,6 +180,20 @@ def check_options(alpha, moment, estimator, num_probes, probe_batch_size=None) -
     return alpha, int(num_probes), probe_batch_size
 
 
+def refuse_local_batch(xs, what: str) -> None:
+    """A batch split over the manual axes of ``jax.shard_map`` is an error: ``what`` is a mean over the batch,
+    and each device would take it over its own part."""
+    axes = sorted(set().union(*(jx.varying_axes(x) for x in xs)))
+    if axes:
+        raise ValueError(
+            f"inputs differ between devices along the mesh axes {axes} of jax.shard_map: {what} is a mean over the "
+            "batch, and each device would take it over its own part. Run the step under jax.jit with the batch "
+            "sharded instead (jax.device_put(x, NamedSharding(mesh, P('data'))) or in_shardings): the statistics "
+            "are then summed over the whole batch. G-SGD, G-Adam and Path-SGD, which read only the params, run "
+            "inside jax.shard_map."
+        )
+
+
 def check_inputs(space: PathSpace, inputs) -> list:
     """The batch's leaves, checked against the traced arguments: structure, dtype, per-example shape."""
     args = _as_tuple(inputs)
@@ -193,6 +207,7 @@ def check_inputs(space: PathSpace, inputs) -> list:
     xs = jax.tree_util.tree_leaves(args)
     if not xs or any(jnp.ndim(x) == 0 for x in xs):
         raise ValueError("inputs: every input needs a leading batch axis")
+    refuse_local_batch(xs, "DDP-SGD's κ")
     n = int(jnp.shape(xs[0])[0])
     for i, (x, spec) in enumerate(zip(xs, specs, strict=True)):
         dt = jnp.result_type(x)

@@ -49,6 +49,7 @@ __all__ = [
     "primitive_names",
     "scan",
     "scan_split",
+    "varying_axes",
     "where",
     "while_loop",
 ]
@@ -287,6 +288,16 @@ def bind(prim, params: dict, vals: Sequence) -> list:
     subfuns, kw = bp if isinstance(bp, tuple) else ((), bp)
     out = prim.bind(*subfuns, *vals, **kw)
     return list(out) if prim.multiple_results else [out]
+
+
+def varying_axes(x) -> frozenset:
+    """The manual mesh axes (inside ``jax.shard_map``) along which ``x`` differs between devices; empty outside.
+
+    Read from the type's ``manual_axis_type.varying`` (JAX 0.10+; ``vma`` in older releases).
+    """
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)
+    return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))
 
 
 def is_row_lookup(params: dict, operand_ndim: int, slice_sizes_tail: tuple, out_ndim: int) -> bool:

@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pathspace_jax import program as flat
+from pathspace_jax.ddp import refuse_local_batch
 from pathspace_jax.errors import DDPNormalizationError
 from pathspace_jax.forward import run_program
 from pathspace_jax.frames import node_sum, take
@@ -192,6 +193,7 @@ def _setup(space, w_tilde, inputs, moment):
     specs = jax.tree_util.tree_leaves(space.arg_specs)
     if len(xs) != len(specs):
         raise ValueError(f"expected {len(specs)} input array(s) (the traced function's arguments), got {len(xs)}")
+    refuse_local_batch(xs, "DDP-Normalization's γ")
     for i, (x, spec) in enumerate(zip(xs, specs, strict=True)):
         if x.ndim == 0 or tuple(x.shape[1:]) != tuple(spec.shape[1:]):
             raise ValueError(

@@ -122,3 +122,44 @@ def test_fsdp_keeps_node_vectors_whole():
         print("ok")
         """
     )
+
+
+@pytest.mark.slow
+def test_shard_map_params_only_optimisers_and_a_clear_error_for_ddp():
+    """Inside ``jax.shard_map`` (manual axes) with the batch split: the optimisers that read only the params give
+    one device's params; DDP-SGD and DDP-Normalization, whose statistics are means over the batch, refuse a batch
+    that differs between devices instead of taking each device's own part (which failed deep in JAX before)."""
+    _run(
+        """
+        mesh = jax.make_mesh((4,), ("data",), axis_types=(AxisType.Auto,))
+        model, shape = MODELS["mlp"]
+        x = jax.random.normal(jax.random.key(1), shape)
+        p = model.init(jax.random.key(0), x)["params"]
+        fn = lambda p, x: model.apply({"params": p}, x)
+        space = pj.trace(fn, p, x)
+        for name, tx in optimisers(space).items():
+            def local(p, s, x):  # the gradient of a replicated p is summed over "data": the mean is a quarter
+                g = jax.tree_util.tree_map(lambda t: t / 4, jax.grad(lambda p: jnp.mean(fn(p, x) ** 2))(p))
+                u, s = tx.update(g, s, p, **({"inputs": x} if name == "ddp_sgd" else {}))
+                return optax.apply_updates(p, u), s
+            step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P())))
+            if name == "ddp_sgd":
+                try:
+                    step(p, tx.init(p), x)
+                except ValueError as e:
+                    assert "its own part" in str(e) and "['data']" in str(e), e
+                else:
+                    raise AssertionError("DDP-SGD ran on each device's part of the batch")
+                continue
+            assert_close(two_steps(step, tx, p, x), two_steps(make_step(fn, tx, name), tx, p, x))
+        fn_tilde = pj.ddp_normalize(space, alpha=1.0)
+        normalize = jax.shard_map(lambda x: fn_tilde(p, x), mesh=mesh, in_specs=P("data"), out_specs=P("data"))
+        try:
+            jax.jit(normalize)(x)
+        except ValueError as e:
+            assert "its own part" in str(e), e
+        else:
+            raise AssertionError("DDP-Normalization ran on each device's part of the batch")
+        print("ok")
+        """
+    )
