@@ -102,7 +102,7 @@ from pathspace_jax import program as flat
 from pathspace_jax import squared
 from pathspace_jax.errors import PathKappaUnsupportedError
 from pathspace_jax.exact import V, ldexp, renorm
-from pathspace_jax.frames import kappa_from_frame, to_canonical_frame
+from pathspace_jax.frames import kappa_from_frame, replicated, to_canonical_frame
 from pathspace_jax.graph import PathSpace, check_path_space, compute_dtype
 from pathspace_jax.squared import evaluate, raise_power
 
@@ -119,6 +119,7 @@ def _lag_sum(cin, nu, a):
     if t < 2:
         return q0
     nu_pad = jnp.concatenate([nu, jnp.zeros_like(nu)], axis=0)
+    cin, nu_pad, a = replicated(cin), replicated(nu_pad), replicated(a)
 
     def body(carry, k):
         ak, q = carry
