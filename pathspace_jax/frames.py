@@ -127,7 +127,8 @@ def on_mesh_of(tree):
 
 
 def replicated(vec):
-    """``vec`` constrained to be whole on every device of the mesh in context or of the params (`on_mesh_of`).
+    """``vec`` (a node vector, or another small array that many operations read) constrained to be whole on every
+    device of the mesh in context or of the params (`on_mesh_of`).
 
     Node vectors are small (one number per node) but read at shifted offsets by every edge leaf (`take`): where
     the params are sharded, XLA's sharding propagation would otherwise split them too, at boundaries unrelated to

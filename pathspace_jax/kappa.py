@@ -119,7 +119,7 @@ def _lag_sum(cin, nu, a):
     if t < 2:
         return q0
     nu_pad = jnp.concatenate([nu, jnp.zeros_like(nu)], axis=0)
-    cin, nu_pad, a = replicated(cin), replicated(nu_pad), replicated(a)
+    cin, nu_pad, a = replicated(cin), replicated(nu_pad), replicated(a)  # on a mesh: gathered once, not per step
 
     def body(carry, k):
         ak, q = carry
