@@ -1,10 +1,11 @@
-"""Every optimiser under the two ways JAX shards a jitted step, on 4 CPU devices, against one device.
+"""Every optimiser under the three ways JAX shards a step, on 4 CPU devices, against one device.
 
 * explicit sharding (``jax.make_mesh``'s default axis type, ``AxisType.Explicit``, with ``jax.set_mesh``): data
   parallel, the batch split over the mesh. Flax's linen layers do not run with explicitly sharded kernels (a
   ``Dense`` needs an ``out_sharding`` it does not take), so params stay replicated there.
 * automatic sharding (``AxisType.Auto``): FSDP-style, every leaf split along its largest axis divisible by 4,
   and the compiled step is read for what it communicates.
+* manual sharding (``jax.shard_map``): each device runs the step on its part of the batch.
 
 Each case runs in its own process (the number of CPU devices is fixed when JAX starts).
 """
