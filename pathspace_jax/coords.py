@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pathspace_jax.frames import node_gather, safe_inv, take
+from pathspace_jax.frames import node_gather, on_params_mesh, safe_inv, take
 from pathspace_jax.graph import PathSpace, compute_dtype
 from pathspace_jax.skeleton import Skeleton, skeleton
 
@@ -116,6 +116,7 @@ def node_factors(space, leaves, dtype):
 # ---------------------------------------------------------------------------- public maps
 
 
+@on_params_mesh
 def to_coords(space: PathSpace, params):
     """Path coordinates of ``params``: the value of each entry's basis path, the weight at gauge entries.
 
@@ -148,6 +149,7 @@ def to_coords(space: PathSpace, params):
     return _map_edge_leaves(space, params, leaves, ct, coord, lambda w: w)
 
 
+@on_params_mesh
 def from_coords(space: PathSpace, coords):
     """Weights from path coordinates (weight allocation): the inverse of `to_coords`.
 
@@ -238,6 +240,7 @@ def basis_paths(space: PathSpace):
     return jax.tree_util.tree_unflatten(space.treedef, list(_basis_paths_np(space)))
 
 
+@on_params_mesh
 def canonicalize(space: PathSpace, params):
     """The member of ``params``' rescaling orbit whose gauge weights (outgoing skeleton edges) are ±1.
 
@@ -268,6 +271,7 @@ def canonicalize(space: PathSpace, params):
     return _map_edge_leaves(space, params, leaves, ct, scaled, jnp.sign)
 
 
+@on_params_mesh
 def skeleton_init(space: PathSpace, params):
     """An initialisation for G-SGD: every skeleton weight (incoming and outgoing) set to ±1, its sign kept.
 

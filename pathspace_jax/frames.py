@@ -111,8 +111,9 @@ _PARAMS_MESH = contextvars.ContextVar("pathspace_jax_params_mesh", default=None)
 def on_mesh_of(tree):
     """Within it, `replicated` keeps node vectors whole on the mesh that ``tree``'s arrays are sharded over.
 
-    The transformations enter it with their params and updates, so that a step compiled with sharded params
-    (e.g. ``jax.jit`` with ``in_shardings`` on a mesh whose axes are ``AxisType.Auto``) needs no mesh in context.
+    The transformations enter it with their params and updates, and the public functions of the params with
+    theirs (`on_params_mesh`), so that a step compiled with sharded params (e.g. ``jax.jit`` with ``in_shardings``
+    on a mesh whose axes are ``AxisType.Auto``) needs no mesh in context.
     """
     mesh = None
     for leaf in jax.tree_util.tree_leaves(tree):
@@ -124,6 +125,17 @@ def on_mesh_of(tree):
         yield
     finally:
         _PARAMS_MESH.reset(token)
+
+
+def on_params_mesh(fn):
+    """A public function ``fn(space, params, ...)`` run `on_mesh_of` its params (or coordinates)."""
+
+    @functools.wraps(fn)
+    def run(space, tree, *args, **kwargs):
+        with on_mesh_of(tree):
+            return fn(space, tree, *args, **kwargs)
+
+    return run
 
 
 def replicated(vec):

@@ -22,7 +22,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from pathspace_jax.coords import get_flat, node_factors, to_coords
-from pathspace_jax.frames import edge_products, finite, frame_k, materialize, node_sum, pow2_pair, safe_inv, take
+from pathspace_jax.frames import (
+    edge_products,
+    finite,
+    frame_k,
+    materialize,
+    node_sum,
+    on_params_mesh,
+    pow2_pair,
+    safe_inv,
+    take,
+)
 from pathspace_jax.graph import BIAS_NODE, PathSpace, compute_dtype
 from pathspace_jax.skeleton import Skeleton, levels, skeleton
 
@@ -279,6 +289,7 @@ def _scales(space: PathSpace, w_leaves, c_leaves, factors, ct, alpha):
     return out
 
 
+@on_params_mesh
 def coord_scales(space: PathSpace, params):
     """The scales σ of G-SGD's normalised coordinates ``φ = c / σ`` (``in_path_space(normalize=True)``).
 

@@ -102,7 +102,7 @@ from pathspace_jax import program as flat
 from pathspace_jax import squared
 from pathspace_jax.errors import PathKappaUnsupportedError
 from pathspace_jax.exact import V, ldexp, renorm
-from pathspace_jax.frames import kappa_from_frame, replicated, to_canonical_frame
+from pathspace_jax.frames import kappa_from_frame, on_params_mesh, replicated, to_canonical_frame
 from pathspace_jax.graph import PathSpace, check_path_space, compute_dtype
 from pathspace_jax.squared import evaluate, raise_power
 
@@ -172,6 +172,7 @@ def _setup(space, leaves):
     return dt, leaves, lg, prog, ones
 
 
+@on_params_mesh
 def path_kappa(space: PathSpace, params, *, second_order: bool = True):
     """Path-SGD's scaling κ = ½ diag ∇²γ²_net, as a pytree like params.
 
@@ -388,6 +389,7 @@ def kappa_canonical(space, leaves, second_order, factored=False):
     return kappa, lg
 
 
+@on_params_mesh
 def path_norm(space: PathSpace, params, p: float = 2.0):
     """The ℓp path norm (Σ_paths Π_{e ∈ path} |p_e|^p)^(1/p) of the traced function, overflow-safe.
 

@@ -139,7 +139,7 @@ def _incoming(space: PathSpace, node: _Node, leaves) -> jax.Array:
     g, idx = space.groups[node.group], skeleton(space).leaves
     parts = [(idx[j].dst_r, jnp.sum(leaves[j] ** 2, axis=idx[j].dst_sum_axes, keepdims=True)) for j in node.leaves]
     dtype = jnp.result_type(*[leaves[j] for j in node.leaves])
-    return node_sum(space.num_nodes, parts, dtype)[g.offset : g.offset + g.size]
+    return take(node_sum(space.num_nodes, parts, dtype), np.arange(g.offset, g.offset + g.size))
 
 
 def _stat(z, moment):

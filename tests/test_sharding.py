@@ -98,9 +98,10 @@ def test_explicit_mesh_data_parallel_matches_one_device():
 @pytest.mark.slow
 def test_fsdp_keeps_node_vectors_whole():
     """FSDP-style sharding with automatic axes and no mesh in context: the same params as one device, and no
-    collective-permute in the compiled step. Node vectors (one number per node) sliced at each leaf's offsets were
-    split by XLA at boundaries of their own, with a halo exchange at every slice (72 collective-permutes in G-SGD's
-    step on a 784-512-512-10 MLP); `pathspace_jax.frames.replicated` keeps them whole on the params' mesh."""
+    collective-permute in the compiled step (nor in the public functions' programs). Node vectors (one number per
+    node) sliced at each leaf's offsets were split by XLA at boundaries of their own, with a halo exchange at every
+    slice (72 collective-permutes in G-SGD's step on a 784-512-512-10 MLP); `pathspace_jax.frames.replicated` keeps
+    them whole on the params' mesh."""
     _run(
         """
         mesh = jax.make_mesh((4,), ("data",), axis_types=(AxisType.Auto,))
@@ -120,6 +121,16 @@ def test_fsdp_keeps_node_vectors_whole():
                 hlo = step.lower(ps, state, xs).compile().as_text()
                 assert "collective-permute" not in hlo, (name, hlo.count("collective-permute"))
                 assert_close(two_steps(step, tx, ps, xs), two_steps(step, tx, p, x))
+            public = {  # called directly inside a jit: they enter the params' mesh too
+                "to_coords": lambda p: pj.to_coords(space, p),
+                "coord_scales": lambda p: pj.coord_scales(space, p),
+                "path_kappa": lambda p: pj.path_kappa(space, p),
+                "ddp_kappa": lambda p: pj.ddp_kappa(space, p, xs, alpha=1.0),
+            }
+            for name, f in public.items():
+                compiled = jax.jit(f).lower(ps).compile()
+                assert "collective-permute" not in compiled.as_text(), name
+                assert_close(compiled(ps), jax.jit(f)(p))
         print("ok")
         """
     )
