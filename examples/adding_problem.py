@@ -30,6 +30,7 @@ processes, which together train 2.2 times as fast as one two-threaded process). 
 after each chunk of steps, and running the same command again resumes it (``--hours`` stops it after that
 much time; the files are in ``<out>/adding_problem_paper_checkpoints``, removed when the run completes).
 ``--only NAME...`` trains some optimisers only; a run without it assembles the table from their checkpoints.
+``--status`` prints how far the saved run is (chunks done, the latest test errors per rate and seed).
 
 Run:  pip install -e ".[examples]" && python examples/adding_problem.py   (--quick: under a minute)
       python examples/adding_problem.py --budget paper --workers 2 --out examples/results --hours 2   (resume: again)
@@ -197,6 +198,7 @@ def main(argv=None):
         help="train the optimisers in this many processes, "
         "each single-threaded (on 2 CPU cores, 2 train 2.2 times as fast as one two-threaded process)",
     )
+    ap.add_argument("--status", action="store_true", help="print how far the saved paper-budget run is, and stop")
     ap.add_argument("--quick", action="store_true", help="T = 20, 1 learning rate, 150 steps")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "out")
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -211,6 +213,8 @@ def main(argv=None):
     ckpts = args.out / f"{stem}_checkpoints" if paper else None
     deadline = time.time() + 3600 * args.hours if args.hours else None
 
+    if args.status:
+        return _status(ckpts if paper else None)
     t0 = time.perf_counter()
     if args.workers > 1 and not args.only and _in_workers(argv, args) is None:
         return _stopped(args)
@@ -323,6 +327,21 @@ def _in_workers(argv, args):
     if any(c not in (0, STOPPED) for c in codes):
         raise SystemExit(f"a worker failed (exit codes {codes})")
     return None if STOPPED in codes else True
+
+
+def _status(ckpts: Path | None):
+    """Print each saved run of the paper budget (pilots and rate groups): its chunks done and, per learning rate,
+    the latest test errors of its seeds (inf: diverged). Reads the checkpoints only."""
+    if ckpts is None or not ckpts.exists():
+        raise SystemExit("--status reads the checkpoints of --budget paper: none saved in --out")
+    for f in sorted(ckpts.glob("*.npz"), key=lambda f: f.stat().st_mtime):
+        with np.load(f) as z:
+            lrs, seeds, _, steps, _, evals = json.loads(str(z["signature"]))
+            done, test = int(z["done"]), z["test"]
+        print(f"{f.stem}: {done}/{evals} chunks ({done * steps // evals:,} of {steps:,} steps)")
+        for j, lr in enumerate(lrs):
+            print(f"  lr {lr:<8g}" + " ".join(f"{e:8.3f}" for e in test[done - 1, :, j]))
+    return None
 
 
 def _slug(name: str) -> str:

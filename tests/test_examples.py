@@ -74,6 +74,22 @@ def test_adding_problem_quick(tmp_path):
 
 
 @pytest.mark.slow
+def test_adding_problem_paper_budget_stops_and_resumes_bit_for_bit(tmp_path, capsys):
+    """The paper budget's machinery at a tiny size: a run stopped by --hours after its first chunk, then resumed
+    from its checkpoints, ends exactly where an uninterrupted run does (found rates and every curve)."""
+    mod = _load("adding_problem")
+    tiny = ["--budget", "paper", "--lengths", "10", "--hidden", "8", "--seeds", "2", "--steps", "100", "--evals", "2",
+            "--only", "SGD"]  # fmt: skip
+    whole = mod.main([*tiny, "--out", str(tmp_path / "whole")])[10]["SGD"]
+    assert mod.main([*tiny, "--out", str(tmp_path / "cut"), "--hours", "1e-9"]) is None
+    mod.main([*tiny, "--out", str(tmp_path / "cut"), "--status"])
+    assert "T10_SGD_pilot: 1/4 chunks" in capsys.readouterr().out
+    cut = mod.main([*tiny, "--out", str(tmp_path / "cut")])[10]["SGD"]
+    assert cut["lrs"] == whole["lrs"] and len(cut["lrs"]) >= 5
+    assert cut["val"] == whole["val"] and cut["test"] == whole["test"]
+
+
+@pytest.mark.slow
 def test_digits_mlp_cnn_quick(tmp_path):
     results = _load("digits_mlp_cnn").main(["--quick", "--out", str(tmp_path)])
     assert (tmp_path / "digits_mlp_cnn.png").stat().st_size > 0 and (tmp_path / "digits_mlp_cnn.json").exists()
