@@ -88,7 +88,7 @@ class Interpreter(ShapeRules):
         return int(np.prod([self.atoms.size[self.atoms.find(a)] for a in axis], dtype=np.int64))
 
     def use(self, v: Val, atoms: Sequence[int], role: str) -> None:
-        site = self.site()  # named only if the leaf turns out not to be an edge tensor (`trace._leaf_roles`)
+        site = self.site()  # named later, and only for a leaf that turns out not to be an edge tensor
         for a in atoms:
             self.uses[v.leaf].append((a, role, self.step, site))
 
