@@ -12,7 +12,7 @@ receives per step, up to the algorithm XLA's runtime uses for each. An operation
 once. ``extra_x``: bytes beyond SGD's under the same sharding, in units of the params' bytes. The GPU and TPU
 compilers may fuse or split collectives differently; the CPU program shows what the algorithm needs.
 
-Run: python benchmarks/bench_collectives.py   -> results/<backend>-jax<version>/collectives.json
+Run: python benchmarks/bench_collectives.py   -> results/<platform>-jax<version>/collectives.json
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ training loop), compiled and run. Reported per run:
   and lowering the step: the structure `pathspace_jax` builds on the host;
 * ``trace_s``, ``init_s``, ``compile_s``: the set-up time (it should grow no faster than the parameter count).
 
-Run: python benchmarks/bench_memory.py [--sizes small mid large]  -> results/<backend>-jax<version>/memory.json
+Run: python benchmarks/bench_memory.py [--sizes small mid large]  -> results/<platform>-jax<version>/memory.json
 """
 
 from __future__ import annotations

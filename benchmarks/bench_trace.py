@@ -3,7 +3,7 @@
 With abstract params (``jax.eval_shape``) the skeleton comes from the graph alone; with concrete params
 ``trace`` also chooses it from their values (`pathspace_jax.skeleton.choose_by_value`), timed separately.
 
-Run: python benchmarks/bench_trace.py   -> benchmarks/results/<backend>-jax<version>/trace.json
+Run: python benchmarks/bench_trace.py   -> benchmarks/results/<platform>-jax<version>/trace.json
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -131,19 +132,29 @@ def interleaved_ratio(
     return ratios[len(ratios) // 2]
 
 
+def platform_name() -> str:
+    """``cpu``, or the backend and the accelerator's model (``gpu-h100``, ``gpu-h200``): timings of two GPUs differ."""
+    backend = jax.default_backend()
+    if backend == "cpu":
+        return backend
+    kind = jax.devices()[0].device_kind.lower().removeprefix("nvidia ")
+    return f"{backend}-" + re.sub(r"[^a-z0-9]+", "-", kind).strip("-")
+
+
 def results_folder() -> Path:
-    """``results/<backend>-jax<version>/`` (one folder per platform and JAX release), created if missing."""
-    folder = RESULTS / f"{jax.default_backend()}-jax{jax.__version__}"
+    """``results/<platform>-jax<version>/`` (one folder per platform and JAX release), created if missing."""
+    folder = RESULTS / f"{platform_name()}-jax{jax.__version__}"
     folder.mkdir(parents=True, exist_ok=True)
     return folder
 
 
 def write_results(name: str, rows: dict[str, Any]) -> Path:
-    """Write ``results/<backend>-jax<version>/<name>.json`` with the backend and versions it was taken on."""
+    """Write ``results/<platform>-jax<version>/<name>.json`` with the platform and versions it was taken on."""
     path = results_folder() / f"{name}.json"
     meta = {
         "backend": jax.default_backend(),
         "devices": [str(d) for d in jax.devices()],
+        "device_kind": jax.devices()[0].device_kind,
         "jax": jax.__version__,
         "python": platform.python_version(),
         "machine": platform.machine(),

@@ -1,6 +1,6 @@
 """Write the tables of ``benchmarks/README.md`` (and the cost table of the top-level README) from the JSON.
 
-Every ``results/<backend>-jax<version>/`` folder becomes one generated section of ``benchmarks/README.md``,
+Every ``results/<platform>-jax<version>/`` folder becomes one generated section of ``benchmarks/README.md``,
 between ``<!-- BEGIN generated ... -->`` and ``<!-- END generated ... -->`` lines (appended at the end the
 first time); the top-level README's cost table comes from ``--readme-from`` (default: the CPU folder of the
 installed JAX). Each table is the JSON it came from, key for key. Run: ``python benchmarks/report.py``.

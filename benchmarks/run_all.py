@@ -1,6 +1,6 @@
 """Run every benchmark, one process each, then write the tables from their JSON (`report.py`).
 
-Each script writes ``results/<backend>-jax<version>/<name>.json``; the same command runs unchanged on CPU
+Each script writes ``results/<platform>-jax<version>/<name>.json``; the same command runs unchanged on CPU
 and GPU. Run: ``python benchmarks/run_all.py`` (about 20 minutes on 2 CPU cores); ``--only gsgd scale``
 runs some of them.
 """
