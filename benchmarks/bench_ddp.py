@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import optax
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import interleaved_ratio, make_step, setups, write_results  # noqa: E402
+from common import interleaved_ratio, make_step, setups, step_ms, write_results  # noqa: E402
 
 import pathspace_jax as pj  # noqa: E402
 
@@ -45,7 +45,7 @@ def main() -> None:
             keep = ("alpha1_probes1", "alpha0.5_probes1", "alpha1_probes1_quarter_batch")
             variants = {k: v for k, v in variants.items() if k in keep}
         variants["alpha1_exact"] = dict(alpha=1.0, estimator="exact")  # one backward pass per output (10 here)
-        out = {}
+        out = {"sgd_step_ms": step_ms(sgd_step, params, sgd.init(params), x, y)}
         for vname, kw in variants.items():
             tx = pj.ddp_sgd(space, 0.01, **kw)
             step = make_step(model, tx, extra=lambda x: {"inputs": x})

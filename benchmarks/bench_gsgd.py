@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import optax
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import MLP, interleaved_ratio, make_step, setups, write_results  # noqa: E402
+from common import MLP, interleaved_ratio, make_step, setups, step_ms, write_results  # noqa: E402
 
 import pathspace_jax as pj  # noqa: E402
 
@@ -43,7 +43,7 @@ def main() -> None:
             "g_adam": pj.g_adam(space, 1e-3),
         }
         steps = {k: make_step(model, tx) for k, tx in txs.items()}
-        out = {}
+        out = {"sgd_step_ms": step_ms(steps["sgd"], params, txs["sgd"].init(params), x, y)}
         for a, b in pairs:
             r = interleaved_ratio(
                 steps[a], steps[b], params, txs[a].init(params), txs[b].init(params), x, y, rounds=9, repeats=30

@@ -118,6 +118,13 @@ def time_steps(step, params, opt_state, x, y, *, repeats: int = 50, warmup: int 
     return (time.perf_counter() - t0) / repeats
 
 
+def step_ms(step, params, opt_state, x, y, *, rounds: int = 3, repeats: int = 20) -> float:
+    """Milliseconds per step, the median of ``rounds`` blocks of `time_steps`: the baseline's absolute time
+    beside the ratios, so that runs on two machines can be told apart (a ratio moves with either step)."""
+    times = sorted(time_steps(step, params, opt_state, x, y, repeats=repeats) for _ in range(rounds))
+    return round(1e3 * times[len(times) // 2], 4)
+
+
 def interleaved_ratio(
     step_a, step_b, params, state_a, state_b, x, y, *, rounds: int = 5, repeats: int = 20, params_b=None
 ) -> float:

@@ -128,9 +128,29 @@ def _mean_log(x):
     return jnp.sum(jnp.where(ok, jnp.log(jnp.where(ok, x, 1)), 0)) / jnp.maximum(n, 1), n
 
 
-def current_kappa(compute, kept: KeptKappa, count, every) -> KeptKappa:
+def check_refresh(refresh, kept: KeptKappa, who: str) -> bool | None:
+    """``refresh_kappa`` as ``update`` got it: None (the ``every`` schedule), or a Python bool."""
+    if refresh is None:
+        return None
+    if not isinstance(refresh, bool | np.bool_):
+        raise TypeError(
+            f"{who}: refresh_kappa must be None or a Python bool, got {type(refresh).__name__}. It decides when "
+            "the step is traced whether κ is computed, so that the compiled step holds no conditional: make it a "
+            "static argument of your jitted step (jax.jit(train_step, static_argnames='refresh')), or leave it "
+            "None and schedule κ on the step count with every=k."
+        )
+    if not refresh and kept.kappa is None:
+        raise ValueError(
+            f"{who}: refresh_kappa=False reuses the κ kept in the state, but with every=1 the state keeps none: "
+            "build the transformation with every=k > 1 (its state then keeps κ between refreshes)."
+        )
+    return bool(refresh)
+
+
+def current_kappa(compute, kept: KeptKappa, count, every, refresh: bool | None = None) -> KeptKappa:
     """``compute()`` at steps 0, every, 2·every, …, the ``kept`` κ in between (one ``lax.cond``); ``compute()``
-    alone when nothing is kept (`every_step`: nothing stored, so XLA fuses κ into the division).
+    alone when nothing is kept (`every_step`: nothing stored, so XLA fuses κ into the division). ``refresh``
+    (`check_refresh`), when not None, decides instead, with no conditional: ``compute()`` or ``kept``.
 
     κ travels as raveled leaves: on XLA:CPU a 2-D κ (an outer product for a dense kernel) otherwise gets a
     column-major layout and is transposed into the state on every step (benchmarks/README.md). The stored κ
@@ -139,6 +159,8 @@ def current_kappa(compute, kept: KeptKappa, count, every) -> KeptKappa:
     """
     if kept.kappa is None:
         return compute()
+    if refresh is not None:
+        return jax.tree_util.tree_map(lambda a, b: a.astype(b.dtype), compute(), kept) if refresh else kept
 
     def flat(tree):
         return [jnp.ravel(a) for a in jax.tree_util.tree_leaves(tree)]

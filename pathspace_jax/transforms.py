@@ -15,7 +15,15 @@ from pathspace_jax.ddp import check_ddp_space, check_inputs, check_options, ddp_
 from pathspace_jax.frames import on_mesh_of
 from pathspace_jax.graph import check_path_space, warn_if_plain
 from pathspace_jax.kappa import check_kappa_space, kappa_canonical
-from pathspace_jax.scaling import KeptKappa, current_kappa, divide_by_kappa, is_traced, kappa_state, kept_kappa
+from pathspace_jax.scaling import (
+    KeptKappa,
+    check_refresh,
+    current_kappa,
+    divide_by_kappa,
+    is_traced,
+    kappa_state,
+    kept_kappa,
+)
 
 # ---------------------------------------------------------------------------- optax.partition / optax.masked
 
@@ -218,11 +226,13 @@ def scale_by_ddp(
         (``jax.lax.cond`` on the step count: no Python branching, no recompilation, also outside ``jit``).
 
     Returns:
-      An `optax.GradientTransformationExtraArgs`. ``update(updates, state, params, *, inputs, key=None)``
-      needs ``params`` and the batch ``inputs`` (the positional arguments of the traced function after
-      params); ``key`` seeds the probes (when omitted, probes are drawn from ``jax.random.key(0)``
-      folded with the step count, the same for every member of a vmapped ensemble). Other extra
-      keyword arguments are ignored. The state is `ScaleByDDPState`.
+      An `optax.GradientTransformationExtraArgs`. ``update(updates, state, params, *, inputs, key=None,
+      refresh_kappa=None)`` needs ``params`` and the batch ``inputs`` (the positional arguments of the traced
+      function after params); ``key`` seeds the probes (when omitted, probes are drawn from ``jax.random.key(0)``
+      folded with the step count, the same for every member of a vmapped ensemble); ``refresh_kappa``, a Python
+      bool, recomputes κ (True) or reuses the kept one (False, with ``every > 1``) in place of the ``every``
+      schedule, with no conditional in the compiled step (see `scale_by_path_sgd`). Other extra keyword
+      arguments are ignored. The state is `ScaleByDDPState`.
 
     Example:
       >>> tx = optax.chain(pj.scale_by_ddp(space, alpha=1.0), optax.scale(-0.1))
@@ -246,7 +256,7 @@ def scale_by_ddp(
     def init_fn(params):
         return ScaleByDDPState(jnp.zeros([], jnp.int32), *kappa_state(space, params, every))
 
-    def update_fn(updates, state, params=None, *, inputs=None, key=None, **extra_args):
+    def update_fn(updates, state, params=None, *, inputs=None, key=None, refresh_kappa=None, **extra_args):
         del extra_args
         if params is None:
             raise ValueError("scale_by_ddp needs params: call tx.update(updates, state, params, inputs=batch)")
@@ -258,25 +268,29 @@ def scale_by_ddp(
         xs = check_inputs(space, inputs)
         if key is None:
             key = jax.random.fold_in(jax.random.key(0), state.count)
-        return _ddp_update(space, config, updates, state, params, xs, key, damping, floor, eps, every, probe_damping)
+        refresh = check_refresh(refresh_kappa, KeptKappa(*state[1:]), "scale_by_ddp")
+        return _ddp_update(
+            space, config, updates, state, params, xs, key, damping, floor, eps, every, probe_damping, refresh=refresh
+        )
 
     tx = optax.GradientTransformationExtraArgs(init_fn, update_fn)
     return _accept_masked(space, "scale_by_ddp", tx, runs_network=alpha > 0.0)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _ddp_update(space, config, updates, state, params, xs, key, damping, floor, eps, every, probe_damping):
+@functools.partial(jax.jit, static_argnums=(0, 1), static_argnames="refresh")
+def _ddp_update(space, config, updates, state, params, xs, key, damping, floor, eps, every, probe_damping, *, refresh):
     """One `scale_by_ddp` step (jitted, so that calls outside ``jit`` compile once); ``xs``: the batch's leaves."""
 
     alpha, moment, estimator, num_probes, probe_batch_size, normalize = config
 
     def compute():
         leaves = [jnp.asarray(p) for p in space.leaves_of(params, "params")]
+        in_cond = state.kappa is not None and refresh is None
         kappa, lg = ddp_kappa_canonical(space, leaves, xs, key, alpha, moment, estimator, num_probes, probe_damping,
-                                        True, probe_batch_size, state.kappa is not None)  # fmt: skip
+                                        True, probe_batch_size, in_cond)  # fmt: skip
         return kept_kappa(space, params, space.unflatten_like(params, kappa), lg)
 
-    kept = current_kappa(compute, KeptKappa(*state[1:]), state.count, every)
+    kept = current_kappa(compute, KeptKappa(*state[1:]), state.count, every, refresh)
     new = divide_by_kappa(space, updates, kept, normalize, damping, floor, eps)
     return new, ScaleByDDPState(optax.safe_int32_increment(state.count), *(state[1:] if state.kappa is None else kept))
 
@@ -510,8 +524,13 @@ def scale_by_path_sgd(
         (``jax.lax.cond`` on the step count: no Python branching, no recompilation, also outside ``jit``).
 
     Returns:
-      An `optax.GradientTransformation`; ``update(updates, state, params)`` needs ``params``. Extra
-      keyword arguments are ignored. The state is `ScaleByPathSGDState`.
+      An `optax.GradientTransformationExtraArgs`; ``update(updates, state, params, *, refresh_kappa=None)``
+      needs ``params``. ``refresh_kappa``, a Python bool (a static argument of the jitted step), takes the
+      place of the ``every`` schedule: True recomputes κ (and keeps it), False reuses the kept κ (which needs
+      ``every > 1``, so that the state keeps one), and neither compiles a conditional into the step. On a GPU
+      the ``lax.cond`` of ``every`` can cost more than κ on small models; two compiled steps, one refreshing,
+      called from Python on any schedule, do not pay it. Other extra keyword arguments are ignored. The
+      state is `ScaleByPathSGDState`.
 
     Example:
       >>> tx = optax.chain(pj.scale_by_path_sgd(space), optax.scale(-0.1))  # SGD's learning rate
@@ -533,24 +552,27 @@ def scale_by_path_sgd(
     def init_fn(params):
         return ScaleByPathSGDState(jnp.zeros([], jnp.int32), *kappa_state(space, params, every, factored=True))
 
-    def update_fn(updates, state, params=None, **extra_args):
+    def update_fn(updates, state, params=None, *, refresh_kappa=None, **extra_args):
         del extra_args
         if params is None:
             raise ValueError("scale_by_path_sgd needs params: call tx.update(updates, state, params)")
-        return _path_sgd_update(space, second_order, normalize, updates, state, params, damping, floor, eps, every)
+        refresh = check_refresh(refresh_kappa, KeptKappa(*state[1:]), "scale_by_path_sgd")
+        return _path_sgd_update(
+            space, second_order, normalize, updates, state, params, damping, floor, eps, every, refresh=refresh
+        )
 
-    return _accept_masked(space, "scale_by_path_sgd", optax.GradientTransformation(init_fn, update_fn))
+    return _accept_masked(space, "scale_by_path_sgd", optax.GradientTransformationExtraArgs(init_fn, update_fn))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _path_sgd_update(space, second_order, normalize, updates, state, params, damping, floor, eps, every):
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), static_argnames="refresh")
+def _path_sgd_update(space, second_order, normalize, updates, state, params, damping, floor, eps, every, *, refresh):
     """One `scale_by_path_sgd` step (jitted, so that calls outside ``jit`` compile once)."""
 
     def compute():  # dense kernels' κ as `RankOne` where it is kept between steps (read at every step)
         kappa, lg = kappa_canonical(space, space.leaves_of(params, "params"), second_order, True)
         return kept_kappa(space, params, space.unflatten_like(params, kappa), lg)
 
-    kept = current_kappa(compute, KeptKappa(*state[1:]), state.count, every)
+    kept = current_kappa(compute, KeptKappa(*state[1:]), state.count, every, refresh)
     new = divide_by_kappa(space, updates, kept, normalize, damping, floor, eps)
     return new, ScaleByPathSGDState(
         optax.safe_int32_increment(state.count), *(state[1:] if state.kappa is None else kept)

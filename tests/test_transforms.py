@@ -193,3 +193,48 @@ def test_kappa_kept_in_the_state_only_when_reused(name):
                 assert k.shape == p.shape
         steps.append(u)
     chex.assert_trees_all_close(*steps, rtol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["path_sgd", "ddp_sgd"])
+def test_refresh_kappa_schedules_kappa_outside_the_step(name):
+    """``update(..., refresh_kappa=True/False)``, static in the jitted step, recomputes or reuses κ with no
+    conditional in the compiled step, and a schedule of refreshes at steps 0, 3, ... trains exactly as
+    ``every=3``, through the alias's ``optax.chain``. Misuse is an error that says what to do."""
+    model = nn.Sequential([nn.Dense(8), nn.relu, nn.Dense(3)])
+    params = jax.tree_util.tree_map(lambda a: a.astype(jnp.float64), model.init(jax.random.key(0), _X)["params"])
+    space = pj.trace(lambda p, x: model.apply({"params": p}, x), params, _X)
+    make = {"path_sgd": pj.path_sgd, "ddp_sgd": functools.partial(pj.ddp_sgd, alpha=0.5)}[name]
+    kw = {"inputs": _X} if name == "ddp_sgd" else {}
+    tx = make(space, 0.05, momentum=0.9, every=3)
+
+    def loss(p):
+        return optax.softmax_cross_entropy_with_integer_labels(model.apply({"params": p}, _X), _Y).mean()
+
+    @functools.partial(jax.jit, static_argnames="refresh")
+    def step(p, s, refresh=None):
+        extra = {} if refresh is None else {"refresh_kappa": refresh}
+        u, s = tx.update(jax.grad(loss)(p), s, p, **kw, **extra)
+        return optax.apply_updates(p, u), s
+
+    def has_cond(refresh):
+        return "cond[" in str(jax.make_jaxpr(functools.partial(step.__wrapped__, refresh=refresh))(params, state))
+
+    state = tx.init(params)
+    assert has_cond(None) and not has_cond(True) and not has_cond(False)
+    a, sa, b, sb = params, state, params, state
+    for t in range(7):
+        a, sa = step(a, sa)
+        b, sb = step(b, sb, refresh=t % 3 == 0)
+        chex.assert_trees_all_close(b, a, rtol=1e-12, atol=0)
+    assert int(optax.tree_utils.tree_get(sb, "count")) == 7
+
+    every_step = make(space, 0.05)  # keeps no κ: refresh_kappa=True is its own step, False has nothing to reuse
+    s1 = every_step.init(params)
+    g = jax.grad(loss)(params)
+    chex.assert_trees_all_close(
+        every_step.update(g, s1, params, **kw, refresh_kappa=True), every_step.update(g, s1, params, **kw)
+    )
+    with pytest.raises(ValueError, match="every=k > 1"):
+        every_step.update(g, s1, params, **kw, refresh_kappa=False)
+    with pytest.raises(TypeError, match="static_argnames"):
+        jax.jit(lambda r: tx.update(g, state, params, **kw, refresh_kappa=r))(True)
