@@ -17,7 +17,7 @@ import jax
 
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
-ORDER = ("scale", "peers", "gsgd", "path_sgd", "ddp", "ddp_norm", "trace", "memory", "collectives")
+ORDER = ("scale", "peers", "gsgd", "path_sgd", "ddp", "kernels", "ddp_norm", "trace", "memory", "collectives")
 CAPTIONS = {
     "scale": "Every optimiser on the shapes users train (`bench_scale.py`): step time as a ratio to `optax.sgd` "
     "and to `optax.adam` in the same rounds, optimizer state, and the compiled step's peak memory as a ratio "
@@ -30,6 +30,8 @@ CAPTIONS = {
     "gsgd": "G-SGD and G-Adam against plain optax (`bench_gsgd.py`), and the update alone in ns per parameter.",
     "path_sgd": "Path-SGD step time as a ratio to `optax.sgd` (`bench_path_sgd.py`).",
     "ddp": "DDP-SGD step time as a ratio to `optax.sgd` (`bench_ddp.py`).",
+    "kernels": "Kernels per compiled train step (`bench_kernels.py`): the entry computation's instructions that "
+    "launch work; a loop or conditional counts once. On the CPU a proxy, on a GPU the launches of one step.",
     "ddp_norm": "An SGD step on the DDP-normalised network against the plain one and against BatchNorm "
     "(`bench_ddp_norm.py`).",
     "trace": "`pj.trace` in seconds (`bench_trace.py`).",
@@ -83,7 +85,7 @@ def section(folder: Path) -> str:
             continue
         meta = data["meta"]
         metas[path.stem] = (
-            f"{meta.get('date', 'date not recorded')}, {meta['backend']} ({meta['devices'][0]}"
+            f"{meta.get('date', 'date not recorded')}, {meta['backend']} ({meta.get('device_kind', meta['devices'][0])}"
             + (f", {meta['cpu_count']} cores" if meta.get("cpu_count") and meta["backend"] == "cpu" else "")
             + f"), jax {meta['jax']}, Python {meta['python']}"
         )
