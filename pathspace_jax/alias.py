@@ -42,7 +42,8 @@ def ddp_sgd(
       momentum: heavy-ball decay (``optax.trace``), or None.
 
     Returns:
-      An `optax.GradientTransformationExtraArgs`; call ``update(grads, state, params, inputs=x)``.
+      An `optax.GradientTransformationExtraArgs`; call ``update(grads, state, params, inputs=x)`` (optionally
+      ``key=`` and ``refresh_kappa=``: see `pathspace_jax.scale_by_ddp`).
 
     Example:
       >>> tx = pj.ddp_sgd(space, 0.1, alpha=1.0)  # one damped probe per step; estimator="exact" for exact κ
@@ -176,7 +177,7 @@ def path_sgd(
     damping: float = 0.0,
     floor: float = 1e-6,
     eps: float = 0.0,
-) -> optax.GradientTransformation:
+) -> optax.GradientTransformationExtraArgs:
     """Path-SGD: p ← p − η g / κ, κ = ½ ∂²γ²_net/∂p² (κ⁽¹⁾ + κ⁽²⁾ for recurrent kernels).
 
     With the default ``normalize=True`` κ is divided by its geometric mean over each leaf in the balanced frame
@@ -194,7 +195,8 @@ def path_sgd(
         ``damping`` keep the step rescaling invariant; ``eps`` does not).
 
     Returns:
-      An `optax.GradientTransformation`; call ``update(grads, state, params)``.
+      An `optax.GradientTransformationExtraArgs`; call ``update(grads, state, params)`` (optionally
+      ``refresh_kappa=``: see `pathspace_jax.scale_by_path_sgd`).
 
     Example:
       >>> tx = pj.path_sgd(space, 0.1, momentum=0.9)  # SGD's learning rates
