@@ -17,10 +17,9 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import optax
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import make_step, setups, write_results  # noqa: E402
+from common import make_step, optimisers, setups, write_results  # noqa: E402
 
 import pathspace_jax as pj  # noqa: E402
 
@@ -42,17 +41,9 @@ def main() -> None:
     for name, (model, x, y) in setups().items():
         params = model.init(jax.random.key(0), x[:1])["params"]
         space = pj.trace(lambda p, x, model=model: model.apply({"params": p}, x), params, x)
-        txs = {
-            "sgd": (optax.sgd(0.01), None),
-            "adam": (optax.adam(1e-3), None),
-            "g_sgd": (pj.g_sgd(space, 0.01), None),
-            "g_adam": (pj.g_adam(space, 1e-3), None),
-            "path_sgd_k1": (pj.path_sgd(space, 0.01, second_order=False), None),
-            "path_sgd_k1_every10": (pj.path_sgd(space, 0.01, second_order=False, every=10), None),
-        }
+        txs = optimisers(space, recurrent=False)
         reuse = pj.path_sgd(space, 0.01, second_order=False, every=10)
         txs["path_sgd_k1_reuse"] = (reuse, lambda x: {"refresh_kappa": False})  # between refreshes
-        txs["ddp_sgd_probe"] = (pj.ddp_sgd(space, 0.01, alpha=1.0), lambda x: {"inputs": x})
         out = {}
         for label, (tx, extra) in txs.items():
             out[label] = kernels(make_step(model, tx, extra=extra), params, tx.init(params), x, y)

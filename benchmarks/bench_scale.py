@@ -31,7 +31,7 @@ import numpy as np
 import optax
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import MLP, make_step, results_folder, time_steps, write_results  # noqa: E402
+from common import MLP, make_step, optimisers, results_folder, time_steps, write_results  # noqa: E402
 
 import pathspace_jax as pj  # noqa: E402
 
@@ -77,22 +77,6 @@ def setups(seq: int = 16):
         "mlp_784_2048_2048_10_b128": (MLP(widths=(2048, 2048)), jax.random.normal(k, (128, 784)), jnp.arange(128) % 10),
         "residual_cnn_b64": (ResidualCNN(), jax.random.normal(k, (64, 28, 28, 1)), jnp.arange(64) % 10),
     }
-
-
-def optimisers(space, recurrent: bool) -> dict:
-    out = {
-        "sgd": (optax.sgd(0.01), None),
-        "adam": (optax.adam(1e-3), None),
-        "g_sgd": (pj.g_sgd(space, 0.01), None),
-        "g_adam": (pj.g_adam(space, 1e-3), None),
-        "path_sgd_k1": (pj.path_sgd(space, 0.01, second_order=False), None),
-        "path_sgd_k1_every10": (pj.path_sgd(space, 0.01, second_order=False, every=10), None),
-    }
-    if recurrent:
-        out["path_sgd_exact_k2"] = (pj.path_sgd(space, 0.01, second_order=True), None)
-        out["path_sgd_exact_k2_every10"] = (pj.path_sgd(space, 0.01, second_order=True, every=10), None)
-    out["ddp_sgd_a1_probe1"] = (pj.ddp_sgd(space, 0.01, alpha=1.0, num_probes=1), lambda x: {"inputs": x})
-    return out
 
 
 def nbytes(tree) -> int:

@@ -23,6 +23,8 @@ import jax.numpy as jnp
 import jaxlib
 import optax
 
+import pathspace_jax as pj
+
 RESULTS = Path(__file__).parent / "results"
 
 
@@ -71,6 +73,23 @@ def setups() -> dict[str, tuple[nn.Module, jax.Array, jax.Array]]:
         "relu_rnn_h100_t28_b64": (ReluRNN(), jax.random.normal(k, (64, 28, 28)), jnp.arange(64) % 10),
         "small_cnn_b64": (SmallCNN(), jax.random.normal(k, (64, 28, 28, 1)), jnp.arange(64) % 10),
     }
+
+
+def optimisers(space, recurrent: bool) -> dict:
+    """name -> (transformation, extra(x) for ``make_step`` or None): every optimiser the benchmarks compare."""
+    out = {
+        "sgd": (optax.sgd(0.01), None),
+        "adam": (optax.adam(1e-3), None),
+        "g_sgd": (pj.g_sgd(space, 0.01), None),
+        "g_adam": (pj.g_adam(space, 1e-3), None),
+        "path_sgd_k1": (pj.path_sgd(space, 0.01, second_order=False), None),
+        "path_sgd_k1_every10": (pj.path_sgd(space, 0.01, second_order=False, every=10), None),
+    }
+    if recurrent:
+        out["path_sgd_exact_k2"] = (pj.path_sgd(space, 0.01, second_order=True), None)
+        out["path_sgd_exact_k2_every10"] = (pj.path_sgd(space, 0.01, second_order=True, every=10), None)
+    out["ddp_sgd_a1_probe1"] = (pj.ddp_sgd(space, 0.01, alpha=1.0, num_probes=1), lambda x: {"inputs": x})
+    return out
 
 
 def make_step(
