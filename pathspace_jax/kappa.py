@@ -73,7 +73,8 @@ then a pinned group, where the paths into it end and those out of it start. ``se
 needs none of these conditions.
 
 **Numerics.** `path_norm` carries every tensor of the |·|^p network as a mantissa and a power-of-two
-exponent (an int32 scalar per tensor), renormalised after every operation, so intermediate products
+exponent (an int32 scalar per tensor), renormalised after every operation that can change magnitudes, so
+intermediate products
 neither overflow nor underflow; only the final (Σ)^(1/p) is converted, and it is ``inf`` (or 0) only
 when the path norm itself is outside the dtype's range. Both are computed in the *canonical frame*
 (`pathspace_jax.frames.to_canonical_frame`: the params rescaled by powers of two so that their gauge
@@ -101,7 +102,7 @@ from pathspace_jax import jaxpr as jx
 from pathspace_jax import program as flat
 from pathspace_jax import squared
 from pathspace_jax.errors import PathKappaUnsupportedError
-from pathspace_jax.exact import V, ldexp, renorm
+from pathspace_jax.exact import V, ldexp
 from pathspace_jax.frames import kappa_from_frame, on_params_mesh, replicated, to_canonical_frame
 from pathspace_jax.graph import PathSpace, check_path_space, compute_dtype
 from pathspace_jax.squared import evaluate, raise_power
@@ -431,13 +432,14 @@ def path_norm(space: PathSpace, params, p: float = 2.0):
 
 
 def _power_v(w, p: float) -> V:
-    """|w|^p as a mantissa and exponent, formed after factoring out the leaf's largest power of two."""
+    """|w|^p as a mantissa and exponent, formed after factoring out the leaf's largest power of two (the
+    mantissa's largest entry lies in [2^-p, 2): normalised enough, and no second reduction)."""
     if jnp.size(w) == 0:
         return V(w, jnp.zeros((), jnp.int32))
     _, k = jnp.frexp(jnp.max(jnp.abs(w)))
     pk = p * k.astype(w.dtype)
     e = jnp.floor(pk)
-    return renorm(V(raise_power(ldexp(w, -k), p) * jnp.exp2(pk - e), e.astype(jnp.int32)))
+    return V(raise_power(ldexp(w, -k), p) * jnp.exp2(pk - e), e.astype(jnp.int32))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 2))

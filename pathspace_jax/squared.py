@@ -6,7 +6,7 @@ here, ``sub``/``neg``/``abs`` become ``add``/identity, and ReLU, max pooling and
 rule is ``as_is`` (`pathspace_jax.rules`) are applied as they are to the non-negative values. On an all-ones
 input its outputs (and, with boundaries, the sums at the sinks: `total`) sum to Σ_paths Π |p_e|^p. Values
 are carried as `V` (a mantissa and an optional int32 power-of-two exponent renormalised after every
-operation, so products neither overflow nor underflow). Hooks let the callers
+operation that can change magnitudes, so products neither overflow nor underflow). Hooks let the callers
 mix node statistics in (DDP), perturb a scan's carries and record what κ⁽²⁾ needs (Path-SGD).
 """
 
@@ -204,16 +204,25 @@ def evaluate(
                 tap.seen.append(ms[tap.act])
                 res = [res[0] + tap.pert if tap.pert is not None else res[0]]
                 tap.shapes[idx] = jax.ShapeDtypeStruct(jnp.shape(res[0]), res[0].dtype)
-            outs = [renorm(V(m, top if is_float(m) else None)) for m in res]
+            norm = renorm if _rescales(rule(e.prim.name)) else (lambda v: v)
+            outs = [norm(V(m, top if is_float(m) else None)) for m in res]
         for o, v in zip(e.outs, outs, strict=True):
             if post is not None and out_kind != "const":
                 v = post(o, v)
             if o in sink_set:
                 if sinks is not None:
-                    sinks.append(renorm(V(jnp.sum(v.m), v.e)))
+                    sinks.append(V(jnp.sum(v.m), v.e))  # `total` aligns them: no renormalisation
                 v = V(jnp.ones_like(v.m), None if v.e is None else jnp.zeros((), jnp.int32))
             env[o] = v
     return [rd(x) for x in prog.out_ids]
+
+
+def _rescales(r) -> bool:
+    """Whether an operation's result needs renormalising: not for a relabelling (a reshape, a cast) or an
+    elementwise sum of aligned operands (``add``, ``sub``), whose largest entry is at most the operands' count
+    times theirs. Skipping those renormalisations (each a reduction and three products) halves the |·|^p
+    network a Transformer compiles to, and changes no value (they are exact)."""
+    return not (r.passes_node or (r.merges_node and not r.multiplicative))
 
 
 def _dense_of_ones(e: Eqn, ks, ms) -> list | None:
