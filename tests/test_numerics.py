@@ -236,6 +236,12 @@ def test_pow2_is_exact_over_the_normal_range(dtype):
         assert np.isinf(want).any() and (want == 0).any() and (sub & (want != 0)).any()
         np.testing.assert_array_equal(got[~sub], want[~sub])
         assert np.all((got[sub] == 0) | (got[sub] == want[sub]))
+        # shifts past the whole exponent range (more than two normal factors could take) end at 0 or ±inf
+        span = int(info.maxexp - info.minexp + info.nmant) + 2
+        far = np.where(np.arange(x.size) % 2 == 0, -1, 1) * rng.integers(span, 4 * span, x.size).astype(np.int32)
+        got = np.asarray(jax.jit(ldexp)(jnp.asarray(x), jnp.asarray(far)))
+        with np.errstate(over="ignore"):
+            np.testing.assert_array_equal(got, np.where(far < 0, 0.0 * x, x * np.inf))
 
 
 def test_large_power_of_two_rescalings_are_bit_for_bit():
