@@ -3,7 +3,6 @@ leaf in the balanced frame (`geometric_mean`), and the division by it with the f
 
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -78,53 +77,23 @@ def kept_kappa(space, params, kappa, lg) -> KeptKappa:
     frame = balanced_frame(space, in_canonical_frame(space, leaves, lg.astype(ct), ct), ct)
     ks = jax.tree_util.tree_leaves(kappa, is_leaf=lambda k: isinstance(k, RankOne))
     parts = frame_factor_parts(space, frame)
-    return KeptKappa(kappa, lg, frame, leaf_means(ks, parts, mean_slots(space), ct))
+    means = [leaf_mean(k, p, ct, n > 1) for k, p, n in zip(ks, parts, mean_slots(space), strict=True)]
+    return KeptKappa(kappa, lg, frame, jnp.concatenate([jnp.ravel(m) for m in means]))
 
 
-_BATCHED = 4096  # vectors up to this length share one padded matrix in `leaf_means`
-
-
-def leaf_means(ks, parts, slots, ct) -> jax.Array:
-    """Per leaf, the geometric mean of its κ in the frame whose factor is ``d · s`` (`frame_factor_parts`): of
-    ``κ / (d s)²``, raveled and concatenated (``slots``: `mean_slots`; 0 for leaves of kind "other").
-
-    A `RankOne` κ ``a bᵀ`` with a column ``s`` and a row ``d`` is not expanded: the mean of ``log(a_i / s_i²) +
-    log(b_j / d_j²)`` over the positive pairs is the sum of the two vectors' mean logs (Path-SGD's κ on the MLP
-    784-512-512-10: a fifth of the step's time when expanded). These vectors and the 1-D κ of biases, up to
-    `_BATCHED` entries, are padded into one matrix whose rows are reduced together: two reductions for all of
-    them instead of two per vector, each a kernel launch on a GPU. A leaf stacked over layers has one mean per
-    index of its first axis."""
-    rows: list = []  # the batched vectors
-    plan: list = []  # per leaf: ("rows", row indices) or a finished mean
-    for k, fp, n in zip(ks, parts, slots, strict=True):
-        if fp is None:
-            plan.append(jnp.zeros([n] if n > 1 else [], ct))
-            continue
-        d, s = fp
-        if isinstance(k, RankOne) and _is_column(s, k.a.size) and _is_column(d.T, k.b.size) and n == 1:
-            vecs = [jnp.asarray(k.a, ct) / jnp.ravel(s * s), jnp.asarray(k.b, ct) / jnp.ravel(d * d)]
-        else:
-            x = jnp.asarray(full(k), ct) / (d * s) ** 2
-            if n > 1 or jnp.ndim(x) != 1:
-                plan.append(jax.vmap(geometric_mean)(x) if n > 1 else geometric_mean(x))
-                continue
-            vecs = [x]
-        if max(v.size for v in vecs) > _BATCHED:
-            plan.append(geometric_mean(*vecs))
-            continue
-        plan.append(("rows", list(range(len(rows), len(rows) + len(vecs)))))
-        rows += vecs
-    if rows:
-        width = max(v.size for v in rows)
-        mean, count = _mean_log(jnp.stack([jnp.pad(v, (0, width - v.size)) for v in rows]), axis=1)
-    out = []
-    for item in plan:
-        if isinstance(item, tuple):
-            idx = item[1]
-            pos = functools.reduce(jnp.logical_and, [count[i] > 0 for i in idx])
-            item = jnp.where(pos, jnp.exp(sum(mean[i] for i in idx)), 0).astype(ct)
-        out.append(jnp.ravel(item))
-    return jnp.concatenate(out)
+def leaf_mean(k, parts, ct, layers=False):
+    """The geometric mean of one leaf's κ in the frame whose factor is ``d · s`` (`frame_factor_parts`): of
+    ``κ / (d s)²``. A `RankOne` κ ``a bᵀ`` with a column ``s`` and a row ``d`` is not expanded: the mean of
+    ``log(a_i / s_i²) + log(b_j / d_j²)`` over the positive pairs is the sum of the two vectors' mean logs
+    (Path-SGD's κ on the MLP 784-512-512-10: a fifth of the step's time when expanded). With ``layers``, one
+    mean per index of the first axis (a leaf stacked over layers)."""
+    if parts is None:
+        return jnp.zeros([k.shape[0]] if layers else [], ct)
+    d, s = parts
+    if isinstance(k, RankOne) and _is_column(s, k.a.size) and _is_column(d.T, k.b.size):
+        return geometric_mean(jnp.asarray(k.a, ct) / jnp.ravel(s * s), jnp.asarray(k.b, ct) / jnp.ravel(d * d))
+    x = jnp.asarray(full(k), ct) / (d * s) ** 2
+    return jax.vmap(geometric_mean)(x) if layers else geometric_mean(x)
 
 
 def _is_column(x, n) -> bool:
@@ -152,11 +121,11 @@ def geometric_mean(x, y=None):
     return jnp.where(n > 0, jnp.exp(m), 0).astype(x.dtype)
 
 
-def _mean_log(x, axis=None):
+def _mean_log(x):
     """``(mean log x, count)`` over the positive finite entries of ``x`` (mean 0 where there are none)."""
     ok = (x > 0) & jnp.isfinite(x)
-    n = jnp.sum(ok, axis=axis)
-    return jnp.sum(jnp.where(ok, jnp.log(jnp.where(ok, x, 1)), 0), axis=axis) / jnp.maximum(n, 1), n
+    n = jnp.sum(ok)
+    return jnp.sum(jnp.where(ok, jnp.log(jnp.where(ok, x, 1)), 0)) / jnp.maximum(n, 1), n
 
 
 def check_refresh(refresh, kept: KeptKappa, who: str) -> bool | None:
