@@ -74,9 +74,8 @@ needs none of these conditions.
 
 **Numerics.** `path_norm` carries every tensor of the |·|^p network as a mantissa and a power-of-two
 exponent (an int32 scalar per tensor), renormalised after every operation that can change magnitudes, so
-intermediate products
-neither overflow nor underflow; only the final (Σ)^(1/p) is converted, and it is ``inf`` (or 0) only
-when the path norm itself is outside the dtype's range. Both are computed in the *canonical frame*
+intermediate products neither overflow nor underflow; only the final (Σ)^(1/p) is converted, and it is
+``inf`` (or 0) only when the path norm itself is outside the dtype's range. Both are computed in the *canonical frame*
 (`pathspace_jax.frames.to_canonical_frame`: the params rescaled by powers of two so that their gauge
 weights are ±1), so no node-wise rescaling of the params can push them out of range; `path_kappa`
 maps κ back exactly and returns ``inf`` (never 0) where the value is beyond the params' dtype
