@@ -1,7 +1,7 @@
 """Test configuration: x64 for the tests that ask for float64, and the fast default run.
 
 The default ``python -m pytest`` (``-m "not slow"`` in pyproject's addopts) runs every test function
-with its first parametrisation, except the tests marked ``slow`` (training runs, 8-device sharding,
+with its first parametrisation, except the tests marked ``slow`` (training runs, 4-device sharding,
 statistical checks). The other parametrisations (the rest of the model zoo, dtypes, rescaling
 exponents, α and moments) are marked ``slow`` here: nothing is skipped, only grouped. ``-m slow`` runs
 them alone and ``-m "slow or not slow"`` runs everything (what CI runs).
