@@ -41,8 +41,10 @@ class Rule:
     The |·|^p network (`pathspace_jax.squared`; all False for a primitive it refuses):
 
     - ``as_is``: evaluated as it is on the network's non-negative values (shapes, ReLU's ``max``, sums);
-    - ``passes_node``: a pre-activation passes through it without becoming a node of its own;
-    - ``merges_node``: it combines a pre-activation with other values (a bias add, a scale), the node goes on;
+    - ``passes_node``: a pre-activation passes through it without becoming a node of its own (its entries are
+      its operand's: the |·|^p network does not renormalise after it);
+    - ``merges_node``: it combines a pre-activation with other values (a bias add, a scale), the node goes on
+      (without ``multiplicative``, an elementwise sum: no renormalisation after it either);
     - ``multiplicative``: a product whose constant factor is raised to the power p;
     - ``sums``: it adds values (a custom call made of ``as_is`` primitives without sums is kept whole);
     - ``keeps_ones``: maps an all-ones operand to all ones (the all-ones input's shortcuts);
