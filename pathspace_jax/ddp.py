@@ -439,13 +439,14 @@ def _second_order_probes(vjp, probe_zs, nus, key, num_probes, moment, b, n) -> l
 
     small = [i for i, z in enumerate(probe_zs) if np.prod(jnp.shape(z)) <= _ONE_DRAW_MAX]
     ends = np.cumsum([int(np.prod(jnp.shape(probe_zs[i]))) for i in small])
+    drawn_together = set(small)
 
     def signs(k):
         # one random sign per entry of every probe node: the small nodes' from one draw, split (a draw per node is
-        # a threefry loop each in the compiled program: on a two-block Transformer, 5.3 -> 2.0 s to compile DDP's
-        # κ), the large ones' drawn apart (split from one draw, a few per cent slower steps on the CPU)
+        # a threefry loop each in the compiled program: on a two-block Transformer, 5.2 -> 2.5-3.2 s to compile
+        # DDP's κ), the large ones' drawn apart (split from one draw, a few per cent slower steps on the CPU)
         ks = jax.random.split(k, len(probe_zs) + 1)
-        out = [None if i in small else jax.random.rademacher(ks[i], z.shape, z.dtype, **_sharded_like(z))
+        out = [None if i in drawn_together else jax.random.rademacher(ks[i], z.shape, z.dtype, **_sharded_like(z))
                for i, z in enumerate(probe_zs)]  # fmt: skip
         flat = jax.random.rademacher(ks[-1], (int(ends[-1]),), jnp.float32) if small else None
         for i, a, b in zip(small, [0, *ends[:-1]], ends, strict=True):
