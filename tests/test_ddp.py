@@ -24,7 +24,7 @@ import pathspace_jax as pj
 from pathspace_jax.frames import kappa_from_frame
 
 # ----------------------------------------------------------------------------- Flax / plain-JAX models
-# (tests/zoo.py takes ~50 s to import on this machine, so the models are repeated here, small.)
+# (importing tests/zoo.py builds its whole zoo, about 10 s, so the models are repeated here, small.)
 
 
 class LinenCNN(nn.Module):
