@@ -365,7 +365,24 @@ def _table(results, args, elapsed):
         print(f"{'T = ' + str(length):<8}" + "".join(f"{c:>30}" for c in cells))
         stable = [f"{r['largest_stable_lr']:g}" if r["largest_stable_lr"] else "none" for r in runs.values()]
         print(f"{'stable ≤':<8}" + "".join(f"{c:>30}" for c in stable))
+    if args.budget == "paper":  # the claim depends on the rates: every one trained, per optimiser
+        print(f"\nPer learning rate: test error (mean over seeds) and seeds that solve the task; diverged: a seed's "
+              f"validation error non-finite or above {DIVERGED}; –: not trained\n")  # fmt: skip
+        for length, runs in results.items():
+            print(f"{'T = ' + str(length):<8}" + "".join(f"{n:>30}" for n in names))
+            for lr in sorted({lr for r in runs.values() for lr in r["lrs"]}, reverse=True):
+                print(f"{lr:<8g}" + "".join(f"{_rate_cell(r, lr, args.seeds):>30}" for r in runs.values()))
     print(f"\n({elapsed:.0f} s in this process)")
+
+
+def _rate_cell(r, lr, seeds) -> str:
+    if lr not in r["lrs"]:
+        return "–"
+    j = r["lrs"].index(lr)
+    if r["diverged"][j]:
+        return "diverged"
+    err = np.asarray(r["test"])[-1, :, j]
+    return f"{err.mean():.3f} {int(np.sum(err < SOLVED))}/{seeds}"
 
 
 def _plot(results, args, path):
