@@ -340,7 +340,7 @@ def _status(ckpts: Path | None):
             done, test = int(z["done"]), z["test"]
         print(f"{f.stem}: {done}/{evals} chunks ({done * steps // evals:,} of {steps:,} steps)")
         for j, lr in enumerate(lrs):
-            print(f"  lr {lr:<8g}" + " ".join(f"{e:8.3f}" for e in test[done - 1, :, j]))
+            print(f"  lr {lr:<8g}" + " ".join(f"{e:8.3f}" if e < 1e3 else f"{e:8.1e}" for e in test[done - 1, :, j]))
     return None
 
 
