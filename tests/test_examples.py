@@ -87,6 +87,14 @@ def test_adding_problem_paper_budget_stops_and_resumes_bit_for_bit(tmp_path, cap
     cut = mod.main([*tiny, "--out", str(tmp_path / "cut")])[10]["SGD"]
     assert cut["lrs"] == whole["lrs"] and len(cut["lrs"]) >= 5
     assert cut["val"] == whole["val"] and cut["test"] == whole["test"]
+    # the per-rate table: every trained rate, its mean final test error and seeds below 0.05, or "diverged"
+    rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines() if line[:1].isdigit()}
+    val, test = np.asarray(cut["val"])[-1], np.asarray(cut["test"])[-1]  # (seeds, rates)
+    for j, lr in enumerate(cut["lrs"]):
+        if np.any(~np.isfinite(val[:, j]) | (val[:, j] > 2)):
+            assert rows[f"{lr:g}"] == ["diverged"], (lr, rows[f"{lr:g}"])
+        else:
+            assert rows[f"{lr:g}"] == [f"{test[:, j].mean():.3f}", f"{np.sum(test[:, j] < 0.05)}/2"], lr
 
 
 @pytest.mark.slow
