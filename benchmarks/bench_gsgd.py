@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import optax
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import MLP, interleaved_ratio, make_step, setups, step_ms, write_results  # noqa: E402
+from common import MLP, host_us, interleaved_ratio, make_step, setups, step_ms, write_results  # noqa: E402
 
 import pathspace_jax as pj  # noqa: E402
 
@@ -30,7 +30,7 @@ PAIRS = {
 
 
 def main() -> None:
-    rows = {}
+    rows, host = {}, {}
     all_setups = setups()
     for name, pairs in PAIRS.items():
         model, x, y = all_setups[name]
@@ -44,6 +44,7 @@ def main() -> None:
         }
         steps = {k: make_step(model, tx) for k, tx in txs.items()}
         out = {"sgd_step_ms": step_ms(steps["sgd"], params, txs["sgd"].init(params), x, y)}
+        host[name] = {k: host_us(steps[k], params, txs[k].init(params), x, y) for k in dict.fromkeys(sum(pairs, ()))}
         for a, b in pairs:
             r = interleaved_ratio(
                 steps[a], steps[b], params, txs[a].init(params), txs[b].init(params), x, y, rounds=9, repeats=30
@@ -52,6 +53,7 @@ def main() -> None:
             print(f"{name:28s} {a:7s} / {b:5s} {r:6.3f}x", flush=True)
         rows[name] = out
     rows["update_ns_per_param"] = scaling()
+    rows["host_us_per_call"] = host
     path = write_results("gsgd", rows)
     print("wrote", path)
 

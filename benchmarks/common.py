@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import platform
 import re
@@ -137,9 +138,38 @@ def time_steps(step, params, opt_state, x, y, *, repeats: int = 50, warmup: int 
     return (time.perf_counter() - t0) / repeats
 
 
+MIN_BLOCK_S = 0.02
+
+
+def block_repeats(step, params, opt_state, x, y, repeats: int) -> int:
+    """``repeats``, or a multiple of it, so that a block of `time_steps` lasts at least `MIN_BLOCK_S`. A GPU step
+    of a small model takes 0.1 ms: twenty of them are a block of 2 ms, in which the start and end of the block
+    (an idle device after `jax.block_until_ready`, the launch queue filling again) weigh as much as a few
+    kernels. A multiple keeps the amortised cost of a transform that refreshes every k steps, k | repeats."""
+    t = time_steps(step, params, opt_state, x, y, repeats=repeats)
+    return repeats * max(1, math.ceil(MIN_BLOCK_S / (t * repeats)))
+
+
+def host_us(step, params, opt_state, x, y, *, repeats: int = 200) -> float:
+    """Microseconds per step that the Python loop of `time_steps` takes to hand the steps to the device, not
+    waiting for them to run. On a GPU, a step whose time is near this is host-bound (dispatch, not kernels, sets
+    it). On the CPU, XLA runs much of a step inside the call, so this is near the step's time and says nothing."""
+    params, opt_state = jax.tree_util.tree_map(jnp.copy, (params, opt_state))
+    for _ in range(3):
+        params, opt_state, loss = step(params, opt_state, x, y)
+    jax.block_until_ready((params, opt_state, loss))
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        params, opt_state, loss = step(params, opt_state, x, y)
+    t = time.perf_counter() - t0
+    jax.block_until_ready((params, opt_state, loss))
+    return round(1e6 * t / repeats, 1)
+
+
 def step_ms(step, params, opt_state, x, y, *, rounds: int = 3, repeats: int = 20) -> float:
     """Milliseconds per step, the median of ``rounds`` blocks of `time_steps`: the baseline's absolute time
     beside the ratios, so that runs on two machines can be told apart (a ratio moves with either step)."""
+    repeats = block_repeats(step, params, opt_state, x, y, repeats)
     times = sorted(time_steps(step, params, opt_state, x, y, repeats=repeats) for _ in range(rounds))
     return round(1e3 * times[len(times) // 2], 4)
 
@@ -149,6 +179,7 @@ def interleaved_ratio(
 ) -> float:
     """Median over rounds of time(step_a) / time(step_b), alternating to cancel drift (``params_b``: step_b's
     own params, when the two models differ)."""
+    repeats = block_repeats(step_b, params if params_b is None else params_b, state_b, x, y, repeats)
     ratios = []
     for _ in range(rounds):
         ta = time_steps(step_a, params, state_a, x, y, repeats=repeats)

@@ -6,8 +6,9 @@
 #
 # SECONDS (default 560) bounds the run; LOGDIR (default /tmp/gpu_check) gets one log (bench.log or suite.log), and
 # `bench` copies its results folder (JSON and figures) to LOGDIR/results. Needs jax with CUDA, flax, optax, chex,
-# pytest and pytest-xdist, with the checkout on PYTHONPATH or installed. The two modes do not fit one 10-minute call: on one H200 (JAX 0.11.2) the suite ran
-# 500 of its 502 tests in 455 s from a cold compilation cache, and bench_gsgd with bench_path_sgd took 91 s.
+# pytest and pytest-xdist, with the checkout on PYTHONPATH or installed. On one H200 (JAX 0.11.2, 2026-11-27) the
+# whole suite took 414 s from a cold compilation cache, and bench_path_sgd, bench_gsgd and bench_kernels 154 s, so
+# `suite 445` then `bench` with the rest fit one 10-minute call (bench_ddp and bench_scale did not).
 set -u
 mode=${1:?usage: gpu_check.sh bench|suite [SECONDS] [LOGDIR]}
 budget=${2:-560}
