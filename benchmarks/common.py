@@ -127,6 +127,18 @@ def time_steps(step, params, opt_state, x, y, *, repeats: int = 50, warmup: int 
     k steps is charged its amortised cost when ``repeats`` is a multiple of k (the median of single steps
     would hide it). Works on copies (the step donates its params and state).
     """
+    return _block(step, params, opt_state, x, y, repeats, warmup)[1] / repeats
+
+
+def host_us(step, params, opt_state, x, y, *, repeats: int = 200) -> float:
+    """Microseconds per step that the loop of `time_steps` takes to hand the steps to the device, without
+    waiting for them to run (JAX dispatches asynchronously): a step whose time is near this is host-bound, set
+    by the work of the Python call, not by the device's."""
+    return round(1e6 * _block(step, params, opt_state, x, y, repeats, 3)[0] / repeats, 1)
+
+
+def _block(step, params, opt_state, x, y, repeats: int, warmup: int) -> tuple[float, float]:
+    """Seconds until the loop of ``repeats`` steps returns, and until their results are ready (on copies)."""
     params, opt_state = jax.tree_util.tree_map(jnp.copy, (params, opt_state))
     for _ in range(warmup):
         params, opt_state, loss = step(params, opt_state, x, y)
@@ -134,8 +146,9 @@ def time_steps(step, params, opt_state, x, y, *, repeats: int = 50, warmup: int 
     t0 = time.perf_counter()
     for _ in range(repeats):
         params, opt_state, loss = step(params, opt_state, x, y)
+    t1 = time.perf_counter()
     jax.block_until_ready((params, opt_state, loss))
-    return (time.perf_counter() - t0) / repeats
+    return t1 - t0, time.perf_counter() - t0
 
 
 MIN_BLOCK_S = 0.02
@@ -148,22 +161,6 @@ def block_repeats(step, params, opt_state, x, y, repeats: int) -> int:
     kernels. A multiple keeps the amortised cost of a transform that refreshes every k steps, k | repeats."""
     t = time_steps(step, params, opt_state, x, y, repeats=repeats)
     return repeats * max(1, math.ceil(MIN_BLOCK_S / (t * repeats)))
-
-
-def host_us(step, params, opt_state, x, y, *, repeats: int = 200) -> float:
-    """Microseconds per step that the Python loop of `time_steps` takes to hand the steps to the device, not
-    waiting for them to run. On a GPU, a step whose time is near this is host-bound (dispatch, not kernels, sets
-    it). On the CPU, XLA runs much of a step inside the call, so this is near the step's time and says nothing."""
-    params, opt_state = jax.tree_util.tree_map(jnp.copy, (params, opt_state))
-    for _ in range(3):
-        params, opt_state, loss = step(params, opt_state, x, y)
-    jax.block_until_ready((params, opt_state, loss))
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        params, opt_state, loss = step(params, opt_state, x, y)
-    t = time.perf_counter() - t0
-    jax.block_until_ready((params, opt_state, loss))
-    return round(1e6 * t / repeats, 1)
 
 
 def step_ms(step, params, opt_state, x, y, *, rounds: int = 3, repeats: int = 20) -> float:
