@@ -398,12 +398,12 @@ def _plot(results, args, path):
         ax.axhline(1 / 6, color="grey", lw=0.8)
         ax.axhline(SOLVED, color="grey", lw=0.8, ls=":")
         ax.set(title=f"T = {length}", xlabel="step", yscale="log")
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2)  # below the curves
     axes[0, 0].set_ylabel("test mean squared error")
-    fig.suptitle(f"Adding problem, ReLU RNN h={args.hidden}: mean and range over {args.seeds} seeds "
-                 f"(grey: predicting 1; dotted: solved)")  # fmt: skip
+    fig.suptitle(f"Adding problem, ReLU RNN h={args.hidden}: mean and range over {args.seeds} seeds\n"
+                 f"(grey: predicting 1; dotted: solved)", fontsize=11)  # fmt: skip
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
 
 
 if __name__ == "__main__":
