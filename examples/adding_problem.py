@@ -25,8 +25,9 @@ largest rate that does not diverge, and the run trains that rate and four below 
 more below while fewer than three rates from the largest that did not diverge over the run down are left (the
 adding problem diverges late). The table then gives, per optimiser, the largest rate that did not diverge over
 the run (no seed's error non-finite or above 2) and the fraction of seeds that solve the task (test error
-below 0.05). The paper budget takes about 8 hours on 2 CPU cores with ``--workers 2`` (two single-threaded
-processes, which together train 2.2 times as fast as one two-threaded process). It saves every member's state
+below 0.05). The paper budget took about 12 hours of wall time on 2 CPU cores shared with other work, in two or
+three single-threaded processes (``--workers 2``, or ``--only`` per process: together they train 2.2 times as fast
+as one two-threaded process). It saves every member's state
 after each chunk of steps, and running the same command again resumes it (``--hours`` stops it after that
 much time; the files are in ``<out>/adding_problem_paper_checkpoints``, removed when the run completes).
 ``--only NAME...`` trains some optimisers only; a run without it assembles the table from their checkpoints.
