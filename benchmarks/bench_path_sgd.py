@@ -3,8 +3,8 @@
 Rows per setup: κ⁽¹⁾ recomputed every step (``second_order=False``; the target is ≤ 1.25× SGD), κ⁽¹⁾
 every 10 steps (target ≤ 1.05×), the same schedule decided in Python (``update(..., refresh_kappa=...)``: two
 compiled steps, no ``lax.cond``), and on the RNN the exact κ⁽¹⁾ + κ⁽²⁾ every step (target ≤ 2×) and every
-10 steps; ``host_us_per_call``: the time the Python loop takes to hand a step to the device (`common.host_us`:
-on a GPU, a step near it is host-bound). κ does not depend on the batch: its cost is that of the squared
+10 steps; ``host_us_per_call``: the time one call of each step takes to return, the device idle before it
+(`common.host_us`: a step near it is host-bound). κ does not depend on the batch: its cost is that of the squared
 network on one all-ones example (plus, for κ⁽²⁾, O(T n³ + T² n²) for the lag sum), so the ratio falls as the
 batch grows.
 Run: ``python benchmarks/bench_path_sgd.py``.

@@ -127,20 +127,6 @@ def time_steps(step, params, opt_state, x, y, *, repeats: int = 50, warmup: int 
     k steps is charged its amortised cost when ``repeats`` is a multiple of k (the median of single steps
     would hide it). Works on copies (the step donates its params and state).
     """
-    return _block(step, params, opt_state, x, y, repeats, warmup)[1] / repeats
-
-
-def host_us(step, params, opt_state, x, y, *, repeats: int = 200) -> float:
-    """Microseconds per step that the loop of `time_steps` takes to hand the steps to the device, without
-    waiting for them to run (JAX dispatches asynchronously): on a GPU, a step whose time is near this is
-    host-bound, set by the work of the Python call, not by the device's. On the CPU it says nothing: there the
-    call waits once a few steps are queued (MLP 784-512-512-10, 2 cores: 17 µs per call over 20 steps, the
-    step's 0.9-1 ms over 100)."""
-    return round(1e6 * _block(step, params, opt_state, x, y, repeats, 3)[0] / repeats, 1)
-
-
-def _block(step, params, opt_state, x, y, repeats: int, warmup: int) -> tuple[float, float]:
-    """Seconds until the loop of ``repeats`` steps returns, and until their results are ready (on copies)."""
     params, opt_state = jax.tree_util.tree_map(jnp.copy, (params, opt_state))
     for _ in range(warmup):
         params, opt_state, loss = step(params, opt_state, x, y)
@@ -148,9 +134,24 @@ def _block(step, params, opt_state, x, y, repeats: int, warmup: int) -> tuple[fl
     t0 = time.perf_counter()
     for _ in range(repeats):
         params, opt_state, loss = step(params, opt_state, x, y)
-    t1 = time.perf_counter()
     jax.block_until_ready((params, opt_state, loss))
-    return t1 - t0, time.perf_counter() - t0
+    return (time.perf_counter() - t0) / repeats
+
+
+def host_us(step, params, opt_state, x, y, *, repeats: int = 50) -> float:
+    """Microseconds that one call of the step takes to return, the device idle before it (the median of
+    ``repeats``): the host's share of a step, dispatch and whatever the runtime does on the calling thread to
+    launch the kernels. A step whose time is near this is host-bound: fewer kernels or buffers may shorten it,
+    faster kernels do not. (Not the loop of `time_steps` without waiting: there the call
+    also waits once a few steps are queued, on the CPU after about 20.)"""
+    params, opt_state = jax.tree_util.tree_map(jnp.copy, (params, opt_state))
+    times = []
+    for _ in range(repeats + 3):
+        jax.block_until_ready((params, opt_state))
+        t0 = time.perf_counter()
+        params, opt_state, _ = step(params, opt_state, x, y)
+        times.append(time.perf_counter() - t0)
+    return round(1e6 * sorted(times[3:])[repeats // 2], 1)
 
 
 MIN_BLOCK_S = 0.02
