@@ -27,9 +27,9 @@ adding problem diverges late). The table then gives, per optimiser, the largest 
 the run (no seed's error non-finite or above 2) and the fraction of seeds that solve the task (test error
 below 0.05). The paper budget took about 12 hours of wall time on 2 CPU cores shared with other work, in two or
 three single-threaded processes (``--workers 2``, or ``--only`` per process: together they train 2.2 times as fast
-as one two-threaded process). It saves every member's state
-after each chunk of steps, and running the same command again resumes it (``--hours`` stops it after that
-much time; the files are in ``<out>/adding_problem_paper_checkpoints``, removed when the run completes).
+as one two-threaded process). It saves every member's state after each chunk of steps, and running the same
+command again resumes it (``--hours`` stops it after that much time; the files are in
+``<out>/adding_problem_paper_checkpoints``, removed when the run completes).
 ``--only NAME...`` trains some optimisers only; a run without it assembles the table from their checkpoints.
 ``--status`` prints how far the saved run is (chunks done, the latest test errors per rate and seed).
 
