@@ -142,8 +142,8 @@ def host_us(step, params, opt_state, x, y, *, repeats: int = 50) -> float:
     """Microseconds that one call of the step takes to return, the device idle before it (the median of
     ``repeats``): the host's share of a step, dispatch and whatever the runtime does on the calling thread to
     launch the kernels. A step whose time is near this is host-bound: fewer kernels or buffers may shorten it,
-    faster kernels do not. (Not the loop of `time_steps` without waiting: there the call
-    also waits once a few steps are queued, on the CPU after about 20.)"""
+    faster kernels do not. (Not the loop of `time_steps` without waiting: there a call also waits once a few
+    steps are queued.)"""
     params, opt_state = jax.tree_util.tree_map(jnp.copy, (params, opt_state))
     times = []
     for _ in range(repeats + 3):
@@ -163,7 +163,7 @@ def block_repeats(step, params, opt_state, x, y, repeats: int) -> int:
     (an idle device after `jax.block_until_ready`, the launch queue filling again) weigh as much as a few
     kernels. A multiple keeps the amortised cost of a transform that refreshes every k steps, k | repeats."""
     t = time_steps(step, params, opt_state, x, y, repeats=repeats)
-    return repeats * max(1, math.ceil(MIN_BLOCK_S / (t * repeats)))
+    return repeats * math.ceil(MIN_BLOCK_S / (t * repeats))  # 1 when a block already lasts long enough
 
 
 def step_ms(step, params, opt_state, x, y, *, rounds: int = 3, repeats: int = 20) -> float:
