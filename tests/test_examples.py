@@ -1,6 +1,7 @@
 """Smoke tests of the examples: each runs in its ``--quick`` mode and its result says what it claims."""
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -30,11 +31,33 @@ def test_unbalanced_quick(tmp_path):
         assert np.all(np.isfinite(results[name]["loss"]))
 
 
+class _Stop(Exception):
+    pass
+
+
 @pytest.mark.slow
-def test_sequential_digits_quick(tmp_path):
-    results = _load("sequential_digits").main(["--quick", "--out", str(tmp_path)])
+def test_sequential_digits_quick(tmp_path, monkeypatch):
+    module = _load("sequential_digits")
+    trained, train = [], module.train
+
+    def stop_after_two(*args, **kwargs):  # a run stopped during its third optimiser
+        if len(trained) == 2:
+            raise _Stop
+        trained.append(train(*args, **kwargs))
+        return trained[-1]
+
+    monkeypatch.setattr(module, "train", stop_after_two)
+    with pytest.raises(_Stop):
+        module.main(["--quick", "--out", str(tmp_path)])
+    saved = {f.stem: json.loads(f.read_text())["run"] for f in (tmp_path / "sequential_digits_runs").glob("*.json")}
+    assert set(saved) == {"rows_SGD", "rows_Path-SGD"}
+    monkeypatch.setattr(module, "train", lambda *a, **k: trained.append(train(*a, **k)) or trained[-1])
+    results = module.main(["--quick", "--out", str(tmp_path)])  # the same command again resumes it
+    assert len(trained) == 6  # the two saved optimisers were not trained again
+    assert not (tmp_path / "sequential_digits_runs").exists()  # removed once the run is complete
     assert (tmp_path / "sequential_digits.png").stat().st_size > 0 and (tmp_path / "sequential_digits.json").exists()
     runs = results["rows"]
+    assert {f"rows_{name}": runs[name] for name in ("SGD", "Path-SGD")} == saved
     assert set(runs) == {"SGD", "Path-SGD", "G-SGD", "DDP-SGD", "Adam", "G-Adam"}
     for name, run in runs.items():
         assert np.all(np.isfinite(run["loss"])), name
