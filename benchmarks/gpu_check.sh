@@ -25,7 +25,7 @@ case "$mode" in
 bench)
     folder=$(python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import common; print(common.results_folder())")
     : > "$logs/bench.log"
-    for name in path_sgd gsgd kernels ddp scale; do
+    for name in path_sgd gsgd kernels buffers ddp scale; do
         [ "$(left)" -gt 60 ] || { echo "bench_$name: not run, $(left) s left"; continue; }
         timeout "$(left)" python3 "benchmarks/bench_$name.py" >> "$logs/bench.log" 2>&1
         echo "bench_$name rc=$? at $(($(date +%s) - start)) s" | tee -a "$logs/bench.log"

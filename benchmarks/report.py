@@ -17,7 +17,19 @@ import jax
 
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
-ORDER = ("scale", "peers", "gsgd", "path_sgd", "ddp", "kernels", "ddp_norm", "trace", "memory", "collectives")
+ORDER = (
+    "scale",
+    "peers",
+    "gsgd",
+    "path_sgd",
+    "ddp",
+    "kernels",
+    "buffers",
+    "ddp_norm",
+    "trace",
+    "memory",
+    "collectives",
+)
 CAPTIONS = {
     "scale": "Every optimiser on the shapes users train (`bench_scale.py`): step time as a ratio to `optax.sgd` "
     "and to `optax.adam` in the same rounds, optimizer state, and the compiled step's peak memory as a ratio "
@@ -32,6 +44,9 @@ CAPTIONS = {
     "ddp": "DDP-SGD step time as a ratio to `optax.sgd` (`bench_ddp.py`).",
     "kernels": "Kernels per compiled train step (`bench_kernels.py`): the entry computation's instructions that "
     "launch work; a loop or conditional counts once. On the CPU a proxy, on a GPU the launches of one step.",
+    "buffers": "What an array in the optimizer state costs (`bench_buffers.py`): SGD whose state also carries "
+    "`arrays` arrays passed through untouched (small ones, or copies of the params), and Adam; `host_us` one call's "
+    "time to return with the device idle, `vs_sgd` the step over plain SGD's.",
     "ddp_norm": "An SGD step on the DDP-normalised network against the plain one and against BatchNorm "
     "(`bench_ddp_norm.py`).",
     "trace": "`pj.trace` in seconds (`bench_trace.py`).",

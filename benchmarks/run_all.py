@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).parent
-SCRIPTS = ("trace", "gsgd", "path_sgd", "ddp", "kernels", "ddp_norm", "scale", "memory", "collectives")
+SCRIPTS = ("trace", "gsgd", "path_sgd", "ddp", "kernels", "buffers", "ddp_norm", "scale", "memory", "collectives")
 
 
 def main(argv=None) -> None:
