@@ -26,20 +26,12 @@ def every_step(every) -> bool:
 
 
 def kappa_state(space, params, every, factored=False):
-    """The initial kept κ, packed (`pack`): κ zeros like params (``factored``: `pathspace_jax.kappa.RankOne` zeros
+    """The initial kept κ (`KeptKappa`): κ zeros like params (``factored``: `pathspace_jax.kappa.RankOne` zeros
     where Path-SGD keeps a dense kernel's κ as two vectors), zero node vectors and leaf means in the compute dtype;
     all None when κ is computed at each step (`every_step`)."""
     if every_step(every):
         return KeptKappa(None, None, None, None)
-    return pack(_zero_kept(space, params, factored))
 
-
-def kept_layout(space, params, factored=False) -> KeptKappa:
-    """The shapes and dtypes of the kept κ (`KeptKappa` of `jax.ShapeDtypeStruct`), for `unpack`."""
-    return jax.eval_shape(lambda p: _zero_kept(space, p, factored), params)
-
-
-def _zero_kept(space, params, factored):
     leaves = space.leaves_of(params, "params")
     kappa = [jnp.zeros(jnp.shape(p), jnp.result_type(p)) for p in leaves]
     if factored:
@@ -155,65 +147,30 @@ def check_refresh(refresh, kept: KeptKappa, who: str) -> bool | None:
     return bool(refresh)
 
 
-def _is_rank_one(k) -> bool:
-    return isinstance(k, RankOne)
+def current_kappa(compute, kept: KeptKappa, count, every, refresh: bool | None = None) -> KeptKappa:
+    """``compute()`` at steps 0, every, 2·every, …, the ``kept`` κ in between (one ``lax.cond``); ``compute()``
+    alone when nothing is kept (`every_step`: nothing stored, so XLA fuses κ into the division). ``refresh``
+    (`check_refresh`), when not None, decides instead, with no conditional: ``compute()`` or ``kept``.
 
-
-def pack(kept: KeptKappa) -> KeptKappa:
-    """The kept κ as the state stores it: κ of each leaf that `RankOne` does not factor stays an array shaped like
-    the leaf (sharded like it); everything of node size (the rank-one vectors, ``log2_gauge``, ``frame`` and
-    ``kappa_mean``) is concatenated into one vector per dtype, in the ``log2_gauge`` field (a tuple)."""
-    kappa = jax.tree_util.tree_map(lambda k: None if _is_rank_one(k) else k, kept.kappa, is_leaf=_is_rank_one)
-    ks = jax.tree_util.tree_leaves(kept.kappa, is_leaf=_is_rank_one)
-    small = [v for k in ks if _is_rank_one(k) for v in k] + [kept.log2_gauge, kept.frame, kept.kappa_mean]
-    groups: dict = {}
-    for a in small:
-        groups.setdefault(jnp.dtype(a.dtype), []).append(jnp.ravel(a))
-    return KeptKappa(kappa, tuple(jnp.concatenate(g) for g in groups.values()), None, None)
-
-
-def unpack(stored: KeptKappa, like: KeptKappa) -> KeptKappa:
-    """`pack`'s inverse; ``like``: the layout (a `KeptKappa` of shapes and dtypes)."""
-    like_ks, treedef = jax.tree_util.tree_flatten(like.kappa, is_leaf=_is_rank_one)
-    small = [v for k in like_ks if _is_rank_one(k) for v in k] + [like.log2_gauge, like.frame, like.kappa_mean]
-    dtypes = list(dict.fromkeys(jnp.dtype(a.dtype) for a in small))
-    vecs, at = dict(zip(dtypes, stored.log2_gauge, strict=True)), dict.fromkeys(dtypes, 0)
-
-    def take(a):
-        d, n = jnp.dtype(a.dtype), int(np.prod(a.shape, dtype=int))
-        at[d] += n
-        return jax.lax.slice(vecs[d], (at[d] - n,), (at[d],)).reshape(a.shape)
-
-    big = iter(jax.tree_util.tree_leaves(stored.kappa))
-    ks = [RankOne(*map(take, k)) if _is_rank_one(k) else next(big) for k in like_ks]
-    lg, frame, mean = take(like.log2_gauge), take(like.frame), take(like.kappa_mean)
-    return KeptKappa(jax.tree_util.tree_unflatten(treedef, ks), lg, frame, mean)
-
-
-def current_kappa(compute, kept: KeptKappa, count, every, refresh: bool | None = None, like=None):
-    """(κ for this step, the state's kept κ after it): ``compute()`` at steps 0, every, 2·every, …, the ``kept``
-    κ in between (one ``lax.cond``); ``compute()`` alone when nothing is kept (`every_step`). ``refresh``
-    (`check_refresh`), when not None, decides instead, with no conditional. The state holds κ packed (`pack`):
-    one vector per dtype, so that a step takes and returns one array rather than one per leaf and frame.
+    κ travels as raveled leaves: on XLA:CPU a 2-D κ (an outer product for a dense kernel) otherwise gets a
+    column-major layout and is transposed into the state on every step (benchmarks/README.md). The stored κ
+    enters the ``cond`` as an operand, raveled outside it: raveled inside the branch, XLA:CPU copied every
+    stored leaf into the ``cond`` at every step.
     """
     if kept.kappa is None:
-        return compute(), kept
+        return compute()
+    if refresh is not None:
+        return jax.tree_util.tree_map(lambda a, b: a.astype(b.dtype), compute(), kept) if refresh else kept
+
+    def flat(tree):
+        return [jnp.ravel(a) for a in jax.tree_util.tree_leaves(tree)]
 
     def fresh():
-        return pack(jax.tree_util.tree_map(lambda a, b: a.astype(b.dtype), compute(), like))
+        return flat(jax.tree_util.tree_map(lambda a, b: a.astype(b.dtype), compute(), kept))
 
-    if refresh is not None:
-        new = fresh() if refresh else kept
-    else:
-        leaves, treedef = jax.tree_util.tree_flatten(kept)
-        flat = jax.lax.cond(
-            count % every == 0,
-            lambda _: [jnp.ravel(a) for a in jax.tree_util.tree_leaves(fresh())],
-            lambda ks: ks,
-            [jnp.ravel(a) for a in leaves],
-        )
-        new = jax.tree_util.tree_unflatten(treedef, [k.reshape(a.shape) for k, a in zip(flat, leaves, strict=True)])
-    return unpack(new, like), new
+    ks = jax.lax.cond(count % every == 0, lambda _: fresh(), lambda ks: ks, flat(kept))
+    leaves, treedef = jax.tree_util.tree_flatten(kept)
+    return jax.tree_util.tree_unflatten(treedef, [k.reshape(jnp.shape(a)) for k, a in zip(ks, leaves, strict=True)])
 
 
 def divide_by_kappa(space, updates, kept: KeptKappa, normalize, damping, floor, eps):

@@ -23,7 +23,6 @@ from pathspace_jax.scaling import (
     is_traced,
     kappa_state,
     kept_kappa,
-    kept_layout,
 )
 
 # ---------------------------------------------------------------------------- optax.partition / optax.masked
@@ -291,10 +290,9 @@ def _ddp_update(space, config, updates, state, params, xs, key, damping, floor, 
                                         True, probe_batch_size, in_cond)  # fmt: skip
         return kept_kappa(space, params, space.unflatten_like(params, kappa), lg)
 
-    like = kept_layout(space, params)
-    kept, stored = current_kappa(compute, KeptKappa(*state[1:]), state.count, every, refresh, like)
+    kept = current_kappa(compute, KeptKappa(*state[1:]), state.count, every, refresh)
     new = divide_by_kappa(space, updates, kept, normalize, damping, floor, eps)
-    return new, ScaleByDDPState(optax.safe_int32_increment(state.count), *stored)
+    return new, ScaleByDDPState(optax.safe_int32_increment(state.count), *(state[1:] if state.kappa is None else kept))
 
 
 # ---------------------------------------------------------------------------- G-SGD: in_path_space
@@ -574,7 +572,8 @@ def _path_sgd_update(space, second_order, normalize, updates, state, params, dam
         kappa, lg = kappa_canonical(space, space.leaves_of(params, "params"), second_order, True)
         return kept_kappa(space, params, space.unflatten_like(params, kappa), lg)
 
-    like = kept_layout(space, params, True)
-    kept, stored = current_kappa(compute, KeptKappa(*state[1:]), state.count, every, refresh, like)
+    kept = current_kappa(compute, KeptKappa(*state[1:]), state.count, every, refresh)
     new = divide_by_kappa(space, updates, kept, normalize, damping, floor, eps)
-    return new, ScaleByPathSGDState(optax.safe_int32_increment(state.count), *stored)
+    return new, ScaleByPathSGDState(
+        optax.safe_int32_increment(state.count), *(state[1:] if state.kappa is None else kept)
+    )
