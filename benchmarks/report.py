@@ -17,19 +17,7 @@ import jax
 
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
-ORDER = (
-    "scale",
-    "peers",
-    "gsgd",
-    "path_sgd",
-    "ddp",
-    "kernels",
-    "buffers",
-    "ddp_norm",
-    "trace",
-    "memory",
-    "collectives",
-)
+ORDER = tuple("scale peers gsgd path_sgd ddp kernels buffers ddp_norm trace memory collectives".split())
 CAPTIONS = {
     "scale": "Every optimiser on the shapes users train (`bench_scale.py`): step time as a ratio to `optax.sgd` "
     "and to `optax.adam` in the same rounds, optimizer state, and the compiled step's peak memory as a ratio "
