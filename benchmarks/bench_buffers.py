@@ -14,6 +14,7 @@ kernels. Compiling and timing only: about a minute on any backend. Run: ``python
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 
@@ -27,11 +28,11 @@ from common import host_us, interleaved_ratio, make_step, setups, step_ms, write
 SETUPS = ("mlp_784_512_512_10_b128", "small_cnn_b64")
 
 
-def carrying(tx: optax.GradientTransformation, pads) -> optax.GradientTransformation:
-    """``tx`` whose state also holds the arrays ``pads(params)``, passed through every update untouched."""
+def carrying(tx: optax.GradientTransformation, pad, n: int) -> optax.GradientTransformation:
+    """``tx`` whose state also holds ``n`` pads ``pad(params)`` (arrays or trees), passed through untouched."""
 
     def init(params):
-        return tx.init(params), pads(params)
+        return tx.init(params), [pad(params) for _ in range(n)]
 
     def update(updates, state, params=None):
         updates, inner = tx.update(updates, state[0], params)
@@ -43,14 +44,11 @@ def carrying(tx: optax.GradientTransformation, pads) -> optax.GradientTransforma
 def variants(params) -> dict[str, tuple[int, optax.GradientTransformation]]:
     """name -> (arrays in the state beyond SGD's, transformation)."""
     leaves = len(jax.tree_util.tree_leaves(params))
-    sgd = optax.sgd(0.01)
-    out = {f"small_{n}": (n, carrying(sgd, lambda p, n=n: [jnp.zeros(16) for _ in range(n)])) for n in (8, 32, 128)}
-    for k in (1, 2):
-        out[f"params_x{k}"] = (k * leaves, carrying(sgd, lambda p, k=k: [jax.tree_util.tree_map(jnp.zeros_like, p)
-                                                                          for _ in range(k)]))  # fmt: skip
-    adam = optax.adam(1e-3)
-    out["adam"] = (len(jax.tree_util.tree_leaves(adam.init(params))), adam)
-    return out
+    sgd, adam = optax.sgd(0.01), optax.adam(1e-3)
+    small = {f"small_{n}": (n, carrying(sgd, lambda p: jnp.zeros(16), n)) for n in (8, 32, 128)}
+    zeros_like_params = functools.partial(jax.tree_util.tree_map, jnp.zeros_like)
+    copies = {f"params_x{k}": (k * leaves, carrying(sgd, zeros_like_params, k)) for k in (1, 2)}
+    return {**small, **copies, "adam": (len(jax.tree_util.tree_leaves(adam.init(params))), adam)}
 
 
 def main() -> None:
