@@ -22,8 +22,9 @@ with its own initialisation, batch order and learning rate (``optax.inject_hyper
 Run:  pip install -e ".[examples]" && python examples/sequential_digits.py   (--quick: under a minute)
 Writes examples/out/sequential_digits.json and examples/out/sequential_digits.png and prints the table.
 ``--paper`` trains the paper's 400 epochs instead of 40 (half an hour on 2 CPU cores) and writes
-sequential_digits_paper.json and .png; each optimiser's finished runs are saved as they complete (in
-``<out>/sequential_digits_paper_runs``, removed at the end), so the same command again resumes a stopped run.
+sequential_digits_paper.json and .png. Each optimiser's finished runs are saved as they complete (in
+``<out>/sequential_digits_runs`` or ``_paper_runs``, removed at the end), so the same command again resumes a
+stopped run.
 """
 
 from __future__ import annotations
