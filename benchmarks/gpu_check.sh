@@ -8,7 +8,7 @@
 # `ab` times a candidate change of the library in one call: bench_path_sgd.py on the code as it is and with PATCH
 # applied (`git apply`), alternating, twice each, each run's JSON kept as LOGDIR/ab/{base,patched}{1,2}.json; the
 # code and the results folder's path_sgd.json are restored at the end. Chain it with `bench` in one call
-# (`ab P 250 $OUT; bench 300 $OUT`). On 2 CPU cores the four runs take 215 s.
+# (`ab P 240 $OUT; bench 330 $OUT`). On 2 CPU cores the four runs took 200 s.
 # SECONDS (default 560) bounds the run; LOGDIR (default /tmp/gpu_check) gets one log (bench.log or suite.log), and
 # `bench` copies its results folder (JSON and figures) to LOGDIR/results. Needs jax with CUDA, flax, optax, chex,
 # pytest and pytest-xdist, with the checkout on PYTHONPATH or installed. On one H200 (JAX 0.11.2, 2026-11-27) the
@@ -64,7 +64,8 @@ ab)
             grep "x optax" "$logs/ab/$v$i.log"
         done
     done
-    [ -f "$logs/ab/kept.json" ] && cp "$logs/ab/kept.json" "$folder/path_sgd.json"  # not a candidate's figures
+    # the results folder keeps no candidate's figures
+    if [ -f "$logs/ab/kept.json" ]; then cp "$logs/ab/kept.json" "$folder/path_sgd.json"; else rm -f "$folder/path_sgd.json"; fi
     ;;
 *)
     echo "unknown mode $mode: bench, suite or ab" >&2
