@@ -3,21 +3,22 @@
 #
 #   sh benchmarks/gpu_check.sh bench [SECONDS] [LOGDIR]   # step benchmarks on an idle GPU, then report.py
 #   sh benchmarks/gpu_check.sh suite [SECONDS] [LOGDIR]   # the whole test suite, 14 workers
-#   sh benchmarks/gpu_check.sh ab PATCH [SECONDS] [LOGDIR]   # bench_path_sgd without and with PATCH, twice
+#   sh benchmarks/gpu_check.sh ab CHANGE [SECONDS] [LOGDIR] # bench_path_sgd without and with CHANGE, twice
 #
-# `ab` times a candidate change of the library in one call: bench_path_sgd.py on the code as it is and with PATCH
-# applied (`git apply`), alternating, twice each, each run's JSON kept as LOGDIR/ab/{base,patched}{1,2}.json; the
-# code and the results folder's path_sgd.json are restored at the end. Chain it with `bench` in one call
-# (`ab P 240 $OUT; bench 330 $OUT`). On 2 CPU cores the four runs took 200 s.
+# `ab` times a candidate change in one call: bench_path_sgd.py as things are and with CHANGE, alternating, twice
+# each, each run's JSON kept as LOGDIR/ab/{base,changed}{1,2}.json. CHANGE is a patch of the library (applied
+# with `git apply`, reverted after each run) or an environment setting VAR=VALUE for the changed runs (e.g.
+# XLA_FLAGS=--xla_gpu_enable_command_buffer=). The results folder's path_sgd.json is restored at the end. Chain
+# it with `bench` in one call (`ab P 240 $OUT; bench 330 $OUT`). On 2 CPU cores the four runs took 200 s.
 # SECONDS (default 560) bounds the run; LOGDIR (default /tmp/gpu_check) gets one log (bench.log or suite.log), and
 # `bench` copies its results folder (JSON and figures) to LOGDIR/results. Needs jax with CUDA, flax, optax, chex,
 # pytest and pytest-xdist, with the checkout on PYTHONPATH or installed. On one H200 (JAX 0.11.2, 2026-11-27) the
 # whole suite took 414 s from a cold compilation cache, and bench_path_sgd, bench_gsgd and bench_kernels 154 s, so
 # `suite 445` then `bench` with the rest fit one 10-minute call (bench_ddp and bench_scale did not).
 set -u
-mode=${1:?usage: gpu_check.sh bench|suite [SECONDS] [LOGDIR], or ab PATCH [SECONDS] [LOGDIR]}
+mode=${1:?usage: gpu_check.sh bench|suite [SECONDS] [LOGDIR], or ab CHANGE [SECONDS] [LOGDIR]}
 if [ "$mode" = ab ]; then
-    patch=${2:?usage: gpu_check.sh ab PATCH [SECONDS] [LOGDIR]}
+    change=${2:?usage: gpu_check.sh ab PATCH|VAR=VALUE [SECONDS] [LOGDIR]}
     shift
 fi
 budget=${2:-560}
@@ -50,17 +51,26 @@ suite)
     ;;
 ab)
     folder=$(python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import common; print(common.results_folder())")
-    git apply --check "$patch" || exit 2
+    if [ -f "$change" ]; then
+        git apply --check "$change" || exit 2
+        env=""
+    else
+        case "$change" in *=*) env="$change" ;; *) echo "ab: $change is neither a patch file nor VAR=VALUE" >&2; exit 2 ;; esac
+    fi
     mkdir -p "$logs/ab"
     [ -f "$folder/path_sgd.json" ] && cp "$folder/path_sgd.json" "$logs/ab/kept.json"
     for i in 1 2; do
-        for v in base patched; do
+        for v in base changed; do
             [ "$(left)" -gt 60 ] || { echo "$v$i: not run, $(left) s left"; continue; }
-            [ $v = patched ] && git apply "$patch"
-            timeout "$(left)" python3 benchmarks/bench_path_sgd.py > "$logs/ab/$v$i.log" 2>&1
+            if [ $v = changed ] && [ -z "$env" ]; then git apply "$change"; fi
+            if [ $v = changed ] && [ -n "$env" ]; then
+                timeout "$(left)" env "$env" python3 benchmarks/bench_path_sgd.py > "$logs/ab/$v$i.log" 2>&1
+            else
+                timeout "$(left)" python3 benchmarks/bench_path_sgd.py > "$logs/ab/$v$i.log" 2>&1
+            fi
             echo "$v$i rc=$? at $(($(date +%s) - start)) s"
             cp "$folder/path_sgd.json" "$logs/ab/$v$i.json"
-            [ $v = patched ] && git apply -R "$patch"
+            if [ $v = changed ] && [ -z "$env" ]; then git apply -R "$change"; fi
             grep "x optax" "$logs/ab/$v$i.log"
         done
     done
