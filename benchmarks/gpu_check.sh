@@ -62,12 +62,10 @@ ab)
     for i in 1 2; do
         for v in base changed; do
             [ "$(left)" -gt 60 ] || { echo "$v$i: not run, $(left) s left"; continue; }
+            vars=""
+            [ $v = changed ] && vars="$env"
             if [ $v = changed ] && [ -z "$env" ]; then git apply "$change"; fi
-            if [ $v = changed ] && [ -n "$env" ]; then
-                timeout "$(left)" env "$env" python3 benchmarks/bench_path_sgd.py > "$logs/ab/$v$i.log" 2>&1
-            else
-                timeout "$(left)" python3 benchmarks/bench_path_sgd.py > "$logs/ab/$v$i.log" 2>&1
-            fi
+            timeout "$(left)" env ${vars:+"$vars"} python3 benchmarks/bench_path_sgd.py > "$logs/ab/$v$i.log" 2>&1
             echo "$v$i rc=$? at $(($(date +%s) - start)) s"
             cp "$folder/path_sgd.json" "$logs/ab/$v$i.json"
             if [ $v = changed ] && [ -z "$env" ]; then git apply -R "$change"; fi

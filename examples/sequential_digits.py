@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -233,10 +234,7 @@ def main(argv=None):
     fig.tight_layout()
     png_path = args.out / f"{stem}.png"
     fig.savefig(png_path, dpi=110)
-    for f in done.glob("*.json"):  # the run is complete: its saved runs are in the JSON above
-        f.unlink()
-    if done.exists():
-        done.rmdir()
+    shutil.rmtree(done, ignore_errors=True)  # the run is complete: its saved runs are in the JSON above
     print(f"table data: {json_path}\nplot: {png_path}")
     return results
 

@@ -38,20 +38,20 @@ class _Stop(Exception):
 @pytest.mark.slow
 def test_sequential_digits_quick(tmp_path, monkeypatch):
     module = _load("sequential_digits")
-    trained, train = [], module.train
+    trained, train, stop_at = [], module.train, [2]
 
-    def stop_after_two(*args, **kwargs):  # a run stopped during its third optimiser
-        if len(trained) == 2:
+    def counted(*args, **kwargs):  # the first run stops during its third optimiser
+        if len(trained) == stop_at[0]:
             raise _Stop
         trained.append(train(*args, **kwargs))
         return trained[-1]
 
-    monkeypatch.setattr(module, "train", stop_after_two)
+    monkeypatch.setattr(module, "train", counted)
     with pytest.raises(_Stop):
         module.main(["--quick", "--out", str(tmp_path)])
     saved = {f.stem: json.loads(f.read_text())["run"] for f in (tmp_path / "sequential_digits_runs").glob("*.json")}
     assert set(saved) == {"rows_SGD", "rows_Path-SGD"}
-    monkeypatch.setattr(module, "train", lambda *a, **k: trained.append(train(*a, **k)) or trained[-1])
+    stop_at[0] = None
     results = module.main(["--quick", "--out", str(tmp_path)])  # the same command again resumes it
     assert len(trained) == 6  # the two saved optimisers were not trained again
     assert not (tmp_path / "sequential_digits_runs").exists()  # removed once the run is complete
