@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pathspace_jax.frames import node_gather, on_params_mesh, safe_inv, take
+from pathspace_jax.frames import jit_when_eager, node_gather, on_params_mesh, safe_inv, take
 from pathspace_jax.graph import PathSpace, compute_dtype
 from pathspace_jax.skeleton import Skeleton, skeleton
 
@@ -117,6 +117,7 @@ def node_factors(space, leaves, dtype):
 
 
 @on_params_mesh
+@jit_when_eager()
 def to_coords(space: PathSpace, params):
     """Path coordinates of ``params``: the value of each entry's basis path, the weight at gauge entries.
 
@@ -150,6 +151,7 @@ def to_coords(space: PathSpace, params):
 
 
 @on_params_mesh
+@jit_when_eager()
 def from_coords(space: PathSpace, coords):
     """Weights from path coordinates (weight allocation): the inverse of `to_coords`.
 
@@ -241,6 +243,7 @@ def basis_paths(space: PathSpace):
 
 
 @on_params_mesh
+@jit_when_eager()
 def canonicalize(space: PathSpace, params):
     """The member of ``params``' rescaling orbit whose gauge weights (outgoing skeleton edges) are ±1.
 
@@ -272,6 +275,7 @@ def canonicalize(space: PathSpace, params):
 
 
 @on_params_mesh
+@jit_when_eager()
 def skeleton_init(space: PathSpace, params):
     """An initialisation for G-SGD: every skeleton weight (incoming and outgoing) set to ±1, its sign kept.
 

@@ -98,7 +98,7 @@ from pathspace_jax import squared
 from pathspace_jax.errors import DDPUnsupportedError
 from pathspace_jax.exact import V
 from pathspace_jax.forward import forward, run_program, scan_nodes
-from pathspace_jax.frames import kappa_from_frame, on_params_mesh, to_canonical_frame
+from pathspace_jax.frames import jit_when_eager, kappa_from_frame, on_params_mesh, to_canonical_frame
 from pathspace_jax.graph import PathSpace, check_path_space, compute_dtype
 from pathspace_jax.kappa import kappa_canonical
 from pathspace_jax.rules import rule
@@ -232,6 +232,7 @@ def check_inputs(space: PathSpace, inputs) -> list:
 
 
 @on_params_mesh
+@jit_when_eager("alpha", "moment", "estimator", "num_probes", "probe_damping", "probe_batch_size")
 def ddp_kappa(
     space: PathSpace,
     params,

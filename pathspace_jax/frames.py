@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+from collections.abc import Hashable
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +25,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from pathspace_jax.exact import pow2
-from pathspace_jax.graph import PathSpace
+from pathspace_jax.graph import PathSpace, check_path_space
 from pathspace_jax.skeleton import skeleton
 
 
@@ -136,6 +137,34 @@ def on_params_mesh(fn):
             return fn(space, tree, *args, **kwargs)
 
     return run
+
+
+def jit_when_eager(*static: str):
+    """A public function ``fn(space, ...)`` that runs as one compiled program when called with concrete arrays.
+
+    Run op by op, its many small operations would each be dispatched, and compiled the first time each is
+    met: seconds for a U-Net's `coord_scales` or a small RNN's coordinates. Called with concrete arrays, it
+    runs ``jax.jit(fn)`` instead, with the space and the keyword options named in ``static`` static (one
+    program per space, shapes, dtypes and options, cached by JAX); inside a trace (the caller's ``jit``,
+    ``vmap`` or ``grad``) it runs as written, inlined in the caller's program. An option that is not
+    hashable also runs it as written, where its own checks say what is wrong.
+    """
+
+    def wrap(fn):
+        jitted = jax.jit(fn, static_argnums=0, static_argnames=static)
+
+        @functools.wraps(fn)
+        def run(space, *args, **kwargs):
+            check_path_space(space, fn.__name__)
+            options = [kwargs[k] for k in static if k in kwargs]
+            traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves((args, kwargs)))
+            if traced or not all(isinstance(o, Hashable) for o in options):
+                return fn(space, *args, **kwargs)
+            return jitted(space, *args, **kwargs)
+
+        return run
+
+    return wrap
 
 
 def replicated(vec):

@@ -26,6 +26,7 @@ from pathspace_jax.frames import (
     edge_products,
     finite,
     frame_k,
+    jit_when_eager,
     materialize,
     node_sum,
     on_params_mesh,
@@ -215,8 +216,10 @@ def frame_level(space: PathSpace) -> np.ndarray:
         per_node = np.prod([leaf.shape[k] for k in axes if k > 0 or not stacked], dtype=np.int64)
         fan_in = np.stack([np.bincount(d.ravel(), minlength=space.num_nodes)[d] for d in (dst if stacked else [dst])])
         ref.append(np.reshape(1 / np.sqrt(fan_in * per_node), dst.shape).astype(np.float32))
-    with jax.ensure_compile_time_eval():
-        q_in, q_out = (np.asarray(q, np.float64) for q in path_norms(space, ref, jnp.float32))
+    # compiled ahead of time and called with numpy arrays: concrete inside a trace too, and one program (op by op,
+    # seconds for a U-Net)
+    norms = jax.jit(path_norms, static_argnums=(0, 2)).lower(space, ref, "float32").compile()
+    q_in, q_out = (np.asarray(q, np.float64) for q in norms(ref))
     ok = (q_in > 0) & (q_out > 0) & np.isfinite(q_in) & np.isfinite(q_out)  # nodes on at least one path each way
     level = np.ones(space.num_nodes, np.float32)
     for g in (space.groups[i] for i in space.hidden_groups):
@@ -290,6 +293,7 @@ def _scales(space: PathSpace, w_leaves, c_leaves, factors, ct, alpha):
 
 
 @on_params_mesh
+@jit_when_eager()
 def coord_scales(space: PathSpace, params):
     """The scales σ of G-SGD's normalised coordinates ``φ = c / σ`` (``in_path_space(normalize=True)``).
 

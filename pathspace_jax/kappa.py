@@ -102,7 +102,7 @@ from pathspace_jax import program as flat
 from pathspace_jax import squared
 from pathspace_jax.errors import PathKappaUnsupportedError
 from pathspace_jax.exact import V, ldexp
-from pathspace_jax.frames import kappa_from_frame, on_params_mesh, replicated, to_canonical_frame
+from pathspace_jax.frames import jit_when_eager, kappa_from_frame, on_params_mesh, replicated, to_canonical_frame
 from pathspace_jax.graph import PathSpace, check_path_space, compute_dtype
 from pathspace_jax.squared import evaluate, raise_power
 
@@ -173,6 +173,7 @@ def _setup(space, leaves):
 
 
 @on_params_mesh
+@jit_when_eager("second_order")
 def path_kappa(space: PathSpace, params, *, second_order: bool = True):
     """Path-SGD's scaling κ = ½ diag ∇²γ²_net, as a pytree like params.
 

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pathspace_jax.exact import pow2
+from pathspace_jax.frames import jit_when_eager
 from pathspace_jax.graph import PathSpace, pin_hint, reduced
 
 __all__ = ["rescale", "random_alphas", "random_rescale", "describe", "node_vector"]
@@ -61,10 +62,15 @@ def rescale(space: PathSpace, params, alphas: Sequence[Any]):
       Neyshabur et al., "Path-SGD", NeurIPS 2015; Neyshabur et al., "Path-normalized optimization of
       recurrent neural networks with ReLU activations", NeurIPS 2016, Thm 1.
     """
-    leaves = space.leaves_of(params)
     for a in alphas:
         if not isinstance(a, jax.core.Tracer) and not np.all(np.asarray(a) > 0):
             raise ValueError("rescaling factors must be positive (T_α needs α > 0)")
+    return _rescale(space, params, alphas)
+
+
+@jit_when_eager()
+def _rescale(space: PathSpace, params, alphas: Sequence[Any]):
+    leaves = space.leaves_of(params)
     a = node_vector(space, alphas)
     out = []
     for spec, w in zip(space.leaves, leaves):
@@ -85,6 +91,7 @@ def random_alphas(space: PathSpace, key, *, max_exponent: int = 4) -> list[jax.A
     ]
 
 
+@jit_when_eager("max_exponent")
 def random_rescale(space: PathSpace, params, key, *, max_exponent: int = 4):
     """`rescale` by random powers of two, which is exact in floating point.
 
@@ -92,7 +99,7 @@ def random_rescale(space: PathSpace, params, key, *, max_exponent: int = 4):
     ``[-max_exponent, max_exponent]``, so the network function is unchanged
     bit for bit (barring overflow) while the parameters change.
     """
-    return rescale(space, params, random_alphas(space, key, max_exponent=max_exponent))
+    return _rescale(space, params, random_alphas(space, key, max_exponent=max_exponent))
 
 
 def _plain_note(space: PathSpace) -> str:

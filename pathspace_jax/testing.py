@@ -77,8 +77,8 @@ def assert_update_invariant(
     For each of ``num_draws`` power-of-two rescalings T_α (exact in floating point), runs
     ``num_steps`` steps of ``tx`` from ``params`` and from ``T_α(params)``, each step being
     ``g = ∇ loss_fn(p, batch)``, ``u, s = tx.update(g, s, p, **update_kwargs)``,
-    ``p = optax.apply_updates(p, u)``, and checks with chex that the traced function
-    ``space.fn(p_final, *inputs)`` agrees from both starts. It also checks that the rescaling
+    ``p = optax.apply_updates(p, u)`` (compiled with ``jax.jit``, as in training), and checks with chex
+    that the traced function ``space.fn(p_final, *inputs)`` agrees from both starts. It also checks that the rescaling
     changed the parameters and that the steps moved the function (so it cannot pass vacuously).
     Works with any optax transformation: rescaling-invariant ones (G-SGD, Path-SGD, DDP-SGD) pass,
     plain SGD/Adam fail on an unbalanced rescaling.
@@ -115,13 +115,18 @@ def assert_update_invariant(
     if not isinstance(inputs, tuple):
         inputs = (inputs,)
     grad_fn = jax.grad(loss_fn)
+    fn = jax.jit(lambda p: space.fn(p, *inputs))
+
+    @jax.jit  # as in training; op by op, a step dispatches (and first compiles) each of its many operations alone
+    def step(p, state):
+        updates, state = tx.update(grad_fn(p, batch), state, p, **kwargs)
+        return optax.apply_updates(p, updates), state
 
     def run(p):
         state = tx.init(p)
         for _ in range(num_steps):
-            updates, state = tx.update(grad_fn(p, batch), state, p, **kwargs)
-            p = optax.apply_updates(p, updates)
-        return space.fn(p, *inputs)
+            p, state = step(p, state)
+        return fn(p)
 
     def differs(a, b):
         return any(
@@ -129,7 +134,7 @@ def assert_update_invariant(
             for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b))
         )
 
-    before = space.fn(params, *inputs)
+    before = fn(params)
     expected = run(params)
     if not differs(expected, before):
         raise AssertionError("the optimizer steps left the function unchanged: the invariance test would be vacuous")
