@@ -32,12 +32,6 @@ SMALL = [
 ]
 
 
-# jitted once per space (a PathSpace is hashable): eager op-by-op dispatch would dominate the runtime
-to_coords = jax.jit(pj.to_coords, static_argnums=0)
-from_coords = jax.jit(pj.from_coords, static_argnums=0)
-canonicalize = jax.jit(pj.canonicalize, static_argnums=0)
-
-
 def _jitted(tx):
     return optax.GradientTransformationExtraArgs(jax.jit(tx.init), jax.jit(tx.update))
 
@@ -167,7 +161,7 @@ def test_basis_paths_coordinates_and_rank(case, spaces):
     np.testing.assert_array_equal(mask, rows[:, 0] >= 0)  # gauge rows are all -1
 
     # every coordinate is the product of the weights on its basis path
-    coords = np.concatenate([np.ravel(c) for c in _leaves(to_coords(space, case.params))])
+    coords = np.concatenate([np.ravel(c) for c in _leaves(pj.to_coords(space, case.params))])
     np.testing.assert_allclose(coords[mask], np.asarray(_path_values(rows, flat))[mask], rtol=1e-13, atol=1e-15)
 
     # the paths are real input -> output paths of the reduction graph containing their own entry
@@ -237,7 +231,7 @@ def test_coords_invariant_round_trip_canonicalize(case, spaces):
         chex.assert_trees_all_equal(cn, canon)
     # where the skeleton products are ±1 (skeleton_init) there is no rounding: the round trip is bitwise
     s = pj.skeleton_init(space, p)
-    chex.assert_trees_all_equal(from_coords(space, to_coords(space, s)), s)
+    chex.assert_trees_all_equal(pj.from_coords(space, pj.to_coords(space, s)), s)
 
 
 def test_skeleton_never_uses_biases_or_recurrent_edges(spaces):
@@ -341,7 +335,7 @@ def test_g_sgd_step_moves_coordinates_by_minus_eta_grad(name, spaces):
     case, space = ZOO[name], spaces[name]
     loss, batch = _loss_fn(case)
     gv, mask = _dense_coord_grad(space, case, loss, batch)
-    c0 = np.asarray(ravel_pytree(to_coords(space, case.params))[0])
+    c0 = np.asarray(ravel_pytree(pj.to_coords(space, case.params))[0])
     sigma = np.asarray(ravel_pytree(pj.coord_scales(space, case.params))[0])
     inskel = _inskel(_rows(space))
     assert np.all(sigma[mask] > 0) and np.all(sigma[~mask] == 1)  # 1 at the gauge
@@ -350,7 +344,7 @@ def test_g_sgd_step_moves_coordinates_by_minus_eta_grad(name, spaces):
     def step(tx):
         u, _ = tx.update(g, tx.init(case.params), case.params)
         new = optax.apply_updates(case.params, u)
-        return u, np.asarray(ravel_pytree(to_coords(space, new))[0]) - c0
+        return u, np.asarray(ravel_pytree(pj.to_coords(space, new))[0]) - c0
 
     for normalize, s2 in ((True, sigma**2), (False, np.ones_like(sigma))):
         # small enough that no in-skeleton coordinate shrinks by half (the safeguard stays inactive)
@@ -382,7 +376,7 @@ def test_in_path_space_adam_applies_adam_to_coordinate_gradient(name, spaces):
     g = jax.grad(loss)(p, batch)
     u, state = tx.update(g, state, p)
     new = optax.apply_updates(p, u)
-    dc = np.asarray(ravel_pytree(to_coords(space, new))[0] - ravel_pytree(to_coords(space, p))[0])
+    dc = np.asarray(ravel_pytree(pj.to_coords(space, new))[0] - ravel_pytree(pj.to_coords(space, p))[0])
     ref = optax.adam(lr)
     _, unravel = ravel_pytree(p)
     gphi = unravel(jnp.asarray(sigma * gv))  # ∂L/∂φ = σ ∂L/∂c
@@ -444,7 +438,7 @@ def test_in_skeleton_sign_flip_rule(name, spaces):
     inskel = _inskel(rows)
     assert inskel.sum() > 0
     p = case.params
-    c0 = np.asarray(ravel_pytree(to_coords(space, p))[0])
+    c0 = np.asarray(ravel_pytree(pj.to_coords(space, p))[0])
     tx = _jitted(pj.in_path_space(_propose(-2.0), space, min_ratio=0.25))
     fn = jax.jit(case.fn)
     g = jax.tree_util.tree_map(jnp.zeros_like, p)
@@ -453,7 +447,7 @@ def test_in_skeleton_sign_flip_rule(name, spaces):
         u, _ = tx.update(g, tx.init(q), q)
         new = optax.apply_updates(q, u)
         assert all(np.isfinite(np.asarray(a)).all() for a in _leaves(new))
-        c1 = np.asarray(ravel_pytree(to_coords(space, new))[0])
+        c1 = np.asarray(ravel_pytree(pj.to_coords(space, new))[0])
         np.testing.assert_allclose(c1[inskel], 0.25 * c0[inskel], rtol=1e-12)  # shrunk, same sign
         np.testing.assert_allclose(c1[mask & ~inskel], -c0[mask & ~inskel], rtol=1e-12, atol=1e-15)
         results.append(fn(new, batch := case.inputs(3)))
@@ -463,7 +457,7 @@ def test_in_skeleton_sign_flip_rule(name, spaces):
     results = []
     for q in (p, pj.random_rescale(space, p, jax.random.key(3))):
         new = optax.apply_updates(q, tx.update(g, tx.init(q), q)[0])
-        c1 = np.asarray(ravel_pytree(to_coords(space, new))[0])
+        c1 = np.asarray(ravel_pytree(pj.to_coords(space, new))[0])
         assert np.all(np.sign(c1[inskel]) == np.sign(c0[inskel])) and np.all(
             np.abs(c1[inskel]) >= 0.5 * np.abs(c0[inskel])
         )
@@ -497,8 +491,8 @@ def test_zero_initialised_biases_and_float_dtypes():
                 chex.assert_trees_all_equal_dtypes(u, g)
             assert all(np.isfinite(np.asarray(a, np.float64)).all() for a in _leaves(q))
             assert not all(np.array_equal(a, b) for a, b in zip(_leaves(q), _leaves(p)))
-        c = to_coords(space, p)
-        assert all(np.isfinite(np.asarray(a, np.float64)).all() for a in _leaves(from_coords(space, c)))
+        c = pj.to_coords(space, p)
+        assert all(np.isfinite(np.asarray(a, np.float64)).all() for a in _leaves(pj.from_coords(space, c)))
 
 
 def test_static_node_gathers_and_sums_match_numpy():
@@ -576,6 +570,41 @@ def test_jit_no_recompile_vmap_and_errors(spaces):
     assert seen["scale"] == 0.5
     with pytest.raises(ValueError):
         pj.in_path_space(optax.sgd(0.1), space, min_ratio=0.0)
+
+
+def test_public_functions_called_with_concrete_arrays_run_as_one_program():
+    """Called with concrete arrays, a public function of the params is lowered (and compiled) as one program, once
+    per space and shapes; run op by op, each of its operations was lowered and compiled alone, seconds for a U-Net
+    from an empty compilation cache. Inside a trace it is inlined in the caller's program, with the same values."""
+    import inspect
+
+    from zoo import MLP
+
+    model = MLP(widths=(13, 11), out=5)  # widths no other test uses: none of its operations is compiled yet
+    x = jax.random.normal(jax.random.key(0), (4, 9))
+    params = model.init(jax.random.key(1), x)["params"]
+    space = pj.trace(lambda p, x: model.apply({"params": p}, x), params, x)
+    key, lowered = jax.random.key(2), []
+
+    def listen(event, _, **kwargs):
+        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
+            lowered.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        for fn, args in ((pj.to_coords, (params,)), (pj.path_kappa, (params,)), (pj.random_rescale, (params, key))):
+            del lowered[:]
+            op_by_op = inspect.unwrap(fn)(space, *args)  # the function as written, outside any trace
+            assert len(lowered) > 10, (fn.__name__, len(lowered))  # the count sees op-by-op dispatch
+            del lowered[:]
+            eager = fn(space, *args)
+            assert len(lowered) == 1, (fn.__name__, len(lowered))
+            fn(space, *args)
+            assert len(lowered) == 1, fn.__name__  # cached
+            chex.assert_trees_all_close(eager, op_by_op, rtol=1e-6)
+            chex.assert_trees_all_close(jax.jit(lambda *a, fn=fn: fn(space, *a))(*args), eager, rtol=1e-6)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
 
 
 # ---------------------------------------------------------------------------- long run
@@ -662,7 +691,7 @@ def test_zero_skeleton_weight_is_a_clear_error_at_init_and_a_zero_update_inside_
     pj.gsgd.check_chart(space, params)  # the standard init is fine
     with pytest.raises(ValueError, match=r"'layers_2/kernel' entry \(\d, 3\) \((incoming skeleton|gauge)"):
         pj.g_sgd(space, 0.1).init(dead)
-    back = from_coords(space, to_coords(space, dead))
+    back = pj.from_coords(space, pj.to_coords(space, dead))
     out = np.asarray(pj.coord_mask(space)["layers_4"]["kernel"][3])  # unit 3's outgoing coordinate entries
     np.testing.assert_array_equal(back["layers_4"]["kernel"][3][out], 0.0)  # documented: not representable
     assert out.any() and np.all(dead["layers_4"]["kernel"][3][out] != 0)
