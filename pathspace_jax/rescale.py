@@ -12,7 +12,7 @@ import numpy as np
 
 from pathspace_jax.exact import pow2
 from pathspace_jax.frames import jit_when_eager
-from pathspace_jax.graph import PathSpace, pin_hint, reduced
+from pathspace_jax.graph import PathSpace, check_path_space, pin_hint, reduced
 
 __all__ = ["rescale", "random_alphas", "random_rescale", "describe", "node_vector"]
 
@@ -62,6 +62,7 @@ def rescale(space: PathSpace, params, alphas: Sequence[Any]):
       Neyshabur et al., "Path-SGD", NeurIPS 2015; Neyshabur et al., "Path-normalized optimization of
       recurrent neural networks with ReLU activations", NeurIPS 2016, Thm 1.
     """
+    check_path_space(space, "rescale")
     for a in alphas:
         if not isinstance(a, jax.core.Tracer) and not np.all(np.asarray(a) > 0):
             raise ValueError("rescaling factors must be positive (T_α needs α > 0)")
