@@ -17,7 +17,7 @@ import jax
 
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
-ORDER = tuple("scale peers gsgd path_sgd ddp kernels buffers ddp_norm trace memory collectives".split())
+ORDER = tuple("scale peers gsgd path_sgd ddp kernels buffers eager ddp_norm trace memory collectives".split())
 CAPTIONS = {
     "scale": "Every optimiser on the shapes users train (`bench_scale.py`): step time as a ratio to `optax.sgd` "
     "and to `optax.adam` in the same rounds, optimizer state, and the compiled step's peak memory as a ratio "
@@ -35,6 +35,9 @@ CAPTIONS = {
     "buffers": "What an array in the optimizer state costs (`bench_buffers.py`): SGD whose state also carries "
     "`arrays` arrays passed through untouched (small ones, or copies of the params), and Adam; `host_us` one call's "
     "time to return with the device idle, `vs_sgd` the step over plain SGD's.",
+    "eager": "The public functions of the params called outside a trace (`bench_eager.py`): `first_ms` the first "
+    "call (trace and compile), `call_ms` a later one, compiled whole; and the same with the function's own "
+    "operations run op by op (the functions it calls compiled), as before `jit_when_eager`.",
     "ddp_norm": "An SGD step on the DDP-normalised network against the plain one and against BatchNorm "
     "(`bench_ddp_norm.py`).",
     "trace": "`pj.trace` in seconds (`bench_trace.py`).",
