@@ -140,31 +140,53 @@ def on_params_mesh(fn):
 
 
 def jit_when_eager(*static: str):
-    """A public function ``fn(space, ...)`` that runs as one compiled program when called with concrete arrays.
+    """A public function ``fn(space, tree, ...)`` that runs as one compiled program when called with concrete arrays.
 
     Run op by op, its many small operations would each be dispatched, and compiled the first time each is
     met: seconds for a U-Net's `coord_scales` or a small RNN's coordinates. Called with concrete arrays, it
     runs ``jax.jit(fn)`` instead, with the space and the keyword options named in ``static`` static (one
     program per space, shapes, dtypes and options, cached by JAX); inside a trace (the caller's ``jit``,
     ``vmap`` or ``grad``) it runs as written, inlined in the caller's program. An option that is not
-    hashable also runs it as written, where its own checks say what is wrong.
+    hashable also runs it as written, where its own checks say what is wrong. ``fn`` returns a tree like
+    ``tree`` (params or coordinates): each result leaf is placed as its ``tree`` leaf where that one is split
+    over a mesh with automatic axes (FSDP), rather than wherever XLA's propagation puts it (whole on every
+    device, for some).
     """
 
     def wrap(fn):
-        jitted = jax.jit(fn, static_argnums=0, static_argnames=static)
+        def placed(space, tree, *args, placement, **kwargs):
+            out = fn(space, tree, *args, **kwargs)
+            if placement is None:
+                return out
+            leaves, treedef = jax.tree_util.tree_flatten(out)
+            pairs = zip(leaves, placement, strict=True)
+            return treedef.unflatten([x if s is None else jax.lax.with_sharding_constraint(x, s) for x, s in pairs])
+
+        jitted = jax.jit(placed, static_argnums=0, static_argnames=(*static, "placement"))
 
         @functools.wraps(fn)
-        def run(space, *args, **kwargs):
+        def run(space, tree, *args, **kwargs):
             check_path_space(space, fn.__name__)
             options = [kwargs[k] for k in static if k in kwargs]
-            traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves((args, kwargs)))
+            traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves((tree, args, kwargs)))
             if traced or not all(isinstance(o, Hashable) for o in options):
-                return fn(space, *args, **kwargs)
-            return jitted(space, *args, **kwargs)
+                return fn(space, tree, *args, **kwargs)
+            return jitted(space, tree, *args, placement=_split_placement(tree), **kwargs)
 
         return run
 
     return wrap
+
+
+def _split_placement(tree):
+    """Per leaf of ``tree``, its sharding where it is a `NamedSharding` over several devices of a mesh with
+    automatic axes, else None; None where no leaf is."""
+    out = []
+    for leaf in jax.tree_util.tree_leaves(tree):
+        s = getattr(leaf, "sharding", None)
+        auto = isinstance(s, NamedSharding) and all(t == jax.sharding.AxisType.Auto for t in s.mesh.axis_types)
+        out.append(s if auto and s.mesh.size > 1 else None)
+    return tuple(out) if any(s is not None for s in out) else None
 
 
 def replicated(vec):

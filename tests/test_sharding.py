@@ -101,7 +101,8 @@ def test_fsdp_keeps_node_vectors_whole():
     collective-permute in the compiled step (nor in the public functions' programs). Node vectors (one number per
     node) sliced at each leaf's offsets were split by XLA at boundaries of their own, with a halo exchange at every
     slice (72 collective-permutes in G-SGD's step on a 784-512-512-10 MLP); `pathspace_jax.frames.replicated` keeps
-    them whole on the params' mesh."""
+    them whole on the params' mesh. The public functions called outside a trace give results sharded like the
+    params (before, `coord_scales` and `path_kappa` gave them whole on every device)."""
     _run(
         """
         mesh = jax.make_mesh((4,), ("data",), axis_types=(AxisType.Auto,))
@@ -131,8 +132,10 @@ def test_fsdp_keeps_node_vectors_whole():
                 compiled = jax.jit(f).lower(ps).compile()
                 assert "collective-permute" not in compiled.as_text(), name
                 assert_close(compiled(ps), jax.jit(f)(p))
-                if name in ("to_coords", "coord_scales"):  # called eagerly: compiled whole on the params' mesh
-                    assert_close(f(ps), compiled(ps))
+                eager = f(ps)  # called outside a trace: compiled whole, each leaf placed as the params' leaf
+                assert_close(eager, compiled(ps))
+                for a, b in zip(jax.tree_util.tree_leaves(eager), jax.tree_util.tree_leaves(ps), strict=True):
+                    assert a.sharding.is_equivalent_to(b.sharding, b.ndim), (name, a.sharding, b.sharding)
         print("ok")
         """
     )
