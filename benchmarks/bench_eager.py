@@ -45,13 +45,9 @@ def main() -> None:
         for f in FUNCTIONS:
             first, call = timed(f, space, params)
             first_op, call_op = timed(inspect.unwrap(f), space, params)
-            rows[f"{name} {f.__name__}"] = {
-                "first_ms": first,
-                "call_ms": call,
-                "op_by_op_first_ms": first_op,
-                "op_by_op_call_ms": call_op,
-            }
-            print(f"{name:26s} {f.__name__:13s}", {k: round(v, 2) for k, v in rows[f"{name} {f.__name__}"].items()})
+            row = {"first_ms": first, "call_ms": call, "op_by_op_first_ms": first_op, "op_by_op_call_ms": call_op}
+            rows[f"{name} {f.__name__}"] = row
+            print(f"{name:26s} {f.__name__:13s}", {k: round(v, 2) for k, v in row.items()})
     print(write_results("eager", rows))
 
 

@@ -8,6 +8,8 @@ and ∂L/∂v from a dense least-squares solve of the inverse chain rule ∂L/�
 
 from __future__ import annotations
 
+import inspect
+
 import chex
 import flax.linen as nn
 import jax
@@ -16,7 +18,7 @@ import numpy as np
 import optax
 import pytest
 from jax.flatten_util import ravel_pytree
-from zoo import ZOO, Spaces
+from zoo import MLP, ZOO, Spaces
 
 import pathspace_jax as pj
 
@@ -576,10 +578,6 @@ def test_public_functions_called_with_concrete_arrays_run_as_one_program():
     """Called with concrete arrays, a public function of the params is lowered (and compiled) as one program, once
     per space and shapes; run op by op, each of its operations was lowered and compiled alone, seconds for a U-Net
     from an empty compilation cache. Inside a trace it is inlined in the caller's program, with the same values."""
-    import inspect
-
-    from zoo import MLP
-
     model = MLP(widths=(13, 11), out=5)  # widths no other test uses: none of its operations is compiled yet
     x = jax.random.normal(jax.random.key(0), (4, 9))
     params = model.init(jax.random.key(1), x)["params"]
