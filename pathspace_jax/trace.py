@@ -8,6 +8,7 @@ groups: a `PathSpace`. Parameter names, module names and leaf order are never re
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
@@ -226,8 +227,45 @@ def _groups(interp: Interpreter, leaves, paths):
     for (leaf, _), _j in sorted(interp.slices.items(), key=lambda kv: kv[1]):  # in the order of their indices
         leaves = [*leaves, jax.ShapeDtypeStruct(leaves[leaf].shape[1:], leaves[leaf].dtype)]
     paths = list(paths) + interp.leaf_paths[n:]
-    leaf_info = _bias_positions(interp.atoms, _leaf_roles(interp, leaves, paths))
-    return (leaves, paths, leaf_info, *_node_groups(interp, leaf_info))
+    saved = copy.deepcopy(interp.atoms) if interp.diagonal else None
+    while True:
+        leaf_info = _bias_positions(interp.atoms, _leaf_roles(interp, leaves, paths))
+        if not (shared := _shared_diagonals(interp, leaf_info)):
+            return (leaves, paths, leaf_info, *_node_groups(interp, leaf_info))
+        for axis in shared:  # positions after all, as they were before the rules saw the rest of the network
+            saved.unify(list(axis[1]), interp.diagonal.pop(axis), "a batch axis shared by a layer")
+            for f in saved.factors(list(axis[1])):
+                saved.position[f] = True
+        interp.atoms = copy.deepcopy(saved)
+
+
+def _shared_diagonals(interp: Interpreter, leaf_info: list[tuple]) -> list[tuple]:
+    """The batch axes of `Interpreter.diagonal` whose entries cannot be nodes of their own.
+
+    A parameter's batch axis in a ``dot_general`` (an ensemble's members under ``nn.vmap``, a mixture's experts:
+    one weight matrix per entry) makes each entry part of the nodes on both sides: node (member, unit) feeds
+    node (member, unit') only. That holds while every layer keeps the members apart; where one does not (a bias
+    or a weight shared by all members, a layer that contracts the members alone, or the axis turns out to be
+    space or time), the axis is a position instead, the nodes shared by all its entries: still a symmetry,
+    a smaller one.
+    """
+    atoms = interp.atoms
+    shared, roots = [], {}
+    for axis, ends in interp.diagonal.items():
+        ins, outs = atoms.factors(list(axis[1])), atoms.factors(ends)
+        same = [atoms.size[r] for r in ins] == [atoms.size[r] for r in outs]
+        if not same or any(atoms.position[r] for r in ins + outs):
+            shared.append(axis)
+        roots.update((r, axis) for r in ins + outs)
+    keys = {frozenset(f[k] for k in node_in) for _, f, node_in, _, _, _, _ in leaf_info if node_in}
+    keys |= {frozenset(e[k] for k in node_out) for _, _, _, node_out, _, _, e in leaf_info if node_out}
+    by_root: dict[int, frozenset] = {}
+    for key in keys:
+        for r in key:
+            other = by_root.setdefault(r, key)
+            if other != key:  # `_node_groups` would pin both; a member axis among them is shared instead
+                shared += [roots[t] for t in key | other if t in roots]
+    return list(dict.fromkeys(shared))
 
 
 def _build(interp: Interpreter, treedef, leaves, paths, fn, arg_specs, strict) -> PathSpace:
@@ -272,8 +310,10 @@ def _stack_layers(interp: Interpreter, edge_leaves: list[EdgeLeaf]) -> list[Edge
 
 
 def _leaf_roles(interp: Interpreter, leaves, paths) -> list[tuple]:
-    """Per leaf ``(kind, factor roots, node_in, node_out, note, first_step)``: the role of every factor of every
-    axis; a leaf that is not an edge tensor is "other" (its atoms pinned, ``note`` says why)."""
+    """Per leaf ``(kind, factor roots, node_in, node_out, note, first_step, ends)``: the role of every factor of
+    every axis; a leaf that is not an edge tensor is "other" (its atoms pinned, ``note`` says why). ``ends``: the
+    roots on the output side, the factor roots but for a batch axis (`Interpreter.diagonal`), whose entries are
+    input nodes by the one and output nodes by the other."""
     atoms = interp.atoms
     find = atoms.find
 
@@ -286,10 +326,13 @@ def _leaf_roles(interp: Interpreter, leaves, paths) -> list[tuple]:
         return [x for c in atoms.expand[r] for x in expand_roles(c, role, roles)]
 
     stacked = {leaf for leaf, _ in interp.slices}
-    leaf_info = []  # (kind, factors, node_in, node_out, note, first_step)
+    diagonal: dict[int, dict[int, int]] = {}  # leaf -> {input-side root: output-side root} of its batch axes
+    for (leaf, ins), outs in interp.diagonal.items():
+        diagonal.setdefault(leaf, {}).update(zip(atoms.factors(list(ins)), atoms.factors(outs)))
+    leaf_info = []  # (kind, factors, node_in, node_out, note, first_step, ends)
     for i in range(len(leaves)):
         if i in stacked:  # its layers' slices are the leaves (`_stack_layers`)
-            leaf_info.append(("other", [], None, None, "", 0))
+            leaf_info.append(("other", [], None, None, "", 0, []))
             continue
         note = "; ".join(dict.fromkeys(interp.other[i]))
         roles: dict[int, str] = {}
@@ -306,30 +349,31 @@ def _leaf_roles(interp: Interpreter, leaves, paths) -> list[tuple]:
             note = "some axes are neither contracted nor produced by an edge"
         if not note:
             # positions of the factors that are nodes (the others are taps)
-            node_in = [k for k, (r, role) in enumerate(factors) if role == "in" and not atoms.position[r]]
-            node_out = [k for k, (r, role) in enumerate(factors) if role == "out" and not atoms.position[r]]
+            node_in = [k for k, (r, role) in enumerate(factors) if role in ("in", "diag") and not atoms.position[r]]
+            node_out = [k for k, (r, role) in enumerate(factors) if role in ("out", "diag") and not atoms.position[r]]
             kind = "weight" if node_in else "bias"
             if not node_out:
                 note = "no output node axis"
             elif any(atoms.alias[factors[k][0]] is not None for k in node_out):
                 note = "its output axis is a concatenation"
         roots = [r for r, _ in factors]
+        ends = [diagonal[i].get(r, r) if role == "diag" else r for r, role in factors] if i in diagonal else roots
         if note and interp.uses[i] and " at " not in note:  # where the leaf is first used as an edge
             note += f", used at {interp.line(interp.uses[i][0][3])}"
         if note:
-            atoms.pin(roots, f"{paths[i]} is not an edge tensor ({note})")
-            leaf_info.append(("other", roots, None, None, note, first_step))
+            atoms.pin(roots + ends, f"{paths[i]} is not an edge tensor ({note})")
+            leaf_info.append(("other", roots, None, None, note, first_step, ends))
         else:
-            leaf_info.append((kind, roots, node_in, node_out, "", first_step))
+            leaf_info.append((kind, roots, node_in, node_out, "", first_step, ends))
     return leaf_info
 
 
 def _bias_positions(atoms: Atoms, leaf_info: list[tuple]) -> list[tuple]:
     """A bias that varies along more axes than the nodes a weight enters (a learned per-position bias
     ``h + pos[None]``) is one bias per node and position: its other axes are positions, as a convolution's are."""
-    weight_keys = [frozenset(f[k] for k in out) for kind, f, _, out, _, _ in leaf_info if kind == "weight"]
+    weight_keys = [frozenset(e[k] for k in out) for kind, _, _, out, _, _, e in leaf_info if kind == "weight"]
     out = []
-    for kind, factors, node_in, node_out, note, step in leaf_info:
+    for kind, factors, node_in, node_out, note, step, ends in leaf_info:
         if kind == "bias":
             mine = frozenset(factors[k] for k in node_out)
             nodes = max((key for key in weight_keys if key < mine), key=len, default=mine)
@@ -337,7 +381,7 @@ def _bias_positions(atoms: Atoms, leaf_info: list[tuple]) -> list[tuple]:
                 if factors[k] not in nodes:
                     atoms.position[factors[k]] = True
             node_out = [k for k in node_out if factors[k] in nodes]
-        out.append((kind, factors, node_in, node_out, note, step))
+        out.append((kind, factors, node_in, node_out, note, step, ends))
     return out
 
 
@@ -362,12 +406,12 @@ def _node_groups(interp: Interpreter, leaf_info) -> tuple[list[NodeGroup], dict,
         if entered:
             fed.add(canon)
 
-    for (kind, factors, node_in, node_out, _, step), path in zip(leaf_info, interp.leaf_paths, strict=True):
+    for (kind, factors, node_in, node_out, _, step, ends), path in zip(leaf_info, interp.leaf_paths, strict=True):
         if kind == "other":
             continue
         if node_in:
             add_key(tuple(factors[k] for k in node_in), step - 0.5, False, path)
-        add_key(tuple(factors[k] for k in node_out), step, True, path)
+        add_key(tuple(ends[k] for k in node_out), step, True, path)
     # a root in two different keys cannot be rescaled consistently
     seen: dict[int, tuple[int, ...]] = {}
     for key in group_order:
@@ -421,7 +465,7 @@ def _edge_leaves(atoms: Atoms, leaves, paths, leaf_info, groups, key_index) -> l
         return g.offset + np.arange(g.size)
 
     edge_leaves = []
-    for i, (leaf, (kind, factors, node_in, node_out, note, _)) in enumerate(zip(leaves, leaf_info)):
+    for i, (leaf, (kind, factors, node_in, node_out, note, _, ends)) in enumerate(zip(leaves, leaf_info)):
         shape = tuple(int(d) for d in leaf.shape)
         if kind == "other":
             neg = node_view(-1, shape, shape)
@@ -429,7 +473,7 @@ def _edge_leaves(atoms: Atoms, leaves, paths, leaf_info, groups, key_index) -> l
             continue
         sizes = [atoms.size[r] for r in factors]
 
-        def side(nodes: list[int], shape=shape, factors=factors, sizes=sizes) -> tuple[np.ndarray, tuple[int, ...]]:
+        def side(nodes: list[int], factors: list[int], shape=shape, sizes=sizes) -> tuple[np.ndarray, tuple[int, ...]]:
             """Global node of every entry on one side of the edge; nodes = positions of node factors."""
 
             def grid(k: int) -> np.ndarray:
@@ -448,8 +492,8 @@ def _edge_leaves(atoms: Atoms, leaves, paths, leaf_info, groups, key_index) -> l
                 local = local * sizes[k] + grid(k)
             return node_view(groups[g].offset + local, sizes, shape), (g,)
 
-        src, sg = side(node_in)
-        dst, dg = side(node_out)
+        src, sg = side(node_in, factors)
+        dst, dg = side(node_out, ends)
         edge_leaves.append(EdgeLeaf(paths[i], shape, str(leaf.dtype), kind, sg, dg, src, dst))
     return edge_leaves
 

@@ -58,6 +58,8 @@ class Interpreter(ShapeRules):
         self.deferred: list[tuple[list[int], list[int], str, bool]] = []  # `defer`, settled by `settle`
         # layer i's slice of a params leaf that a scan slices (`layer_slice`): a leaf of its own, after the real ones
         self.slices: dict[tuple[int, int], int] = {}  # (stacked leaf, layer) -> slice leaf
+        # a params leaf's batch axis in a dot_general (its atoms, the input side) -> the atoms of the result's axis
+        self.diagonal: dict[tuple[int, tuple[int, ...]], list[int]] = {}
 
     # -- helpers -------------------------------------------------------------
     def reason(self, what: str = "") -> str:
@@ -455,11 +457,13 @@ class Interpreter(ShapeRules):
                 if x.kind == CONST:
                     for f in self.atoms.factors(x.axes[b]):
                         self.atoms.input[f] = True
-            for a, b in zip(pb, xb):
+            for j, (a, b) in enumerate(zip(pb, xb)):
+                # one weight per entry along a batch axis (an ensemble's members, a mixture's experts): each entry
+                # is part of the nodes on both sides, the result's its own atoms (`diagonal`)
                 self.atoms.unify(x.axes[b], p.axes[a], self.reason())
-                for f in self.atoms.factors(p.axes[a]):
-                    self.atoms.position[f] = True
-                self.use(p, p.axes[a], "tap")
+                self.use(p, p.axes[a], "diag")
+                ends = self.diagonal.setdefault((p.leaf, tuple(p.axes[a])), [self.atoms.new(self.size(p.axes[a]))])
+                out[j] = list(ends)
             for a in pfree:
                 self.use(p, p.axes[a], "out")
             return [Val(ACT, out)]

@@ -409,6 +409,8 @@ _TXS = {
         ("embedding_rnn", "g_adam"),
         ("tanh_mlp_partly_pinned", "g_sgd_momentum"),
         ("tied_embedding_rnn", "g_sgd_momentum"),
+        ("vmap_ensemble_mean", "g_adam"),
+        ("plain_experts_einsum", "g_sgd_momentum"),
     ],
 )
 def test_update_invariant_under_rescaling(name, tx_name, spaces):

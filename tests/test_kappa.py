@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from zoo import ZOO
+from zoo import MLP, ZOO
 
 import pathspace_jax as pj
 from pathspace_jax.frames import kappa_from_frame
@@ -692,6 +692,49 @@ def test_tied_embedding_rnn_takes_default_path_sgd_and_ddp_steps_invariantly():
     for tx, kw in ((pj.path_sgd(space, 0.05), {}), (pj.ddp_sgd(space, 0.05, alpha=0.5), {"inputs": x})):
         assert_update_invariant(tx, jax.jit(_loss(case.fn)), space, case.params, (x, y), update_kwargs=kw,
                                 num_steps=2, rtol=1e-8, atol=1e-10)  # fmt: skip
+
+
+def test_ensemble_members_have_their_own_kappa_and_steps():
+    """The zoo's ``nn.vmap`` ensemble (three MLPs, averaged): each member's κ and DDP κ are those of the member
+    traced alone, and G-SGD, Path-SGD and DDP-SGD steps commute with rescaling one member's hidden unit alone
+    (nodes shared by the members would not see that rescaling)."""
+    case = ZOO["vmap_ensemble_mean"]
+    x = case.inputs(6)
+    space, params = pj.trace(case.fn, case.params, x), case.params
+    mlp = MLP(widths=(4,), out=2)
+    one = lambda p, x: mlp.apply({"params": p}, x)  # noqa: E731
+    for m in range(3):
+        member = jax.tree_util.tree_map(lambda a, m=m: a[m], params["VmapMLP_0"])
+        alone = pj.trace(one, member, x)
+        for mine, its in (
+            (pj.path_kappa(space, params), pj.path_kappa(alone, member)),
+            (pj.ddp_kappa(space, params, x, alpha=0.5), pj.ddp_kappa(alone, member, x, alpha=0.5)),
+        ):
+            chex.assert_trees_all_close(jax.tree_util.tree_map(lambda a, m=m: a[m], mine["VmapMLP_0"]), its,
+                                        rtol=1e-10, atol=1e-14)  # fmt: skip
+    first, second = params["VmapMLP_0"]["Dense_0"], params["VmapMLP_0"]["Dense_1"]
+    scaled = {"VmapMLP_0": {  # member 1's hidden unit 2 times 4, its outgoing weights divided by 4
+        "Dense_0": {"kernel": first["kernel"].at[1, :, 2].multiply(4.0), "bias": first["bias"].at[1, 2].multiply(4.0)},
+        "Dense_1": {"kernel": second["kernel"].at[1, 2, :].multiply(0.25), "bias": second["bias"]},
+    }}  # fmt: skip
+    chex.assert_trees_all_close(case.fn(scaled, x), case.fn(params, x), rtol=1e-12)
+    y, loss = jnp.ones_like(case.fn(params, x)), jax.jit(_loss(case.fn))
+    for tx, kw in ((pj.g_sgd(space, 0.05), {}), (pj.path_sgd(space, 0.05), {}),
+                   (pj.ddp_sgd(space, 0.05, alpha=0.5), {"inputs": x})):  # fmt: skip
+
+        @jax.jit
+        def step(p, state, tx=tx, kw=kw):
+            u, state = tx.update(jax.grad(loss)(p, (x, y)), state, p, **kw)
+            return optax.apply_updates(p, u), state
+
+        outs = []
+        for p in (params, scaled):
+            state = tx.init(p)
+            for _ in range(2):
+                p, state = step(p, state)
+            outs.append(case.fn(p, x))
+        chex.assert_trees_all_close(outs[1], outs[0], rtol=1e-9, atol=1e-12)
+        assert not np.allclose(outs[0], case.fn(params, x))
 
 
 def test_recurrence_other_than_single_entries_refused_for_second_order_only():

@@ -117,6 +117,48 @@ def test_rescale_jits_and_vmaps():
     chex.assert_trees_all_close(jax.tree_util.tree_map(lambda a: a[1], batched), one)
 
 
+def test_a_batch_axis_of_weights_gives_nodes_of_their_own_unless_a_layer_shares_it():
+    """Weights with a batch axis in a ``dot_general`` (experts, ensemble members) have nodes of their own along it:
+    node (member, unit) feeds (member, unit') only. Where a bias is shared by every member, or a layer contracts the
+    members alone, the axis is a position instead (the nodes shared along it): smaller, still exact symmetries."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((5, 4)))
+    w1, w2, e = rng.standard_normal((3, 4, 6)), rng.standard_normal((3, 6, 2)), rng.standard_normal((3, 2))
+
+    def experts(p, x):
+        h = jax.nn.relu(jnp.einsum("ni,eij->enj", x, p["w1"]) + p["b1"])
+        return jnp.einsum("enj,ejk->enk", h, p["w2"])
+
+    def contracted(p, x):  # the members contracted alone, the units left apart
+        h = jax.nn.relu(jnp.einsum("ni,eij->enj", x, p["w1"]))
+        h = jax.nn.relu(jnp.einsum("enj,ejk->enk", h, p["w2"]))
+        return jnp.einsum("enk,em->nkm", h, p["e"]).reshape(x.shape[0], -1)
+
+    class PerMemberInputs(nn.Module):  # nn.vmap over the inputs' first axis too
+        @nn.compact
+        def __call__(self, x):
+            mlp = nn.vmap(_Mlp, variable_axes={"params": 0}, split_rngs={"params": True}, in_axes=0, axis_size=3)
+            return mlp()(x)
+
+    xs = jnp.stack([x, 2 * x, -x])
+    vmapped = PerMemberInputs().init(jax.random.key(0), xs)["params"]
+    for fn, params, inputs, hidden in (
+        (experts, {"w1": w1, "b1": rng.standard_normal((3, 1, 6)), "w2": w2}, x, 18),
+        (experts, {"w1": w1, "b1": rng.standard_normal(6), "w2": w2}, x, 6),  # one bias for all members
+        (contracted, {"w1": w1, "w2": w2, "e": e}, x, 6),
+        (lambda p, x: PerMemberInputs().apply({"params": p}, x), vmapped, xs, 3 * 5),
+    ):
+        space = pj.trace(fn, params, inputs)
+        assert space.num_hidden == hidden
+        pj.testing.assert_function_invariant(fn, space, params, inputs)
+
+
+class _Mlp(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(2)(nn.relu(nn.Dense(5)(x)))
+
+
 def test_structure_not_names_or_leaf_order():
     """Twelve layers: flattening order is Dense_0, Dense_1, Dense_10, Dense_11, Dense_2, ..."""
 

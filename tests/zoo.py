@@ -280,6 +280,19 @@ class ConcatMLP(nn.Module):
         return nn.Dense(2)(jnp.concatenate([a, b], axis=-1))
 
 
+class Ensemble(nn.Module):
+    """Three two-layer MLPs made by ``nn.vmap`` (one weight matrix per member, the input shared), averaged.
+
+    Each member's hidden units are nodes of their own (3 × 4): the second layer's ``dot_general`` has the members
+    as a batch axis. Only the sum of the members' output biases reaches the output: 2 × (3 - 1) symmetries
+    beyond rescaling."""
+
+    @nn.compact
+    def __call__(self, x):
+        members = nn.vmap(MLP, variable_axes={"params": 0}, split_rngs={"params": True}, in_axes=None, axis_size=3)
+        return members(widths=(4,), out=2)(x).mean(0)
+
+
 # ---------------------------------------------------------------------------- nnx models
 
 
@@ -360,6 +373,22 @@ def _plain_multihead_einsum() -> Case:
     return Case("plain_multihead_einsum_position_bias", fn, params, _normal(4, 4), hidden=21)
 
 
+def _plain_experts() -> Case:
+    """Experts written with einsum: an expert axis that the first layer creates, the second keeps (one matrix per
+    expert: its nodes are (expert, unit), 2 × 3 + 2 × 3) and the last contracts with the units (a learned mix)."""
+    rng = np.random.default_rng(14)  # a seed whose units are each on for 34-68 % of the inputs
+    params = _alive({"w1": rng.standard_normal((2, 4, 3)), "w2": rng.standard_normal((2, 3, 3)),
+                     "w3": rng.standard_normal((2, 3, 2))})  # fmt: skip
+    params |= _f64({"b1": 0.05 * rng.standard_normal((2, 3)), "b2": 0.05 * rng.standard_normal((2, 3))})  # as _alive's
+
+    def fn(p, x):  # x: [B, 4]
+        h = jax.nn.relu(jnp.einsum("bi,eij->ebj", x, p["w1"]) + p["b1"][:, None])
+        h = jax.nn.relu(jnp.einsum("ebj,ejk->ebk", h, p["w2"]) + p["b2"][:, None])
+        return jnp.einsum("ebk,ekm->bm", h, p["w3"])
+
+    return Case("plain_experts_einsum", fn, params, _normal(4), hidden=12)
+
+
 @jax.custom_vjp
 def _my_relu(x):
     return jnp.maximum(x, 0.0)
@@ -433,6 +462,8 @@ def _build() -> dict[str, Case]:
         _plain_transpose_slice(),
         _plain_multihead_einsum(),
         _plain_nested(),
+        _linen("vmap_ensemble_mean", Ensemble(), _normal(4), hidden=12, extra_symmetries=4),
+        _plain_experts(),
     ]
     return {c.name: c for c in cases}
 
