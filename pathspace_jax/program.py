@@ -282,7 +282,18 @@ def _program(space: PathSpace, param_key: tuple, input_key: tuple, mesh, **optio
     def f(ps, xs):
         return space.fn(jax.tree_util.tree_unflatten(space.treedef, ps), *jax.tree_util.tree_unflatten(args_def, xs))
 
-    closed = jax.make_jaxpr(f)(param_specs, input_specs)
+    try:
+        closed = jax.make_jaxpr(f)(param_specs, input_specs)
+    except Exception as e:  # the user's function, at batch sizes of the library's choosing
+        traced = [tuple(x.shape) for x in jax.tree_util.tree_leaves(space.arg_specs)]
+        if [tuple(x.shape) for x in input_specs] == traced:
+            raise
+        raise options["err"](
+            f"{options['who']} runs the traced function on batches of another size (inputs of shapes "
+            f"{[tuple(x.shape) for x in input_specs]}; traced with {traced}), taking the first axis of every input "
+            f"as the examples, and the function fails there ({type(e).__name__}: {e}). Put the examples first in "
+            "every input (an nn.vmap over members: in_axes=1, or in_axes=None for one input shared by all)."
+        ) from e
     frame, flags = record(closed, len(param_specs), [leaf.path for leaf in space.leaves])
     int_inputs = [jnp.issubdtype(s.dtype, jnp.integer) for s in input_specs]
     return _finish(frame, flags, len(param_specs), int_inputs=int_inputs, **options)

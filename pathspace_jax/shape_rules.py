@@ -24,8 +24,8 @@ class ShapeRules:
         ``(C,) -> (1, C)`` keeps the parameter's atom on the last axis."""
         v = ins[0]
         new_sizes = jx.param(eqn, "new_sizes")
-        if jx.param(eqn, "dimensions", None) is not None:
-            return self.unknown(eqn, ins)
+        if (order := jx.param(eqn, "dimensions", None)) is not None:  # a transpose first (JAX's batching of conv)
+            v = dataclasses.replace(v, axes=[v.axes[p] for p in order])
         flat = [x for ax in v.axes for a in ax for x in self._ids(a)]
         scalars = list(v.scalars)
         # a new unit axis of a function input (x.reshape(b, 8, 8, 1) of a (b, 64) input, the channel axis

@@ -227,6 +227,7 @@ def _groups(interp: Interpreter, leaves, paths):
     for (leaf, _), _j in sorted(interp.slices.items(), key=lambda kv: kv[1]):  # in the order of their indices
         leaves = [*leaves, jax.ShapeDtypeStruct(leaves[leaf].shape[1:], leaves[leaf].dtype)]
     paths = list(paths) + interp.leaf_paths[n:]
+    _match_diagonals(interp.atoms, interp.diagonal)
     saved = copy.deepcopy(interp.atoms) if interp.diagonal else None
     while True:
         leaf_info = _bias_positions(interp.atoms, _leaf_roles(interp, leaves, paths))
@@ -237,6 +238,22 @@ def _groups(interp: Interpreter, leaves, paths):
             for f in saved.factors(list(axis[1])):
                 saved.position[f] = True
         interp.atoms = copy.deepcopy(saved)
+
+
+def _match_diagonals(atoms: Atoms, diagonal: dict) -> None:
+    """Split the two sides of each batch axis alike, where a later layer split one of them (a grouped convolution
+    after a depthwise one: its groups are blocks of the depthwise channels)."""
+    for _ in range(len(diagonal)):  # a split may unmatch another axis that shares the atom
+        unmatched = 0
+        for (_, ins), outs in diagonal.items():
+            a, b = atoms.factors(list(ins)), atoms.factors(outs)
+            if [atoms.size[r] for r in a] != [atoms.size[r] for r in b]:
+                unmatched += 1
+                why = "a batch axis split by a later layer"
+                atoms.unify(a, [atoms.new(atoms.size[r]) for r in b], why)  # a split where b is
+                atoms.unify(b, [atoms.new(atoms.size[r]) for r in atoms.factors(a)], why)  # and b where a is
+        if not unmatched:
+            return
 
 
 def _shared_diagonals(interp: Interpreter, leaf_info: list[tuple]) -> list[tuple]:

@@ -5,7 +5,10 @@ primitives that rearrange entries have theirs in `pathspace_jax.shape_rules`):
 
 * ``dot_general`` / ``conv_general_dilated`` with a parameter operand unify the contracted activation axis
   with the parameter's input axis and give the result the parameter's output axis: an edge tensor between
-  two node groups (a convolution kernel's spatial axes are taps: each tap its own edge);
+  two node groups (a convolution kernel's spatial axes are taps: each tap its own edge); a batch axis of
+  the parameter (an ensemble's members, experts) or a grouped convolution's groups are part of the nodes on
+  both sides, the result's axis atoms of its own (`Interpreter.diagonal`; `pathspace_jax.trace` makes it a
+  position where a layer shares it);
 * ``add`` unifies the atoms of its operands: a parameter added to an activation is a bias, two activations
   added together (a residual, a recurrence) tie their groups into one;
 * ReLU (``max(x, 0)``), leaky ReLU (``select_n``), pooling, reshape, transpose, slicing of positions and
@@ -501,14 +504,23 @@ class Interpreter(ShapeRules):
         out[ospec[0]] = list(lhs.axes[lspec[0]])
         for k in ospec[2:]:
             out[k] = [self.atoms.new(out_shape[k], position=True)]
-        grouped = jx.param(eqn, "feature_group_count") != 1 or jx.param(eqn, "batch_group_count") != 1
+        groups = jx.param(eqn, "feature_group_count")
+        grouped = jx.param(eqn, "batch_group_count") != 1
         if rhs.kind == PARAM and lhs.kind in (ACT, CONST) and not grouped:
-            self.atoms.unify(lhs.axes[lspec[1]], rhs.axes[rspec[1]], self.reason())
-            self.use(rhs, rhs.axes[rspec[1]], "in")
+            # G groups: input channel (g, i) feeds output channel (g, o) only, through kernel entry (i, g·O/G + o);
+            # g is a batch axis of the channels (depthwise convolutions, an ensemble's under nn.vmap), as in
+            # `rule_dot_general`
+            (g_in, c_in), (g_out, c_out) = (self.split(ax, groups) for ax in (lhs.axes[lspec[1]], rhs.axes[rspec[0]]))
+            self.atoms.unify(c_in, rhs.axes[rspec[1]], self.reason())
+            self.use(rhs, rhs.axes[rspec[1]], "in" if c_in else "tap")
             if lhs.kind == CONST:
                 for f in self.atoms.factors(lhs.axes[lspec[1]]):
                     self.atoms.input[f] = True
-            self.use(rhs, rhs.axes[rspec[0]], "out")
+            if g_in:
+                self.atoms.unify(g_in, g_out, self.reason())
+                self.use(rhs, g_out, "diag")
+                g_out = self.diagonal.setdefault((rhs.leaf, tuple(g_out)), [self.atoms.new(groups)])
+            self.use(rhs, c_out, "out")
             for k in rspec[2:]:
                 self.use(rhs, rhs.axes[k], "tap")
                 for f in self.atoms.factors(rhs.axes[k]):
@@ -516,12 +528,12 @@ class Interpreter(ShapeRules):
             for k in lspec[2:]:
                 for f in self.atoms.factors(lhs.axes[k]):
                     self.atoms.position[f] = True
-            out[ospec[1]] = list(rhs.axes[rspec[0]])
+            out[ospec[1]] = list(g_out) + list(c_out)
             return [Val(ACT, out)]
         if lhs.kind == CONST and rhs.kind == CONST:
             out[ospec[1]] = [self.atoms.new(out_shape[ospec[1]])]
             return [Val(CONST, out)]
-        why = "grouped convolution" if grouped else "convolution without a parameter kernel"
+        why = "batch-grouped convolution" if grouped else "convolution without a parameter kernel"
         for v in ins:
             self.mark_other(v, why)
             if v.kind == ACT:
@@ -530,6 +542,22 @@ class Interpreter(ShapeRules):
         val = Val(ACT, out)
         self.pin(val, why)
         return [val]
+
+    def split(self, axis: list[int], groups: int) -> tuple[list[int], list[int]]:
+        """The atoms of ``axis`` as ``groups`` consecutive blocks: (the block's atoms, the atoms within a block),
+        either empty where it has one entry (one group, or one entry per group)."""
+        if groups == 1:
+            return [], list(axis)
+        ids, blocks = [i for a in axis for i in self._ids(a)], 1  # atom ids: a parameter's roles are kept by id
+        for k, a in enumerate(ids):
+            if blocks == groups:
+                return ids[:k], ids[k:]
+            blocks *= self.size([a])
+        if blocks == groups:
+            return ids, []
+        parts = [self.atoms.new(groups), self.atoms.new(self.size(axis) // groups)]
+        self.atoms.unify(axis, parts, self.reason())
+        return parts[:1], parts[1:]
 
     # -- control flow ---------------------------------------------------------------
     def _carry_in(self, v: Val) -> Val:

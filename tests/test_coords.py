@@ -411,6 +411,7 @@ _TXS = {
         ("tied_embedding_rnn", "g_sgd_momentum"),
         ("vmap_ensemble_mean", "g_adam"),
         ("plain_experts_einsum", "g_sgd_momentum"),
+        ("separable_cnn_depthwise_grouped", "g_adam"),
     ],
 )
 def test_update_invariant_under_rescaling(name, tx_name, spaces):

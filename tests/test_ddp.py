@@ -50,6 +50,17 @@ class LinenResCNN(nn.Module):
         return nn.Dense(2)(x.mean(axis=(1, 2)))
 
 
+class LinenSeparable(nn.Module):
+    """A depthwise convolution (one filter per channel), a grouped pointwise one (two groups of two channels)."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Conv(4, (2, 2))(x))
+        x = nn.relu(nn.Conv(4, (2, 2), feature_group_count=4)(x))
+        x = nn.relu(nn.Conv(4, (1, 1), feature_group_count=2)(x))
+        return nn.Dense(2)(x.reshape(x.shape[0], -1))
+
+
 class LinenRNN(nn.Module):
     @nn.compact
     def __call__(self, x):
@@ -122,6 +133,8 @@ def _flax_model(name):
         return _linen(LinenResCNN(), (5, 5, 5, 2))
     if name == "linen_rnn":
         return _linen(LinenRNN(), (3, 4, 2))
+    if name == "linen_separable":
+        return _linen(LinenSeparable(), (5, 4, 4, 1))
     if name == "nnx_mlp":
         graphdef, state, rest = nnx.split(NnxMLP(nnx.Rngs(0)), nnx.Param, ...)
         x = jax.random.normal(jax.random.key(2), (5, 4), jnp.float64)
@@ -371,7 +384,8 @@ def test_kappa_is_half_hessian_diagonal_of_the_recursion(name, alpha, moment):
 @pytest.mark.parametrize(
     "name,moment",
     [("linen_cnn", "second"), ("linen_cnn", "variance"), ("linen_res_cnn", "second"), ("nnx_mlp", "second"),
-     ("plain_nested", "variance"), ("plain_seq", "second"), ("linen_rnn", "second"), ("linen_rnn", "variance")],
+     ("plain_nested", "variance"), ("plain_seq", "second"), ("linen_rnn", "second"), ("linen_rnn", "variance"),
+     ("linen_separable", "second")],
 )  # fmt: skip
 def test_alpha_one_is_the_fisher_diagonal_on_flax_models(name, moment):
     fn, params, x = _flax_model(name)

@@ -127,6 +127,17 @@ class LinenCNN(nn.Module):
         return nn.Dense(2, param_dtype=F64)(x.reshape(x.shape[0], -1))
 
 
+class LinenSeparable(nn.Module):
+    """A depthwise convolution (one filter per channel) and a grouped pointwise one (two groups of two channels)."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Conv(4, (2, 2), param_dtype=F64)(x))
+        x = nn.relu(nn.Conv(4, (2, 2), feature_group_count=4, param_dtype=F64)(x))
+        x = nn.relu(nn.Conv(4, (1, 1), feature_group_count=2, param_dtype=F64)(x))
+        return nn.Dense(2, param_dtype=F64)(x.reshape(x.shape[0], -1))
+
+
 class LinenRNN(nn.Module):
     """ReLU SimpleCell RNN(s) with input biases; last-step or every-step Dense readout."""
 
@@ -163,10 +174,18 @@ def _model(name):
     if name.startswith("rnn"):
         kw = {"layers": 2 if "stacked" in name else 1, "every_step": "every" in name, "reverse": "reverse" in name}
         return _linen(LinenRNN(**kw), (2, 4, 2))
-    if name == "multihead":  # a two-axis node group (heads × width) and a per-position bias
-        case = ZOO["plain_multihead_einsum_position_bias"]
+    if name == "separable":
+        return _linen(LinenSeparable(), (2, 5, 5, 1))
+    if name in ("multihead", "ensemble"):  # heads × width nodes and a per-position bias; an nn.vmap ensemble
+        case = ZOO["plain_multihead_einsum_position_bias" if name == "multihead" else "vmap_ensemble_mean"]
         return case.fn, case.params, case.inputs(2)
     raise KeyError(name)
+
+
+def _output_sum(name, fn):
+    """The sum of the network's output nodes: of its outputs, but for the ensemble, whose output nodes are the
+    members' outputs, averaged after them."""
+    return lambda p, x: jnp.sum(fn(p, x)) * (3.0 if name == "ensemble" else 1.0)
 
 
 def _gamma2_reference(name, fn, x):
@@ -174,10 +193,10 @@ def _gamma2_reference(name, fn, x):
     ones = jnp.ones((1, *x.shape[1:]), F64)
     if name == "cnn":
         return lambda p: jnp.sum(cnn_fn(_squared(p), ones, avg_coef=0.25**2))
-    return lambda p: jnp.sum(fn(_squared(p), ones))
+    return lambda p: _output_sum(name, fn)(_squared(p), ones)
 
 
-FEEDFORWARD = ["mlp", "res", "cnn", "linen_cnn", "multihead"]
+FEEDFORWARD = ["mlp", "res", "cnn", "linen_cnn", "multihead", "separable", "ensemble"]
 RECURRENT = ["rnn_last", "rnn_stacked_every", "rnn_reverse_every"]  # single/stacked, last/every step, reverse
 
 
@@ -194,7 +213,7 @@ def test_kappa_is_half_hessian_diagonal(name):
     kappa1 = pj.path_kappa(space, params, second_order=False)
     ones = jnp.ones((1, *x.shape[1:]), F64)
     if name != "cnn":  # κ⁽¹⁾ = ∂G/∂p̃: the gradient of γ² as a function of the squared params, by autodiff
-        ref1 = jax.grad(lambda pt: jnp.sum(fn(pt, ones)))(_squared(params))
+        ref1 = jax.grad(lambda pt: _output_sum(name, fn)(pt, ones))(_squared(params))
         chex.assert_trees_all_close(kappa1, ref1, rtol=1e-10, atol=1e-12)
     for leaf, k1, r in zip(space.leaves, jax.tree_util.tree_leaves(kappa1), jax.tree_util.tree_leaves(ref)):
         if leaf.recurrent:  # κ⁽¹⁾ alone misses the pairs of uses of a recurrent kernel

@@ -20,6 +20,7 @@ from zoo import ZOO, Spaces
 
 import pathspace_jax as pj
 from pathspace_jax import rules
+from pathspace_jax.graph import reduced
 from pathspace_jax.rescale import node_vector
 
 CASES = list(ZOO.values())
@@ -140,23 +141,41 @@ def test_a_batch_axis_of_weights_gives_nodes_of_their_own_unless_a_layer_shares_
             mlp = nn.vmap(_Mlp, variable_axes={"params": 0}, split_rngs={"params": True}, in_axes=0, axis_size=3)
             return mlp()(x)
 
-    xs = jnp.stack([x, 2 * x, -x])
+    class CNNs(nn.Module):  # JAX batches the second convolution as a grouped one, one group per member
+        @nn.compact
+        def __call__(self, x):
+            cnn = nn.vmap(_Cnn, variable_axes={"params": 0}, split_rngs={"params": True}, in_axes=None, axis_size=2)
+            return cnn()(x)
+
+    xs, images = jnp.stack([x, 2 * x, -x]), jnp.asarray(rng.standard_normal((3, 5, 5, 2)))
     vmapped = PerMemberInputs().init(jax.random.key(0), xs)["params"]
+    cnns = CNNs().init(jax.random.key(0), images)["params"]
     for fn, params, inputs, hidden in (
         (experts, {"w1": w1, "b1": rng.standard_normal((3, 1, 6)), "w2": w2}, x, 18),
         (experts, {"w1": w1, "b1": rng.standard_normal(6), "w2": w2}, x, 6),  # one bias for all members
         (contracted, {"w1": w1, "w2": w2, "e": e}, x, 6),
         (lambda p, x: PerMemberInputs().apply({"params": p}, x), vmapped, xs, 3 * 5),
+        (lambda p, x: CNNs().apply({"params": p}, x), cnns, images, 2 * (4 + 3)),
     ):
         space = pj.trace(fn, params, inputs)
         assert space.num_hidden == hidden
         pj.testing.assert_function_invariant(fn, space, params, inputs)
+    space = pj.trace(PerMemberInputs().apply, {"params": vmapped}, xs)  # κ runs it on one example: members first fail
+    with pytest.raises(pj.PathKappaUnsupportedError, match=r"shapes \[\(1, 5, 4\)\].*Put the examples first"):
+        pj.path_kappa(space, {"params": vmapped})
 
 
 class _Mlp(nn.Module):
     @nn.compact
     def __call__(self, x):
         return nn.Dense(2)(nn.relu(nn.Dense(5)(x)))
+
+
+class _Cnn(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Conv(3, (3, 3))(nn.relu(nn.Conv(4, (3, 3))(x))))
+        return nn.Dense(2)(x.mean(axis=(1, 2)))
 
 
 def test_structure_not_names_or_leaf_order():
@@ -473,7 +492,9 @@ def test_other_activations_pin_their_group(name):
         pj.trace(fn, params, x, strict=True)
 
 
-def test_grouped_conv_is_pinned_not_an_error():
+def test_grouped_conv_on_the_inputs_keeps_its_groups_apart():
+    """Two groups on a two-channel input: input channel g feeds output channels 2g and 2g + 1 only."""
+
     class G(nn.Module):
         @nn.compact
         def __call__(self, x):
@@ -484,12 +505,11 @@ def test_grouped_conv_is_pinned_not_an_error():
     x = jnp.ones((2, 6, 2))
     params = G().init(jax.random.key(0), x)["params"]
     fn = lambda p, x: G().apply({"params": p}, x)  # noqa: E731
-    space = pj.trace(fn, params, x)
-    kinds = {leaf.path: leaf.kind for leaf in space.leaves}
-    assert kinds["Conv_0/kernel"] == "other" and kinds["Conv_1/kernel"] == "weight"
-    assert space.num_hidden == 3
+    space = pj.trace(fn, params, x, strict=True)
+    assert space.num_hidden == 4 + 3
+    (kernel,) = [leaf for leaf in space.leaves if leaf.path == "Conv_0/kernel"]  # (tap, in, out): 3 x 1 x 4
+    assert reduced(kernel.src)[0].ravel().tolist() == [1, 1, 2, 2]  # node 0 is the bias node, then the inputs
     pj.testing.assert_function_invariant(fn, space, params, jax.random.normal(jax.random.key(1), x.shape))
-    assert "grouped convolution" in pj.describe(space)
 
 
 def test_batchnorm_in_eval_mode_pins_and_keeps_the_rest():

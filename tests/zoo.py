@@ -152,6 +152,18 @@ class ResCNN(nn.Module):
         return nn.Dense(2)(x.mean(axis=(1, 2)))
 
 
+class SeparableCNN(nn.Module):
+    """MobileNet's blocks: a depthwise convolution (one 3×3 filter per channel), a grouped pointwise one (two
+    groups of two channels each), global average pooling."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Conv(4, (3, 3), padding="SAME")(x))
+        x = nn.relu(nn.Conv(4, (3, 3), padding="SAME", feature_group_count=4)(x))
+        x = nn.relu(nn.Conv(4, (1, 1), feature_group_count=2)(x))
+        return nn.Dense(2)(x.mean(axis=(1, 2)))
+
+
 class RNNLast(nn.Module):
     @nn.compact
     def __call__(self, x):
@@ -430,6 +442,7 @@ def _build() -> dict[str, Case]:
         _linen("cnn1d_stride_dilation_avgpool", CNN1D(), _normal(12, 2), hidden=7),
         _linen("cnn2d_stride_padding_maxpool", CNN2D(), _normal(8, 8, 1), hidden=7),
         _linen("residual_cnn", ResCNN(), _normal(5, 5, 2), hidden=7),
+        _linen("separable_cnn_depthwise_grouped", SeparableCNN(), _normal(5, 5, 2), hidden=12),
         _linen("rnn_last_step", RNNLast(), _normal(6, 3), hidden=5, recurrent=True),
         _linen("stacked_rnn_every_step", StackedRNNEvery(), _normal(5, 2), hidden=7, recurrent=True),
         _linen(
