@@ -604,6 +604,10 @@ def test_public_functions_called_with_concrete_arrays_run_as_one_program():
             assert len(lowered) == 1, fn.__name__  # cached
             chex.assert_trees_all_close(eager, op_by_op, rtol=1e-6)
             chex.assert_trees_all_close(jax.jit(lambda *a, fn=fn: fn(space, *a))(*args), eager, rtol=1e-6)
+        state = pj.g_adam(space, 1e-3).init(params)  # a TrainState's init, called eagerly
+        del lowered[:]
+        chex.assert_trees_all_equal(pj.g_adam(space, 1e-3).init(params), state)
+        assert not lowered  # another transformation on the space: nothing compiled again
     finally:
         jax.monitoring.unregister_event_duration_listener(listen)
 
