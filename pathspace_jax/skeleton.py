@@ -7,13 +7,14 @@ For every **hidden** node v the skeleton holds
   to the inputs, by breadth-first depth from the *start* nodes (inputs and pinned nodes), and never
   an edge within one node group (recurrent kernels, residual self-loops);
 * one **outgoing** skeleton edge ``outskel(v) = v -> child(v)``: a weight entry to a node strictly
-  closer to the outputs, by breadth-first distance to the *end* nodes (outputs and pinned nodes),
+  closer to the outputs, by breadth-first distance to the *end* nodes (outputs, pinned nodes, and the
+  inputs that edges enter: a residual stream that begins with the input itself, as in an MLP-Mixer),
   never within one group.
 
-Depth strictly decreases along both chains, so they are acyclic and end at boundary nodes: following
-``parent`` from v reaches an input or pinned node, following ``child`` reaches an output or pinned
-node. The H outgoing skeleton edges are the **gauge**: they carry no path coordinate. Every other
-entry ``e = u -> v`` is the middle edge of its **basis path**
+Depth strictly decreases along both chains, so they are acyclic and end at boundary nodes (never
+rescaled): following ``parent`` from v reaches an input or pinned node, following ``child`` reaches an
+output, pinned or input node. The H outgoing skeleton edges are the **gauge**: they carry no path
+coordinate. Every other entry ``e = u -> v`` is the middle edge of its **basis path**
 
     [incoming skeleton chain of u] + e + [outgoing skeleton chain of v],
 
@@ -239,11 +240,16 @@ def _relax(num_nodes: int, edges: tuple[Bundle, ...], group, start, forward: boo
 @functools.lru_cache(maxsize=64)
 def levels(space: PathSpace) -> tuple[np.ndarray, np.ndarray]:
     """``(depth, dist)`` per node: breadth-first depth from the start nodes (inputs and pinned nodes) and distance to
-    the end nodes (outputs and pinned nodes), along weight edges between different node groups; -1: unreachable.
-    Read-only, cached per space."""
+    the end nodes (outputs, pinned nodes, and inputs that edges enter: a residual stream that begins with the input
+    itself, as an MLP-Mixer's), along weight edges between different node groups; -1: unreachable. Read-only,
+    cached per space."""
     kinds = space.node_kinds()  # 0 bias, 1 input, 2 hidden, 3 output, 4 pinned
     group, edges = _group_of(space), tuple(bd for bd in bundles(space) if bd.kind == "weight")
-    out = tuple(_relax(space.num_nodes, edges, group, (kinds == k) | (kinds == 4), fw) for k, fw in ((1, 1), (3, 0)))
+    entered = np.zeros(space.num_nodes, bool)
+    for bd in edges:
+        entered[bd.dst.ravel()] = True
+    ends = (kinds == 3) | (kinds == 4) | ((kinds == 1) & entered)  # never rescaled, as the outputs
+    out = tuple(_relax(space.num_nodes, edges, group, n, fw) for n, fw in (((kinds == 1) | (kinds == 4), 1), (ends, 0)))
     for a in out:
         a.setflags(write=False)
     return out

@@ -91,7 +91,8 @@ def _edges(space):
         return level
 
     depth = bfs((kinds == 1) | (kinds == 4), src, dst)
-    dist = bfs((kinds == 3) | (kinds == 4), dst, src)
+    entered = np.isin(np.arange(space.num_nodes), dst[kind == "weight"])  # an input in a residual stream ends paths
+    dist = bfs((kinds == 3) | (kinds == 4) | ((kinds == 1) & entered), dst, src)
     hidden = kinds == 2
     incoming = ok & hidden[dst] & (depth[src] >= 0) & (depth[src] < depth[dst])
     outgoing = ok & hidden[src] & (dist[dst] >= 0) & (dist[dst] < dist[src])
@@ -180,7 +181,8 @@ def test_basis_paths_coordinates_and_rank(case, spaces):
         assert edge[path].all()
         np.testing.assert_array_equal(dst[path[:-1]], src[path[1:]])
         assert kinds[src[path[0]]] in (0, 1, 4), "a basis path starts at the bias, an input or a pinned node"
-        assert kinds[dst[path[-1]]] in (3, 4), "a basis path ends at an output or a pinned node"
+        # or at an input that edges enter (a residual stream that begins with the input itself, as a Mixer's)
+        assert kinds[dst[path[-1]]] in (1, 3, 4), "a basis path ends at an output, a pinned node or an input"
         assert (kinds[src[path[1:]]] == 2).all(), "interior nodes are hidden"
 
     # incidence matrix (multiplicities) has rank m - H
@@ -412,6 +414,7 @@ _TXS = {
         ("vmap_ensemble_mean", "g_adam"),
         ("plain_experts_einsum", "g_sgd_momentum"),
         ("separable_cnn_depthwise_grouped", "g_adam"),
+        ("mixer_input_residual_stream", "g_sgd_momentum"),
     ],
 )
 def test_update_invariant_under_rescaling(name, tx_name, spaces):

@@ -164,6 +164,20 @@ class SeparableCNN(nn.Module):
         return nn.Dense(2)(x.mean(axis=(1, 2)))
 
 
+class Mixer(nn.Module):
+    """An MLP-Mixer block with ReLUs: token mixing (a Dense over the transposed tokens), a residual stream that
+    begins with the input itself (so the token MLP's output nodes are the input's: edges into an input group),
+    then channel mixing. One symmetry beyond rescaling: a constant added to the stream by the token MLP's output
+    bias is taken back by the channel MLP's biases."""
+
+    @nn.compact
+    def __call__(self, x):  # x: [B, tokens 4, channels 3]
+        y = nn.Dense(4)(nn.relu(nn.Dense(5)(jnp.swapaxes(x, 1, 2))))
+        x = x + jnp.swapaxes(y, 1, 2)
+        x = nn.relu(x + nn.Dense(3)(nn.relu(nn.Dense(6)(x))))
+        return nn.Dense(2)(x.mean(1))
+
+
 class RNNLast(nn.Module):
     @nn.compact
     def __call__(self, x):
@@ -443,6 +457,7 @@ def _build() -> dict[str, Case]:
         _linen("cnn2d_stride_padding_maxpool", CNN2D(), _normal(8, 8, 1), hidden=7),
         _linen("residual_cnn", ResCNN(), _normal(5, 5, 2), hidden=7),
         _linen("separable_cnn_depthwise_grouped", SeparableCNN(), _normal(5, 5, 2), hidden=12),
+        _linen("mixer_input_residual_stream", Mixer(), _normal(4, 3), hidden=11, extra_symmetries=1),
         _linen("rnn_last_step", RNNLast(), _normal(6, 3), hidden=5, recurrent=True),
         _linen("stacked_rnn_every_step", StackedRNNEvery(), _normal(5, 2), hidden=7, recurrent=True),
         _linen(
