@@ -123,15 +123,15 @@ _group(Rule("method", as_is=True, merges_node=True, sums=True), "add", "add_any"
 _group(Rule("method", merges_node=True), "sub")
 _group(Rule("method", merges_node=True, multiplicative=True), "mul", "div")
 _group(Rule("method", multiplicative=True), "dot_general", "conv_general_dilated")
-_group(Rule("method", as_is=True, sums=True), "reduce_sum", "reduce_window_sum")
-_group(Rule("method", as_is=True), "concatenate", "dynamic_slice", "pad", "rev", "slice")
+_group(Rule("method", as_is=True, sums=True), "reduce_sum", "reduce_window_sum", "scatter-add")
+_group(Rule("method", as_is=True), "concatenate", "dynamic_slice", "gather", "pad", "rev", "slice")
 
 _group(Rule("method", as_is=True, breaks_linearity=True), "max", "reduce_max", "reduce_window_max", "select_n")
 _group(Rule("method", breaks_linearity=True), "argmax", "min", "reduce_min")
 _group(Rule(None, breaks_linearity=True), "sort")
 _group(
     Rule("method"),
-    "abs", "argmin", "clamp", "cummax", "cummin", "cumsum", "dynamic_update_slice", "gather", "reduce_prod",
+    "abs", "argmin", "clamp", "cummax", "cummin", "cumsum", "dynamic_update_slice", "reduce_prod",
     "reduce_window_min", "split", "scan", "while", "cond",
 )  # fmt: skip
 

@@ -1,5 +1,5 @@
 """The tracer's rules for primitives that move entries between axes: reshapes, transposes, broadcasts,
-slices, pads, concatenations, splits and gathers (a mixin of `pathspace_jax.tracer.Interpreter`).
+slices, pads, concatenations, splits, gathers and scatter-adds (a mixin of `pathspace_jax.tracer.Interpreter`).
 
 Each rule maps the atoms of its operands' axes to the atoms of its results' axes: kept, merged into one
 axis (a product structure in `pathspace_jax.atoms.Atoms`), split, or fresh where the result's entries are
@@ -196,6 +196,29 @@ class ShapeRules:
             keep = [k != axis for k in range(len(shape))]
             outs.append(self._reslice(eqn, v, keep, shape, "splits an axis"))
         return outs
+
+    def rule_scatter_add(self, eqn, ins):
+        """``operand.at[ids].add(updates)`` with constant ``ids``: a segment sum (a graph network's messages summed
+        into its nodes). The window axes of the updates are the operand's (same nodes); the axes the ids index
+        and the updates' other axes are summed over, which pins them unless they are positions (graph nodes,
+        edges), as a reduction does. A non-zero operand is an offset unless it is an activation itself."""
+        op, idx, upd = ins
+        dn = jx.param(eqn, "dimension_numbers")
+        window = [k for k in range(len(op.axes)) if k not in dn.inserted_window_dims]
+        whole = all(self.size(upd.axes[w]) == self.size(op.axes[k]) for w, k in zip(dn.update_window_dims, window))
+        if idx.kind != CONST or PARAM in (op.kind, upd.kind) or dn.operand_batching_dims or not whole:
+            return self.unknown(eqn, ins)
+        for w, k in zip(dn.update_window_dims, window, strict=True):
+            self.atoms.unify(upd.axes[w], op.axes[k], self.reason())
+        for k in dn.scatter_dims_to_operand_dims:
+            self.atoms.pin(op.axes[k], self.reason("scatters into an axis"))
+        for k in range(len(upd.axes)):
+            if k not in dn.update_window_dims:
+                self.atoms.pin(upd.axes[k], self.reason("sums over the nodes of a group"))
+        if upd.kind == ACT and op.kind == CONST and not op.zero:
+            self.pin(upd, "adds a constant offset")
+        kind = ACT if ACT in (op.kind, upd.kind) else CONST
+        return [Val(kind, [list(ax) for ax in op.axes], zero=op.zero and upd.zero)]
 
     def rule_gather(self, eqn, ins):
         op, idx = ins[0], ins[1]

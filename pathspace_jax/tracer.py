@@ -184,7 +184,7 @@ class Interpreter(ShapeRules):
     def apply(self, eqn, ins: list[Val]) -> list[Val]:
         name = eqn.primitive.name
         structure = rules.rule(name).structure  # the rule table: one entry per primitive
-        method = getattr(self, "rule_" + name, None) if structure == "method" else None
+        method = getattr(self, "rule_" + name.replace("-", "_"), None) if structure == "method" else None
         if method is not None:
             return method(eqn, ins)
         if structure == "relabel":

@@ -415,6 +415,7 @@ _TXS = {
         ("plain_experts_einsum", "g_sgd_momentum"),
         ("separable_cnn_depthwise_grouped", "g_adam"),
         ("mixer_input_residual_stream", "g_sgd_momentum"),
+        ("plain_graph_scatter_add", "g_adam"),
     ],
 )
 def test_update_invariant_under_rescaling(name, tx_name, spaces):

@@ -106,6 +106,12 @@ def _plain_seq_fn(p, x):  # x: [B, T, 3]; a Dense per time step, transposed, las
     return jnp.transpose(h, (0, 2, 1))[:, :, -1] @ p["w2"]
 
 
+def _plain_graph_fn(p, x):  # x: [B, graph nodes 4, 3]; messages summed into their receivers (a segment sum)
+    senders, receivers = jnp.array([0, 1, 2, 3, 0]), jnp.array([1, 2, 3, 0, 2])
+    agg = jax.vmap(lambda m: jax.ops.segment_sum(m, receivers, num_segments=4))(x[:, senders] @ p["w_msg"])
+    return jax.nn.relu(agg + x @ p["w_self"] + p["b"]).sum(1) @ p["w"]
+
+
 def _perturb(params, key=None, scale=0.1):
     """Concrete float64 values for a params pytree (or its shapes): ``params + scale * normal``."""
     leaves, treedef = jax.tree_util.tree_flatten(params)
@@ -135,6 +141,10 @@ def _flax_model(name):
         return _linen(LinenRNN(), (3, 4, 2))
     if name == "linen_separable":
         return _linen(LinenSeparable(), (5, 4, 4, 1))
+    if name == "plain_graph":
+        shapes = {"w_msg": (3, 4), "b": (4,), "w_self": (3, 4), "w": (4, 2)}
+        params = _perturb({k: jax.ShapeDtypeStruct(s, jnp.float64) for k, s in shapes.items()}, scale=1.0)
+        return _plain_graph_fn, params, jax.random.normal(jax.random.key(4), (5, 4, 3), jnp.float64)
     if name == "nnx_mlp":
         graphdef, state, rest = nnx.split(NnxMLP(nnx.Rngs(0)), nnx.Param, ...)
         x = jax.random.normal(jax.random.key(2), (5, 4), jnp.float64)
@@ -385,7 +395,7 @@ def test_kappa_is_half_hessian_diagonal_of_the_recursion(name, alpha, moment):
     "name,moment",
     [("linen_cnn", "second"), ("linen_cnn", "variance"), ("linen_res_cnn", "second"), ("nnx_mlp", "second"),
      ("plain_nested", "variance"), ("plain_seq", "second"), ("linen_rnn", "second"), ("linen_rnn", "variance"),
-     ("linen_separable", "second")],
+     ("linen_separable", "second"), ("plain_graph", "second"), ("plain_graph", "variance")],
 )  # fmt: skip
 def test_alpha_one_is_the_fisher_diagonal_on_flax_models(name, moment):
     fn, params, x = _flax_model(name)

@@ -161,6 +161,13 @@ def _linen(module, xshape, seed=0):
     return (lambda p, x: module.apply({"params": p}, x)), params, x
 
 
+ZOO_NAMES = {
+    "multihead": "plain_multihead_einsum_position_bias",
+    "ensemble": "vmap_ensemble_mean",
+    "graph": "plain_graph_scatter_add",
+}
+
+
 @functools.cache  # the same fn object across tests: compiled κ functions are reused
 def _model(name):
     if name == "mlp":
@@ -176,8 +183,8 @@ def _model(name):
         return _linen(LinenRNN(**kw), (2, 4, 2))
     if name == "separable":
         return _linen(LinenSeparable(), (2, 5, 5, 1))
-    if name in ("multihead", "ensemble"):  # heads × width nodes and a per-position bias; an nn.vmap ensemble
-        case = ZOO["plain_multihead_einsum_position_bias" if name == "multihead" else "vmap_ensemble_mean"]
+    if name in ZOO_NAMES:  # heads × width nodes and a per-position bias; an nn.vmap ensemble; a graph network
+        case = ZOO[ZOO_NAMES[name]]
         return case.fn, case.params, case.inputs(2)
     raise KeyError(name)
 
@@ -196,7 +203,7 @@ def _gamma2_reference(name, fn, x):
     return lambda p: _output_sum(name, fn)(_squared(p), ones)
 
 
-FEEDFORWARD = ["mlp", "res", "cnn", "linen_cnn", "multihead", "separable", "ensemble"]
+FEEDFORWARD = ["mlp", "res", "cnn", "linen_cnn", "multihead", "separable", "ensemble", "graph"]
 RECURRENT = ["rnn_last", "rnn_stacked_every", "rnn_reverse_every"]  # single/stacked, last/every step, reverse
 
 

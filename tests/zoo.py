@@ -415,6 +415,28 @@ def _plain_experts() -> Case:
     return Case("plain_experts_einsum", fn, params, _normal(4), hidden=12)
 
 
+def _plain_graph() -> Case:
+    """A graph network on a fixed five-node graph: each layer gathers the senders' features, sums the messages into
+    their receivers (a scatter-add, as ``jax.ops.segment_sum``) and adds the node's own term; the graph's nodes are
+    positions, the features nodes (6 + 4)."""
+    senders, receivers = np.array([0, 1, 2, 3, 4, 0, 2]), np.array([1, 2, 3, 4, 0, 3, 4])
+    rng = np.random.default_rng(0)
+
+    def layer(n_in, n_out):
+        w_msg, w_self = rng.standard_normal((n_in, n_out)), rng.standard_normal((n_in, n_out))
+        return {"w_msg": w_msg, "b_msg": 0.3 * rng.standard_normal(n_out), "w_self": w_self}
+
+    params = _f64([layer(3, 6), layer(6, 4), {"w": rng.standard_normal((4, 2)), "b": 0.3 * rng.standard_normal(2)}])
+
+    def fn(p, x):  # x: [B, graph nodes 5, features 3]
+        for layer in p[:-1]:
+            msg = x[:, senders] @ layer["w_msg"] + layer["b_msg"]
+            x = jax.nn.relu(jnp.zeros((*x.shape[:2], msg.shape[-1])).at[:, receivers].add(msg) + x @ layer["w_self"])
+        return x.sum(1) @ p[-1]["w"] + p[-1]["b"]
+
+    return Case("plain_graph_scatter_add", fn, params, _normal(5, 3), hidden=10)
+
+
 @jax.custom_vjp
 def _my_relu(x):
     return jnp.maximum(x, 0.0)
@@ -492,6 +514,7 @@ def _build() -> dict[str, Case]:
         _plain_nested(),
         _linen("vmap_ensemble_mean", Ensemble(), _normal(4), hidden=12, extra_symmetries=4),
         _plain_experts(),
+        _plain_graph(),
     ]
     return {c.name: c for c in cases}
 
