@@ -260,11 +260,11 @@ def _shared_diagonals(interp: Interpreter, leaf_info: list[tuple]) -> list[tuple
     """The batch axes of `Interpreter.diagonal` whose entries cannot be nodes of their own.
 
     A parameter's batch axis in a ``dot_general`` (an ensemble's members under ``nn.vmap``, a mixture's experts:
-    one weight matrix per entry) makes each entry part of the nodes on both sides: node (member, unit) feeds
-    node (member, unit') only. That holds while every layer keeps the members apart; where one does not (a bias
-    or a weight shared by all members, a layer that contracts the members alone, or the axis turns out to be
-    space or time), the axis is a position instead, the nodes shared by all its entries: still a symmetry,
-    a smaller one.
+    one weight matrix per entry) or a grouped convolution's groups make each entry part of the nodes on both
+    sides: node (member, unit) feeds node (member, unit') only. That holds while every layer keeps the members
+    apart; where one does not (a bias or a weight shared by all members, a layer that contracts the members
+    alone, or the axis turns out to be space or time), the axis is a position instead, the nodes shared by all
+    its entries: still a symmetry, a smaller one.
     """
     atoms = interp.atoms
     shared, roots = [], {}

@@ -61,7 +61,8 @@ class Interpreter(ShapeRules):
         self.deferred: list[tuple[list[int], list[int], str, bool]] = []  # `defer`, settled by `settle`
         # layer i's slice of a params leaf that a scan slices (`layer_slice`): a leaf of its own, after the real ones
         self.slices: dict[tuple[int, int], int] = {}  # (stacked leaf, layer) -> slice leaf
-        # a params leaf's batch axis in a dot_general (its atoms, the input side) -> the atoms of the result's axis
+        # a params leaf's batch axis in a dot_general or a grouped convolution's groups (its atoms, the input side)
+        # -> the atoms of the result's axis (`diagonal_ends`)
         self.diagonal: dict[tuple[int, tuple[int, ...]], list[int]] = {}
 
     # -- helpers -------------------------------------------------------------
@@ -464,9 +465,7 @@ class Interpreter(ShapeRules):
                 # one weight per entry along a batch axis (an ensemble's members, a mixture's experts): each entry
                 # is part of the nodes on both sides, the result's its own atoms (`diagonal`)
                 self.atoms.unify(x.axes[b], p.axes[a], self.reason())
-                self.use(p, p.axes[a], "diag")
-                ends = self.diagonal.setdefault((p.leaf, tuple(p.axes[a])), [self.atoms.new(self.size(p.axes[a]))])
-                out[j] = list(ends)
+                out[j] = self.diagonal_ends(p, p.axes[a])
             for a in pfree:
                 self.use(p, p.axes[a], "out")
             return [Val(ACT, out)]
@@ -518,8 +517,7 @@ class Interpreter(ShapeRules):
                     self.atoms.input[f] = True
             if g_in:
                 self.atoms.unify(g_in, g_out, self.reason())
-                self.use(rhs, g_out, "diag")
-                g_out = self.diagonal.setdefault((rhs.leaf, tuple(g_out)), [self.atoms.new(groups)])
+                g_out = self.diagonal_ends(rhs, g_out)
             self.use(rhs, c_out, "out")
             for k in rspec[2:]:
                 self.use(rhs, rhs.axes[k], "tap")
@@ -542,6 +540,12 @@ class Interpreter(ShapeRules):
         val = Val(ACT, out)
         self.pin(val, why)
         return [val]
+
+    def diagonal_ends(self, p: Val, axis: list[int]) -> list[int]:
+        """The atoms that parameter ``p``'s batch axis ``axis`` gives the result (`diagonal`), the same at every use
+        of the leaf: the output side of its nodes, whose input side is ``axis`` itself."""
+        self.use(p, axis, "diag")
+        return list(self.diagonal.setdefault((p.leaf, tuple(axis)), [self.atoms.new(self.size(axis))]))
 
     def split(self, axis: list[int], groups: int) -> tuple[list[int], list[int]]:
         """The atoms of ``axis`` as ``groups`` consecutive blocks: (the block's atoms, the atoms within a block),
