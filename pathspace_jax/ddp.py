@@ -119,8 +119,8 @@ def _moment(z, moment: str):
 
 
 def _ones(xs, dtype) -> list:
-    """The all-ones input of the γ² recursion (γ² = 1 on inputs); token ids stay integers."""
-    return [jnp.ones((1, *jnp.shape(x)[1:]), x.dtype if jnp.issubdtype(x.dtype, jnp.integer) else dtype) for x in xs]
+    """The all-ones input of the γ² recursion (γ² = 1 on inputs); token ids stay integers, masks all True."""
+    return [jnp.ones((1, *jnp.shape(x)[1:]), dtype if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype) for x in xs]
 
 
 def _mixer(alpha: float, stats: dict):
@@ -217,8 +217,8 @@ def check_inputs(space: PathSpace, inputs) -> list:
                 "network: trace and train a function that closes over the key, or the deterministic one "
                 "(e.g. deterministic=True)."
             )
-        if not (jnp.issubdtype(dt, jnp.floating) or jnp.issubdtype(dt, jnp.integer)):
-            raise DDPUnsupportedError(f"ddp_kappa: input #{i} must be floating point or token ids, got {dt}")
+        if not any(jnp.issubdtype(dt, t) for t in (jnp.floating, jnp.integer, jnp.bool_)):
+            raise DDPUnsupportedError(f"ddp_kappa: input #{i} must be floating point, token ids or a mask, got {dt}")
         if tuple(jnp.shape(x))[1:] != tuple(spec.shape)[1:]:
             raise ValueError(
                 f"inputs: input #{i} has shape {tuple(jnp.shape(x))}, but the space was traced with examples of "

@@ -143,7 +143,8 @@ PIN_HINTS = (
      "the rest is still optimised in path space; use relu or leaky_relu where units should be rescalable"),
     ("accumulates along the nodes", "a cumulative sum over units: its units stay fixed (expected)"),
     ("product of activations", "a gate, attention or normalisation multiplies activations: those units stay "
-     "fixed (expected)"),
+     "fixed (expected); a float mask among the inputs is an activation too: pass it as booleans and apply it "
+     "with jnp.where(mask, x, 0)"),
     ("product of a parameter and an activation", "a learned per-unit scale (e.g. LayerNorm's): train it as an "
      "'other' leaf (optax.partition with pj.path_labels)"),
     ("product with a parameter", "a learned per-unit scale (e.g. LayerNorm's): train it as an 'other' leaf "

@@ -65,6 +65,9 @@ the one-hot input (one input node per row of the table) times the table. On the 
 the |·|^p network every looked-up vector is then Σ_rows |table[row, :]|^p, so path norms and κ are
 those of the same network fed one-hot vectors (tested against that formulation).
 
+**Masks.** A boolean input (a padding mask, read by ``jnp.where``) is a constant of the network, all
+True on the all-ones input: every position counts, as on a batch without padding.
+
 **Scope.** For κ⁽²⁾: recurrent bodies that are not linear in the carry after squaring, weight tying
 (a parameter used by two operations of which one is downstream of the other on some path, or used twice
 in a recurrence), and recurrent parameters that are not leaves of params themselves are refused. A tied
@@ -148,10 +151,10 @@ def check_kappa_space(space: PathSpace, who: str) -> None:
                 f"{who}: the traced function takes a PRNG key (for dropout?). Path sums are defined for one "
                 "deterministic network: trace the deterministic function (e.g. deterministic=True)."
             )
-        if not (jnp.issubdtype(spec.dtype, jnp.floating) or jnp.issubdtype(spec.dtype, jnp.integer)):
+        if not any(jnp.issubdtype(spec.dtype, t) for t in (jnp.floating, jnp.integer, jnp.bool_)):
             raise PathKappaUnsupportedError(
                 f"{who}: the traced function takes a {spec.dtype} input; path sums are defined for floating-point "
-                "inputs and for integer token ids (embedding lookups)."
+                "inputs, integer token ids (embedding lookups) and boolean masks."
             )
 
 
@@ -161,14 +164,14 @@ def _setup(space, leaves):
     leaves, lg = to_canonical_frame(space, [jnp.asarray(p).astype(dt) for p in leaves], dt)
     specs = jax.tree_util.tree_leaves(space.arg_specs)
     input_key = tuple(
-        ((1, *tuple(x.shape)[1:]), str(x.dtype if jnp.issubdtype(x.dtype, jnp.integer) else jnp.dtype(dt)))
+        ((1, *tuple(x.shape)[1:]), str(jnp.dtype(dt) if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype))
         for x in specs
     )
     param_key = tuple((tuple(p.shape), str(p.dtype)) for p in leaves)
     prog = flat.program(
         space, param_key, input_key, who=_WHO, err=PathKappaUnsupportedError, allow_scan=True, inline_custom=True
     )
-    ones = [jnp.ones(s, d) for s, d in input_key]  # token ids: 1 (any id; the |·|^p lookup sums the rows)
+    ones = [jnp.ones(s, d) for s, d in input_key]  # token ids: 1 (any id; the |·|^p lookup sums the rows); masks: True
     return dt, leaves, lg, prog, ones
 
 
@@ -197,7 +200,7 @@ def path_kappa(space: PathSpace, params, *, second_order: bool = True):
       dead unit). The update g / κ is rescaling invariant either way (Neyshabur et al. 2016, Thm 2).
 
     Raises:
-      PathKappaUnsupportedError: inputs that are neither floats nor token ids, or (κ⁽²⁾ only) recurrences it
+      PathKappaUnsupportedError: inputs that are neither floats, token ids nor masks, or (κ⁽²⁾ only) recurrences it
         does not cover.
 
     Example:

@@ -75,7 +75,8 @@ def _finish(
     joined with the body's carry outputs); otherwise scan, while and cond raise ``err``. ``inline_custom``
     enters every ``custom_jvp``/``custom_vjp`` call (``jax.nn.relu`` becomes a plain ``max``); otherwise
     ReLU-like ones are kept whole (`_kept_whole`). ``in_kinds`` overrides the kinds of the inputs (a scan
-    body's), ``in_pinned`` their flags; ``int_inputs`` marks the inputs that are token ids."""
+    body's), ``in_pinned`` their flags; ``int_inputs`` marks the inputs that are token ids (or boolean masks:
+    constants of the network too)."""
     eqns: list[Eqn] = []
     kinds: dict[int, str] = dict.fromkeys(frame.consts, "const")
     pinned: set[int] = set()
@@ -295,7 +296,7 @@ def _program(space: PathSpace, param_key: tuple, input_key: tuple, mesh, **optio
             "every input (an nn.vmap over members: in_axes=1, or in_axes=None for one input shared by all)."
         ) from e
     frame, flags = record(closed, len(param_specs), [leaf.path for leaf in space.leaves])
-    int_inputs = [jnp.issubdtype(s.dtype, jnp.integer) for s in input_specs]
+    int_inputs = [not jnp.issubdtype(s.dtype, jnp.floating) for s in input_specs]  # token ids and masks
     return _finish(frame, flags, len(param_specs), int_inputs=int_inputs, **options)
 
 

@@ -829,6 +829,34 @@ def test_every_k_reuses_kappa():
 
 
 @pytest.mark.slow
+def test_a_boolean_mask_is_a_constant_of_the_network():
+    """A padding mask passed as booleans and applied with jnp.where: Path-SGD's κ is that of every position valid
+    (½ diag ∇²γ² with the mask all True), DDP's κ at α = 1 the masked batch's Fisher diagonal, and both steps
+    commute with rescaling."""
+
+    def fn(p, x, mask):  # x: [B, T, 3], mask: [B, T]
+        h = jax.nn.relu(x @ p["w1"] + p["b1"])
+        return jnp.where(mask[..., None], h, 0.0).sum(1) @ p["w2"]
+
+    k = jax.random.split(jax.random.key(8), 4)
+    params = {"w1": jax.random.normal(k[0], (3, 5), jnp.float64), "b1": jax.random.normal(k[1], (5,), jnp.float64),
+              "w2": jax.random.normal(k[2], (5, 2), jnp.float64)}  # fmt: skip
+    x = jax.random.normal(k[3], (6, 4, 3), jnp.float64)
+    mask = jnp.arange(4)[None] < jnp.array([4, 1, 3, 2, 4, 2])[:, None]
+    space = pj.trace(fn, params, x, mask)
+    assert space.num_hidden == 5
+    squared = lambda p: jax.tree_util.tree_map(lambda a: a * a, p)  # noqa: E731
+    gamma2 = lambda p: jnp.sum(fn(squared(p), jnp.ones((1, 4, 3)), jnp.ones((1, 4), bool)))  # noqa: E731
+    chex.assert_trees_all_close(pj.path_kappa(space, params), _hessian_diag(gamma2, params), rtol=1e-10, atol=1e-12)
+    jac = jax.vmap(lambda xi, mi: jax.jacrev(lambda p: fn(p, xi[None], mi[None])[0])(params))(x, mask)
+    fisher = jax.tree_util.tree_map(lambda j: jnp.mean(jnp.sum(j * j, axis=1), axis=0), jac)
+    chex.assert_trees_all_close(pj.ddp_kappa(space, params, (x, mask), alpha=1.0), fisher, rtol=1e-10, atol=1e-12)
+    y, loss = jnp.zeros((6, 2)), lambda p, b: jnp.mean((fn(p, *b[0]) - b[1]) ** 2)
+    for tx, kw in ((pj.path_sgd(space, 0.05), {}), (pj.ddp_sgd(space, 0.05, alpha=0.5), {"inputs": (x, mask)})):
+        pj.testing.assert_update_invariant(tx, loss, space, params, ((x, mask), y), inputs=(x, mask),
+                                           update_kwargs=kw, rtol=1e-9, atol=1e-12)  # fmt: skip
+
+
 def test_vmap_over_an_ensemble():
     fn, params, x, space, grads = _setup()
     ens = jax.tree_util.tree_map(lambda a: jnp.stack([a, 2.0 * a, -a]), params)
