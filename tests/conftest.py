@@ -25,7 +25,8 @@ jax.config.update("jax_enable_x64", True)
 # then 9.9, 13.2 and 12.7 minutes in three runs on that machine within two hours, the same tests taking 1.2-1.35x
 # longer in the later runs whatever the code (checked against a checkout of the earlier commit); 9.3 minutes
 # (403 tests) on 2026-11-25 after the unrolled scans of commit e98cb23; 9.5 and 9.8 minutes (413 tests) in two CI
-# dry runs on 2026-11-26 (the second after 571a47b took 13 s of worker time out).
+# dry runs on 2026-11-26 (the second after 571a47b took 13 s of worker time out); 12.3-12.5 minutes (502 tests)
+# on 2026-11-27, and 13.6 (546 tests: six more zoo models) later that day.
 # PJ_TEST_CACHE=0 turns it off.
 if os.environ.get("PJ_TEST_CACHE", "1") != "0":
     _CACHE = {
