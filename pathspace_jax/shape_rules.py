@@ -226,8 +226,10 @@ class ShapeRules:
         slice_sizes = jx.param(eqn, "slice_sizes")
         in_shape = eqn.invars[0].aval.shape
         out_shape = eqn.outvars[0].aval.shape
-        if idx.kind != CONST or dn.operand_batching_dims:
+        if idx.kind != CONST:
             return self.unknown(eqn, ins)
+        # an index axis batched with an operand axis (take_along_axis: one index per example) keeps its entries
+        batched = dict(zip(dn.start_indices_batching_dims, dn.operand_batching_dims, strict=True))
         # operand axes that survive as slices, in order
         offset_src = [
             k for k in range(len(in_shape)) if k not in dn.collapsed_slice_dims and k not in dn.operand_batching_dims
@@ -248,6 +250,9 @@ class ShapeRules:
                         self.mark_other(op, "gathered in part")
                     self.atoms.pin(op.axes[src], self.reason("gathers part of an axis"))
                     out.append([self.atoms.new(out_shape[k], position=True)])
+            elif b in batched:
+                out.append(list(op.axes[batched[b]]))
+                b += 1
             else:
                 ax = batch_axes[b] if b < len(batch_axes) else []
                 b += 1

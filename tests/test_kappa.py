@@ -763,6 +763,33 @@ def test_ensemble_members_have_their_own_kappa_and_steps():
         assert not np.allclose(outs[0], case.fn(params, x))
 
 
+def test_bidirectional_rnn_with_sequence_lengths():
+    """``nn.Bidirectional`` with ``seq_lengths`` reverses each sequence within its length (``take_along_axis``: a
+    gather batched over the examples): both directions are hidden groups, κ is that of the network without
+    lengths (every position, as on the all-ones input), and Path-SGD and DDP-SGD steps are invariant."""
+
+    class Bi(nn.Module):
+        lengths: bool = True
+
+        @nn.compact
+        def __call__(self, x, lengths=None):
+            rnn = lambda: nn.RNN(nn.SimpleCell(4, activation_fn=nn.relu, param_dtype=F64))  # noqa: E731
+            h = nn.Bidirectional(rnn(), rnn())(x, seq_lengths=lengths if self.lengths else None)
+            return nn.Dense(2, param_dtype=F64)(h.sum(1))
+
+    x, lengths = _normal(jax.random.key(3), (5, 6, 3)), jnp.array([6, 3, 4, 2, 5])
+    fn = lambda p, x, n: Bi().apply({"params": p}, x, n)  # noqa: E731
+    params = _tree_normal(jax.eval_shape(Bi().init, jax.random.key(0), x, lengths)["params"], 0, scale=0.6)
+    space = pj.trace(fn, params, x, lengths)
+    assert space.num_hidden == 2 * 4
+    full = pj.trace(lambda p, x: Bi(lengths=False).apply({"params": p}, x), params, x)
+    chex.assert_trees_all_close(pj.path_kappa(space, params), pj.path_kappa(full, params), rtol=1e-12, atol=1e-14)
+    y, loss = jnp.zeros((5, 2)), lambda p, b: jnp.mean((fn(p, *b[0]) - b[1]) ** 2)
+    for tx, kw in ((pj.path_sgd(space, 0.05), {}), (pj.ddp_sgd(space, 0.05, alpha=0.5), {"inputs": (x, lengths)})):
+        assert_update_invariant(tx, loss, space, params, ((x, lengths), y), inputs=(x, lengths), update_kwargs=kw,
+                                rtol=1e-8, atol=1e-10)  # fmt: skip
+
+
 def test_recurrence_other_than_single_entries_refused_for_second_order_only():
     """A two-layer recurrence (a kernel entry joins a carry unit to every next carry unit, through the middle
     layer) has no exact κ⁽²⁾ here: refused, while κ⁽¹⁾ still equals ∂G/∂p̃ (the model on squared params and
