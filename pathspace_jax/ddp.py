@@ -149,7 +149,7 @@ def _gamma_net(prog: flat.Program, sq_params: Sequence, ones: Sequence, stats: S
 
 def check_ddp_space(space: PathSpace) -> None:
     check_path_space(space, "ddp_kappa")
-    flat.refuse_random(space, "ddp_kappa", DDPUnsupportedError)
+    flat.refuse_undefined(space, "ddp_kappa", DDPUnsupportedError)
 
 
 def _as_tuple(inputs) -> tuple:

@@ -253,6 +253,8 @@ class PathSpace:
       skeleton_edges: ``(incoming, outgoing)``, per node the index into ``ravel_pytree(params)[0]`` of
         the skeleton edge chosen from the params' values (`pathspace_jax.skeleton`), -1 where the
         index rule decides; None: the index rule everywhere.
+      positions_first: the inputs (indices into ``jax.tree_util.tree_leaves(arg_specs)``) whose first axis the
+        function scans or convolves over (time-major sequences), not a batch of examples.
     """
 
     treedef: Any
@@ -262,6 +264,7 @@ class PathSpace:
     fn: Callable[..., Any] = dataclasses.field(repr=False)
     arg_specs: Any = dataclasses.field(repr=False)
     skeleton_edges: tuple[np.ndarray, np.ndarray] | None = dataclasses.field(default=None, repr=False)
+    positions_first: tuple[int, ...] = dataclasses.field(default=(), repr=False)
 
     # -- sizes --------------------------------------------------------------
     @property

@@ -144,7 +144,7 @@ def _lag_sum(cin, nu, a):
 
 def check_kappa_space(space: PathSpace, who: str) -> None:
     check_path_space(space, who)
-    flat.refuse_random(space, who, PathKappaUnsupportedError)
+    flat.refuse_undefined(space, who, PathKappaUnsupportedError)
     for spec in jax.tree_util.tree_leaves(space.arg_specs):
         if jax.dtypes.issubdtype(spec.dtype, jax.dtypes.prng_key):
             raise PathKappaUnsupportedError(

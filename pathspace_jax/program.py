@@ -305,12 +305,21 @@ def bind(e: Eqn, vals) -> list:
     return jx.bind(e.prim, e.params, vals)
 
 
-def refuse_random(space: PathSpace, who: str, err: type) -> None:
+def refuse_undefined(space: PathSpace, who: str, err: type) -> None:
     """Path sums and DDP's statistics are defined for one deterministic network: a group pinned because
-    random numbers reach it (dropout in the traced function) is an error, not a boundary."""
+    random numbers reach it (dropout in the traced function) is an error, not a boundary. They also take the
+    first axis of every input as the examples (one all-ones example; the statistics' average): an input whose
+    first axis the function scans or convolves over (time-major sequences) is an error too."""
     for g in space.groups:
         if g.random:
             raise err(f"{who}: node group {g.name} (size {g.size}) {'; '.join(g.reasons)}")
+    if space.positions_first:
+        raise err(
+            f"{who}: the traced function scans or convolves over the first axis of its input(s) "
+            f"#{', #'.join(map(str, space.positions_first))} (time-major sequences?), which {who} takes as the "
+            "batch of examples: trace a function that takes the examples first (nn.RNN(time_major=False), or "
+            "transpose the inputs inside the function)."
+        )
 
 
 def live(eqns, out_ids) -> list:

@@ -158,6 +158,7 @@ def _interpret(closed, param_specs, input_specs, paths) -> Interpreter:
     rec.top.in_ids = [v.id for v in in_vals]
     for v in in_vals[n_leaves:]:
         rec.notes[v.id] = interp.all_atoms(v) if v.kind == ACT else None
+    interp.input_axes = [v.axes for v in in_vals[n_leaves:]]
     consts = [interp.const_val(c) for c in closed.consts]
     outs = interp.run(closed.jaxpr, consts, in_vals)
     rec.top.out_ids = [v.id for v in outs]
@@ -291,7 +292,11 @@ def _build(interp: Interpreter, treedef, leaves, paths, fn, arg_specs, strict) -
     n = len(leaves)
     leaves, paths, leaf_info, groups, key_index, num_nodes = _groups(interp, leaves, paths)
     edge_leaves = _stack_layers(interp, _edge_leaves(interp.atoms, leaves, paths, leaf_info, groups, key_index))
-    space = PathSpace(treedef, tuple(edge_leaves[:n]), tuple(groups), num_nodes, fn, arg_specs)
+    atoms = interp.atoms
+    first = tuple(
+        i for i, axes in enumerate(interp.input_axes) if axes and any(atoms.position[f] for f in atoms.factors(axes[0]))
+    )
+    space = PathSpace(treedef, tuple(edge_leaves[:n]), tuple(groups), num_nodes, fn, arg_specs, positions_first=first)
     if strict:
         _check_strict(space)
     return space

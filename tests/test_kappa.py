@@ -647,6 +647,35 @@ def test_errors():
         pj.path_norm(espace, ep)
 
 
+def test_time_major_inputs_are_refused_not_misread():
+    """κ runs the network on one example along the inputs' first axis, and DDP averages its statistics over it:
+    an RNN that scans the first axis (``time_major=True``) would give κ of a one-step sequence and statistics over
+    time steps, silently (relative errors 0.7-4.5 before this check). Path-SGD and DDP-SGD say so; G-SGD, which
+    needs no examples, runs; a function that transposes its batch-major input to time-major is fine."""
+
+    class TimeMajor(nn.Module):
+        transpose: bool = False  # take (examples, time, features) and transpose inside
+
+        @nn.compact
+        def __call__(self, x):
+            x = jnp.swapaxes(x, 0, 1) if self.transpose else x
+            h = nn.RNN(nn.SimpleCell(3, activation_fn=nn.relu, param_dtype=F64), time_major=True)(x)
+            return nn.Dense(2, param_dtype=F64)(h[-1])
+
+    x = _normal(jax.random.key(2), (2, 4, 2))  # (examples, time, features)
+    xt = jnp.swapaxes(x, 0, 1)
+    params = _tree_normal(jax.eval_shape(TimeMajor().init, jax.random.key(0), xt)["params"], 0, scale=0.6)
+    space = pj.trace(lambda p, xt: TimeMajor().apply({"params": p}, xt), params, xt)
+    for call in (lambda: pj.path_kappa(space, params), lambda: pj.path_sgd(space, 0.1),
+                 lambda: pj.ddp_kappa(space, params, xt, alpha=1.0)):  # fmt: skip
+        with pytest.raises((pj.PathKappaUnsupportedError, pj.DDPUnsupportedError), match="first axis.*examples"):
+            call()
+    pj.g_sgd(space, 0.1).init(params)
+    fn = lambda p, x: TimeMajor(transpose=True).apply({"params": p}, x)  # noqa: E731
+    ref = _half_hessian_diag(_gamma2_reference("transposed", fn, x), params)
+    chex.assert_trees_all_close(pj.path_kappa(pj.trace(fn, params, x), params), ref, rtol=1e-10, atol=1e-12)
+
+
 def test_path_kappa_compiles_once_per_shape():
     from pathspace_jax import kappa as kappa_mod
 
