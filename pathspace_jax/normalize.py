@@ -67,6 +67,7 @@ class _Node(NamedTuple):
 
 def _check(space: PathSpace, alpha, moment, eps) -> float:
     check_path_space(space, "ddp_normalize")
+    flat.refuse_undefined(space, "ddp_normalize", DDPNormalizationError)  # dropout traced; time-major inputs
     alpha = float(alpha)
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must be in [0, 1], got {alpha}")

@@ -650,8 +650,8 @@ def test_errors():
 def test_time_major_inputs_are_refused_not_misread():
     """κ runs the network on one example along the inputs' first axis, and DDP averages its statistics over it:
     an RNN that scans the first axis (``time_major=True``) would give κ of a one-step sequence and statistics over
-    time steps, silently (relative errors 0.7-4.5 before this check). Path-SGD and DDP-SGD say so; G-SGD, which
-    needs no examples, runs; a function that transposes its batch-major input to time-major is fine."""
+    time steps, silently (relative errors 0.7-4.5 before this check). Path-SGD, DDP-SGD and DDP-Normalization say
+    so; G-SGD, which needs no examples, runs; a function that transposes its batch-major input inside is fine."""
 
     class TimeMajor(nn.Module):
         transpose: bool = False  # take (examples, time, features) and transpose inside
@@ -667,8 +667,9 @@ def test_time_major_inputs_are_refused_not_misread():
     params = _tree_normal(jax.eval_shape(TimeMajor().init, jax.random.key(0), xt)["params"], 0, scale=0.6)
     space = pj.trace(lambda p, xt: TimeMajor().apply({"params": p}, xt), params, xt)
     for call in (lambda: pj.path_kappa(space, params), lambda: pj.path_sgd(space, 0.1),
-                 lambda: pj.ddp_kappa(space, params, xt, alpha=1.0)):  # fmt: skip
-        with pytest.raises((pj.PathKappaUnsupportedError, pj.DDPUnsupportedError), match="first axis.*examples"):
+                 lambda: pj.ddp_kappa(space, params, xt, alpha=1.0),
+                 lambda: pj.ddp_normalize(space, alpha=1.0)):  # fmt: skip
+        with pytest.raises(pj.PathSpaceError, match="first axis.*examples"):
             call()
     pj.g_sgd(space, 0.1).init(params)
     fn = lambda p, x: TimeMajor(transpose=True).apply({"params": p}, x)  # noqa: E731
