@@ -120,7 +120,7 @@ def _moment(z, moment: str):
 
 def _ones(xs, dtype) -> list:
     """The all-ones input of the γ² recursion (γ² = 1 on inputs); token ids stay integers, masks all True."""
-    return [jnp.ones((1, *jnp.shape(x)[1:]), dtype if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype) for x in xs]
+    return [jnp.ones((1, *jnp.shape(x)[1:]), flat.all_ones_dtype(x.dtype, dtype)) for x in xs]
 
 
 def _mixer(alpha: float, stats: dict):
@@ -217,7 +217,7 @@ def check_inputs(space: PathSpace, inputs) -> list:
                 "network: trace and train a function that closes over the key, or the deterministic one "
                 "(e.g. deterministic=True)."
             )
-        if not any(jnp.issubdtype(dt, t) for t in (jnp.floating, jnp.integer, jnp.bool_)):
+        if not flat.supported_input(dt):
             raise DDPUnsupportedError(f"ddp_kappa: input #{i} must be floating point, token ids or a mask, got {dt}")
         if tuple(jnp.shape(x))[1:] != tuple(spec.shape)[1:]:
             raise ValueError(

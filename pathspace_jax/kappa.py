@@ -151,7 +151,7 @@ def check_kappa_space(space: PathSpace, who: str) -> None:
                 f"{who}: the traced function takes a PRNG key (for dropout?). Path sums are defined for one "
                 "deterministic network: trace the deterministic function (e.g. deterministic=True)."
             )
-        if not any(jnp.issubdtype(spec.dtype, t) for t in (jnp.floating, jnp.integer, jnp.bool_)):
+        if not flat.supported_input(spec.dtype):
             raise PathKappaUnsupportedError(
                 f"{who}: the traced function takes a {spec.dtype} input; path sums are defined for floating-point "
                 "inputs, integer token ids (embedding lookups) and boolean masks."
@@ -163,10 +163,7 @@ def _setup(space, leaves):
     dt = compute_dtype(leaves)
     leaves, lg = to_canonical_frame(space, [jnp.asarray(p).astype(dt) for p in leaves], dt)
     specs = jax.tree_util.tree_leaves(space.arg_specs)
-    input_key = tuple(
-        ((1, *tuple(x.shape)[1:]), str(jnp.dtype(dt) if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype))
-        for x in specs
-    )
+    input_key = tuple(((1, *tuple(x.shape)[1:]), str(flat.all_ones_dtype(x.dtype, jnp.dtype(dt)))) for x in specs)
     param_key = tuple((tuple(p.shape), str(p.dtype)) for p in leaves)
     prog = flat.program(
         space, param_key, input_key, who=_WHO, err=PathKappaUnsupportedError, allow_scan=True, inline_custom=True

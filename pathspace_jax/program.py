@@ -300,6 +300,18 @@ def _program(space: PathSpace, param_key: tuple, input_key: tuple, mesh, **optio
     return _finish(frame, flags, len(param_specs), int_inputs=int_inputs, **options)
 
 
+def supported_input(dtype) -> bool:
+    """Whether path sums and DDP's statistics are defined for an input of ``dtype``: floats, token ids (integers,
+    one-hot inputs times an embedding table) and masks (booleans, constants of the network)."""
+    return any(jnp.issubdtype(dtype, t) for t in (jnp.floating, jnp.integer, jnp.bool_))
+
+
+def all_ones_dtype(dtype, float_dtype):
+    """The dtype of an input on the all-ones input of the |·|^p network: ``float_dtype`` for a float input; token
+    ids and masks keep theirs (1: any id, the lookup sums the rows; True: every position counts)."""
+    return float_dtype if jnp.issubdtype(dtype, jnp.floating) else dtype
+
+
 def bind(e: Eqn, vals) -> list:
     """Apply the equation's primitive to ``vals``."""
     return jx.bind(e.prim, e.params, vals)

@@ -277,13 +277,20 @@ def _shared_diagonals(interp: Interpreter, leaf_info: list[tuple]) -> list[tuple
         roots.update((r, axis) for r in ins + outs)
     keys = {frozenset(f[k] for k in node_in) for _, f, node_in, _, _, _, _ in leaf_info if node_in}
     keys |= {frozenset(e[k] for k in node_out) for _, _, _, node_out, _, _, e in leaf_info if node_out}
-    by_root: dict[int, frozenset] = {}
+    for key, other in _clashes(keys):  # `_node_groups` would pin both; a member axis among them is shared instead
+        shared += [roots[t] for t in key | other if t in roots]
+    return list(dict.fromkeys(shared))
+
+
+def _clashes(keys):
+    """The pairs of node-group keys that share a root: a layer reads or writes a group only in part, along with
+    other axes, so neither can be rescaled consistently."""
+    seen: dict[int, Any] = {}
     for key in keys:
         for r in key:
-            other = by_root.setdefault(r, key)
-            if other != key:  # `_node_groups` would pin both; a member axis among them is shared instead
-                shared += [roots[t] for t in key | other if t in roots]
-    return list(dict.fromkeys(shared))
+            if r in seen:
+                yield key, seen[r]
+            seen[r] = key
 
 
 def _build(interp: Interpreter, treedef, leaves, paths, fn, arg_specs, strict) -> PathSpace:
@@ -434,17 +441,12 @@ def _node_groups(interp: Interpreter, leaf_info) -> tuple[list[NodeGroup], dict,
         if node_in:
             add_key(tuple(factors[k] for k in node_in), step - 0.5, False, path)
         add_key(tuple(ends[k] for k in node_out), step, True, path)
-    # a root in two different keys cannot be rescaled consistently
-    seen: dict[int, tuple[int, ...]] = {}
-    for key in group_order:
-        for r in key:
-            if r in seen:
-                atoms.pin(
-                    list(key) + list(seen[r]),
-                    f"one array axis belongs to node groups of different shapes (those of {by[seen[r]]} and "
-                    f"{by[key]}): a layer reads or writes a group only in part, along with other axes",
-                )
-            seen[r] = key
+    for key, other in _clashes(group_order):
+        atoms.pin(
+            list(key) + list(other),
+            f"one array axis belongs to node groups of different shapes (those of {by[other]} and {by[key]}): a "
+            "layer reads or writes a group only in part, along with other axes",
+        )
 
     keys = sorted(group_order, key=lambda k: (group_order[k], k))
     groups: list[NodeGroup] = []
