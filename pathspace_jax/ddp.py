@@ -439,7 +439,8 @@ def _second_order_probes(vjp, probe_zs, nus, key, num_probes, moment, b, n) -> l
     scale = [jnp.sqrt(jnp.maximum(nu, 0.0)).astype(z.dtype) for nu, z in zip(nus, probe_zs, strict=False)]
 
     small = [i for i, z in enumerate(probe_zs) if np.prod(jnp.shape(z)) <= _ONE_DRAW_MAX]
-    ends = np.cumsum([int(np.prod(jnp.shape(probe_zs[i]))) for i in small])
+    sizes = np.array([int(np.prod(jnp.shape(probe_zs[i]))) for i in small], dtype=np.int64)
+    ends = np.cumsum(sizes)  # node i's signs are flat[end - size:end]; none when every node is large
     drawn_together = set(small)
 
     def signs(k):
@@ -450,7 +451,7 @@ def _second_order_probes(vjp, probe_zs, nus, key, num_probes, moment, b, n) -> l
         out = [None if i in drawn_together else jax.random.rademacher(ks[i], z.shape, z.dtype, **_sharded_like(z))
                for i, z in enumerate(probe_zs)]  # fmt: skip
         flat = jax.random.rademacher(ks[-1], (int(ends[-1]),), jnp.float32) if small else None
-        for i, a, b in zip(small, [0, *ends[:-1]], ends, strict=True):
+        for i, a, b in zip(small, ends - sizes, ends, strict=True):
             z = probe_zs[i]
             r = flat[a:b].reshape(z.shape).astype(z.dtype)
             sharding = _sharded_like(z).get("out_sharding")  # a VJP's cotangent carries its primal's sharding

@@ -479,10 +479,19 @@ def _draws(draw, key, count):
 
 
 @pytest.mark.parametrize(
-    "name,alpha,moment", [("mlp", 0.5, "second"), ("cnn", 1.0, "variance"), ("cnn", 0.4, "second")]
+    "name,alpha,moment,one_draw_max",
+    [("mlp", 0.5, "second", None), ("cnn", 1.0, "variance", None), ("cnn", 0.4, "second", None),
+     ("mlp", 1.0, "second", 0)],  # fmt: skip
 )
 @pytest.mark.slow
-def test_probe_estimator_is_unbiased(name, alpha, moment):
+def test_probe_estimator_is_unbiased(name, alpha, moment, one_draw_max, monkeypatch):
+    """One probe estimates κ without bias. The small probe nodes take their signs from one draw, large ones
+    (over `pathspace_jax.ddp._ONE_DRAW_MAX` entries) apart; ``one_draw_max=0`` makes every node large (a wide
+    LM's hidden nodes at batch 32: that case raised a ``ValueError`` once)."""
+    from pathspace_jax import ddp
+
+    if one_draw_max is not None:
+        monkeypatch.setattr(ddp, "_ONE_DRAW_MAX", one_draw_max)
     fn, _, params, x, space = _case(name)
     exact = ravel_pytree(pj.ddp_kappa(space, params, x, alpha=alpha, moment=moment))[0]
     draws = _draws(
