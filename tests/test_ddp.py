@@ -480,8 +480,12 @@ def _draws(draw, key, count):
 
 @pytest.mark.parametrize(
     "name,alpha,moment,one_draw_max",
-    [("mlp", 0.5, "second", None), ("cnn", 1.0, "variance", None), ("cnn", 0.4, "second", None),
-     ("mlp", 1.0, "second", 0)],  # fmt: skip
+    [
+        ("mlp", 0.5, "second", None),
+        ("cnn", 1.0, "variance", None),
+        ("cnn", 0.4, "second", None),
+        ("mlp", 1.0, "second", 0),
+    ],
 )
 @pytest.mark.slow
 def test_probe_estimator_is_unbiased(name, alpha, moment, one_draw_max, monkeypatch):
