@@ -6,12 +6,13 @@
 #   sh benchmarks/gpu_check.sh ab CHANGE [SECONDS] [LOGDIR] # bench_path_sgd without and with CHANGE, twice
 #
 # `ab` times a candidate change in one call: bench_path_sgd.py as things are and with CHANGE, alternating, twice
-# each, each run's JSON kept as LOGDIR/ab/{base,changed}{1,2}.json. CHANGE is a patch of the library (applied
+# each, each run's JSON kept as {base,changed}{1,2}.json in LOGDIR/ab.tgz. CHANGE is a patch of the library (applied
 # with `git apply`, reverted after each run) or an environment setting VAR=VALUE for the changed runs (e.g.
 # XLA_FLAGS=--xla_gpu_enable_command_buffer=). The results folder's path_sgd.json is restored at the end. Chain
 # it with `bench` in one call (`ab P 240 $OUT; bench 330 $OUT`). On 2 CPU cores the four runs took 200 s.
 # SECONDS (default 560) bounds the run; LOGDIR (default /tmp/gpu_check) gets one log (bench.log or suite.log), and
-# `bench` copies its results folder (JSON and figures) to LOGDIR/results. Needs jax with CUDA, flax, optax, chex,
+# `bench` its results folder (JSON and figures) as LOGDIR/results.tgz, `ab` its runs as LOGDIR/ab.tgz: one file
+# each, since a lent machine sends back only a few files per call (the third lease lost its JSON that way). Needs jax with CUDA, flax, optax, chex,
 # pytest and pytest-xdist, with the checkout on PYTHONPATH or installed. On one H200 (JAX 0.11.2, 2026-11-27) the
 # whole suite took 414 s from a cold compilation cache, and bench_path_sgd, bench_gsgd and bench_kernels 154 s, so
 # `suite 445` then `bench` with the rest fit one 10-minute call (bench_ddp and bench_scale did not).
@@ -41,7 +42,7 @@ bench)
         echo "bench_$name rc=$? at $(($(date +%s) - start)) s" | tee -a "$logs/bench.log"
     done
     tail -60 "$logs/bench.log"
-    python3 benchmarks/report.py && mkdir -p "$logs/results" && cp "$folder"/* "$logs/results/"
+    python3 benchmarks/report.py && tar czf "$logs/results.tgz" -C "$folder" .
     ;;
 suite)
     timeout "$(left)" python3 -m pytest -o addopts= -n 14 -m "slow or not slow" -p no:warnings -p no:benchmark \
@@ -74,6 +75,7 @@ ab)
     done
     # the results folder keeps no candidate's figures
     if [ -f "$logs/ab/kept.json" ]; then cp "$logs/ab/kept.json" "$folder/path_sgd.json"; else rm -f "$folder/path_sgd.json"; fi
+    tar czf "$logs/ab.tgz" -C "$logs" ab && rm -r "$logs/ab"
     ;;
 *)
     echo "unknown mode $mode: bench, suite or ab" >&2

@@ -3,13 +3,16 @@ leaf in the balanced frame (`geometric_mean`), and the division by it with the f
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import math
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pathspace_jax.frames import edge_factors, frame_factor_parts, frame_factors, in_canonical_frame
+from pathspace_jax.frames import edge_factors, frame_factor_parts, frame_factors, in_canonical_frame, replicated
 from pathspace_jax.graph import compute_dtype
 from pathspace_jax.gsgd import balanced_frame
 from pathspace_jax.kappa import RankOne, full, kappa_canonical
@@ -25,12 +28,12 @@ def every_step(every) -> bool:
     return isinstance(every, int | np.integer) and every == 1
 
 
-def kappa_state(space, params, every, factored=False):
-    """The initial kept κ (`KeptKappa`): κ zeros like params (``factored``: `pathspace_jax.kappa.RankOne` zeros
-    where Path-SGD keeps a dense kernel's κ as two vectors), zero node vectors and leaf means in the compute dtype;
-    all None when κ is computed at each step (`every_step`)."""
+def kappa_state(space, params, every, factored=False) -> PackedKappa | None:
+    """The initial kept κ, packed (`PackedKappa`): κ zeros like params (``factored``: `pathspace_jax.kappa.RankOne`
+    zeros where Path-SGD keeps a dense kernel's κ as two vectors), zero node vectors and leaf means in the compute
+    dtype; None when κ is computed at each step (`every_step`)."""
     if every_step(every):
-        return KeptKappa(None, None, None, None)
+        return None
 
     leaves = space.leaves_of(params, "params")
     kappa = [jnp.zeros(jnp.shape(p), jnp.result_type(p)) for p in leaves]
@@ -42,7 +45,7 @@ def kappa_state(space, params, every, factored=False):
         ]
     ct = compute_dtype(leaves)
     nodes, per_leaf = jnp.zeros((space.num_nodes,), ct), jnp.zeros((sum(mean_slots(space)),), ct)
-    return KeptKappa(space.unflatten_like(params, kappa), nodes, nodes, per_leaf)
+    return PackedKappa.pack(KeptKappa(space.unflatten_like(params, kappa), nodes, nodes, per_leaf))
 
 
 def mean_slots(space) -> list[int]:
@@ -67,6 +70,65 @@ class KeptKappa(NamedTuple):
     log2_gauge: jax.Array | None
     frame: jax.Array | None
     kappa_mean: jax.Array | None
+
+
+def _is_rank_one(k) -> bool:
+    return isinstance(k, RankOne)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["arrays", "vectors"], meta_fields=["layout"])
+@dataclasses.dataclass(frozen=True)
+class PackedKappa:
+    """A `KeptKappa` as the states of `scale_by_path_sgd` and `scale_by_ddp` keep it with ``every > 1``;
+    `unpack` gives the `KeptKappa`.
+
+    ``arrays``: κ of each leaf that `pathspace_jax.kappa.RankOne` does not factor, shaped (and sharded) like the
+    leaf, in the order of the params' leaves. ``vectors``: everything of node size (the rank-one vectors,
+    ``log2_gauge``, ``frame``, ``kappa_mean``) concatenated, one vector per dtype. ``layout`` (static): where each
+    array of the `KeptKappa` is. A compiled step takes and returns each array of its state, and on a GPU each one
+    costs the host microseconds per call, a step of 0.1 ms a few per cent: packed, the MLP 784-512-512-10's state
+    holds 5 arrays instead of 13 (the figures are in benchmarks/README.md).
+    """
+
+    arrays: tuple
+    vectors: tuple
+    layout: tuple  # (the KeptKappa's treedef, per array of it: (node-sized?, shape, dtype))
+
+    @classmethod
+    def pack(cls, kept: KeptKappa, like: PackedKappa | None = None) -> PackedKappa:
+        """``kept`` packed; with ``like``, in its layout and dtypes (κ as computed, to be kept)."""
+        leaves, treedef = jax.tree_util.tree_flatten(kept)
+        marks = jax.tree_util.tree_map(
+            lambda k: RankOne(1, 1) if _is_rank_one(k) else 0, kept.kappa, is_leaf=_is_rank_one
+        )
+        small = [bool(m) for m in jax.tree_util.tree_leaves(KeptKappa(marks, 1, 1, 1))]  # node-sized arrays
+        if like is not None:
+            leaves = [jnp.asarray(a, d) for a, (_, _, d) in zip(leaves, like.layout[1], strict=True)]
+        entries = tuple((m, tuple(jnp.shape(a)), jnp.dtype(a.dtype)) for m, a in zip(small, leaves, strict=True))
+        vectors = tuple(
+            replicated(
+                jnp.concatenate([jnp.ravel(a) for m, a in zip(small, leaves, strict=True) if m and a.dtype == d])
+            )
+            for d in dict.fromkeys(d for m, _, d in entries if m)
+        )
+        return cls(tuple(a for m, a in zip(small, leaves, strict=True) if not m), vectors, (treedef, entries))
+
+    def unpack(self) -> KeptKappa:
+        """The `KeptKappa` (κ in the canonical frame with `pathspace_jax.kappa.RankOne` vectors where a dense
+        kernel's κ is factored, the log-gauge, the balanced frame and the leaf means)."""
+        treedef, entries = self.layout
+        # whole on every device of the params' mesh, and so are their slices (`pathspace_jax.frames.replicated`):
+        # else XLA splits them at boundaries of its own and exchanges halos at every slice
+        vectors = dict(zip(dict.fromkeys(d for m, _, d in entries if m), map(replicated, self.vectors), strict=True))
+        arrays, at, out = iter(self.arrays), dict.fromkeys(vectors, 0), []
+        for node_sized, shape, dtype in entries:
+            if not node_sized:
+                out.append(next(arrays))
+                continue
+            n = math.prod(shape)
+            out.append(replicated(jax.lax.slice(vectors[dtype], (at[dtype],), (at[dtype] + n,)).reshape(shape)))
+            at[dtype] += n
+        return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def kept_kappa(space, params, kappa, lg) -> KeptKappa:
@@ -128,7 +190,7 @@ def _mean_log(x):
     return jnp.sum(jnp.where(ok, jnp.log(jnp.where(ok, x, 1)), 0)) / jnp.maximum(n, 1), n
 
 
-def check_refresh(refresh, kept: KeptKappa, who: str) -> bool | None:
+def check_refresh(refresh, stored: PackedKappa | None, who: str) -> bool | None:
     """``refresh_kappa`` as ``update`` got it: None (the ``every`` schedule), or a Python bool."""
     if refresh is None:
         return None
@@ -139,7 +201,7 @@ def check_refresh(refresh, kept: KeptKappa, who: str) -> bool | None:
             "static argument of your jitted step (jax.jit(train_step, static_argnames='refresh')), or leave it "
             "None and schedule κ on the step count with every=k."
         )
-    if not refresh and kept.kappa is None:
+    if not refresh and stored is None:
         raise ValueError(
             f"{who}: refresh_kappa=False reuses the κ kept in the state, but with every=1 the state keeps none: "
             "build the transformation with every=k > 1 (its state then keeps κ between refreshes)."
@@ -147,30 +209,32 @@ def check_refresh(refresh, kept: KeptKappa, who: str) -> bool | None:
     return bool(refresh)
 
 
-def current_kappa(compute, kept: KeptKappa, count, every, refresh: bool | None = None) -> KeptKappa:
-    """``compute()`` at steps 0, every, 2·every, …, the ``kept`` κ in between (one ``lax.cond``); ``compute()``
-    alone when nothing is kept (`every_step`: nothing stored, so XLA fuses κ into the division). ``refresh``
-    (`check_refresh`), when not None, decides instead, with no conditional: ``compute()`` or ``kept``.
+def current_kappa(compute, stored: PackedKappa | None, count, every, refresh: bool | None = None):
+    """(κ for this step, the state's `PackedKappa` after it): ``compute()`` at steps 0, every, 2·every, …, the
+    ``stored`` κ in between (one ``lax.cond``); ``compute()`` alone when nothing is kept (``stored`` None, with
+    `every_step`: nothing stored, so XLA fuses κ into the division). ``refresh`` (`check_refresh`), when not None,
+    decides instead, with no conditional: ``compute()`` or ``stored``.
 
-    κ travels as raveled leaves: on XLA:CPU a 2-D κ (an outer product for a dense kernel) otherwise gets a
+    κ travels as raveled arrays: on XLA:CPU a 2-D κ (an outer product for a dense kernel) otherwise gets a
     column-major layout and is transposed into the state on every step (benchmarks/README.md). The stored κ
     enters the ``cond`` as an operand, raveled outside it: raveled inside the branch, XLA:CPU copied every
     stored leaf into the ``cond`` at every step.
     """
-    if kept.kappa is None:
-        return compute()
+    if stored is None:
+        return compute(), None
     if refresh is not None:
-        return jax.tree_util.tree_map(lambda a, b: a.astype(b.dtype), compute(), kept) if refresh else kept
+        new = PackedKappa.pack(compute(), like=stored) if refresh else stored
+        return new.unpack(), new
 
-    def flat(tree):
-        return [jnp.ravel(a) for a in jax.tree_util.tree_leaves(tree)]
+    def flat(packed):
+        return [jnp.ravel(a) for a in (*packed.arrays, *packed.vectors)]
 
-    def fresh():
-        return flat(jax.tree_util.tree_map(lambda a, b: a.astype(b.dtype), compute(), kept))
-
-    ks = jax.lax.cond(count % every == 0, lambda _: fresh(), lambda ks: ks, flat(kept))
-    leaves, treedef = jax.tree_util.tree_flatten(kept)
-    return jax.tree_util.tree_unflatten(treedef, [k.reshape(jnp.shape(a)) for k, a in zip(ks, leaves, strict=True)])
+    ks = jax.lax.cond(
+        count % every == 0, lambda _: flat(PackedKappa.pack(compute(), like=stored)), lambda ks: ks, flat(stored)
+    )
+    arrays = tuple(k.reshape(jnp.shape(a)) for k, a in zip(ks, stored.arrays, strict=False))
+    new = PackedKappa(arrays, tuple(ks[len(arrays) :]), stored.layout)
+    return new.unpack(), new
 
 
 def divide_by_kappa(space, updates, kept: KeptKappa, normalize, damping, floor, eps):

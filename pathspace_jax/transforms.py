@@ -16,7 +16,7 @@ from pathspace_jax.frames import on_mesh_of
 from pathspace_jax.graph import check_path_space, warn_if_plain
 from pathspace_jax.kappa import check_kappa_space, kappa_canonical
 from pathspace_jax.scaling import (
-    KeptKappa,
+    PackedKappa,
     check_refresh,
     current_kappa,
     divide_by_kappa,
@@ -153,16 +153,14 @@ def _check_static(where: str, **hyperparams) -> None:
 class ScaleByDDPState(NamedTuple):
     """State of `scale_by_ddp`: the step count and the κ last computed (recomputed every ``every`` steps).
 
-    As in `ScaleByPathSGDState`: ``kappa``, ``log2_gauge``, ``frame`` and ``kappa_mean`` are those of
-    `pathspace_jax.scaling.KeptKappa` (κ in the canonical frame; `pathspace_jax.frames.kappa_from_frame` gives κ
-    of the params), all None with ``every=1`` (the default): κ is computed at each step and not kept.
+    As in `ScaleByPathSGDState`: ``kept`` is a `pathspace_jax.scaling.PackedKappa` whose ``unpack()`` gives the
+    `pathspace_jax.scaling.KeptKappa` (κ in the canonical frame, its log-gauge, frame and leaf means;
+    `pathspace_jax.frames.kappa_from_frame` gives κ of the params); None with ``every=1`` (the default): κ is
+    computed at each step and not kept.
     """
 
     count: jax.Array
-    kappa: Any
-    log2_gauge: jax.Array | None
-    frame: jax.Array | None
-    kappa_mean: jax.Array | None
+    kept: PackedKappa | None
 
 
 def scale_by_ddp(
@@ -254,7 +252,7 @@ def scale_by_ddp(
     config = (alpha, moment, estimator, num_probes, probe_batch_size, bool(normalize))
 
     def init_fn(params):
-        return ScaleByDDPState(jnp.zeros([], jnp.int32), *kappa_state(space, params, every))
+        return ScaleByDDPState(jnp.zeros([], jnp.int32), kappa_state(space, params, every))
 
     def update_fn(updates, state, params=None, *, inputs=None, key=None, refresh_kappa=None, **extra_args):
         del extra_args
@@ -268,7 +266,7 @@ def scale_by_ddp(
         xs = check_inputs(space, inputs)
         if key is None:
             key = jax.random.fold_in(jax.random.key(0), state.count)
-        refresh = check_refresh(refresh_kappa, KeptKappa(*state[1:]), "scale_by_ddp")
+        refresh = check_refresh(refresh_kappa, state.kept, "scale_by_ddp")
         return _ddp_update(
             space, config, updates, state, params, xs, key, damping, floor, eps, every, probe_damping, refresh=refresh
         )
@@ -285,14 +283,14 @@ def _ddp_update(space, config, updates, state, params, xs, key, damping, floor, 
 
     def compute():
         leaves = [jnp.asarray(p) for p in space.leaves_of(params, "params")]
-        in_cond = state.kappa is not None and refresh is None
+        in_cond = state.kept is not None and refresh is None
         kappa, lg = ddp_kappa_canonical(space, leaves, xs, key, alpha, moment, estimator, num_probes, probe_damping,
                                         True, probe_batch_size, in_cond)  # fmt: skip
         return kept_kappa(space, params, space.unflatten_like(params, kappa), lg)
 
-    kept = current_kappa(compute, KeptKappa(*state[1:]), state.count, every, refresh)
+    kept, stored = current_kappa(compute, state.kept, state.count, every, refresh)
     new = divide_by_kappa(space, updates, kept, normalize, damping, floor, eps)
-    return new, ScaleByDDPState(optax.safe_int32_increment(state.count), *(state[1:] if state.kappa is None else kept))
+    return new, ScaleByDDPState(optax.safe_int32_increment(state.count), stored)
 
 
 # ---------------------------------------------------------------------------- G-SGD: in_path_space
@@ -444,24 +442,22 @@ def _chart_coords(space, normalize, rebalance, params):
 class ScaleByPathSGDState(NamedTuple):
     """State of `scale_by_path_sgd`: the step count and the κ last computed (recomputed every ``every`` steps).
 
-    ``kappa`` is κ in the canonical frame (the params rescaled so that their gauge weights are ±1) and
-    ``log2_gauge`` the frame's per-node log2|B_v| (`pathspace_jax.frames.gauge_log2`) at that step:
-    `pathspace_jax.frames.kappa_from_frame` gives κ of the params (``kappa · 2^(2(k_v − k_u))`` on each
-    edge ``u -> v``, k the rounded log-gauge). ``frame`` (per node) and ``kappa_mean`` (per leaf) are the
-    balanced frame and κ's geometric leaf means in it (`pathspace_jax.scaling.KeptKappa`), for the normalisation
-    and the floor. All stay in range whatever node-wise rescaling the params carry. A dense kernel's κ (a 2-D
-    leaf that one product with a single-row activation of the |·|^p network uses) is kept as
+    ``kept`` is None with ``every=1`` (the default, a Python int): κ is computed at each step and the state keeps
+    nothing of the params' size. With ``every > 1`` it is a `pathspace_jax.scaling.PackedKappa`: κ of the leaves
+    shaped like them, everything of node size in one vector per dtype (a GPU step pays per array of its state).
+    ``state.kept.unpack()`` gives the `pathspace_jax.scaling.KeptKappa`: ``kappa``, κ in the canonical frame (the
+    params rescaled so that their gauge weights are ±1), and ``log2_gauge``, the frame's per-node log2|B_v|
+    (`pathspace_jax.frames.gauge_log2`) at that step: `pathspace_jax.frames.kappa_from_frame` gives κ of the params
+    (``kappa · 2^(2(k_v − k_u))`` on each edge ``u -> v``, k the rounded log-gauge); ``frame`` (per node) and
+    ``kappa_mean`` (per leaf), the balanced frame and κ's geometric leaf means in it, for the normalisation and
+    the floor. All stay in range whatever node-wise rescaling the params carry. A dense kernel's κ (a 2-D leaf
+    that one product with a single-row activation of the |·|^p network uses) is kept as
     `pathspace_jax.kappa.RankOne` vectors ``(a, b)`` with κ = a bᵀ (`pathspace_jax.kappa.full` expands it): the
-    state then holds nothing of that kernel's size, and the step reads two vectors instead of a matrix. All are
-    None with ``every=1`` (the default, a Python int): κ is computed at each step and the state keeps nothing of
-    the params' size.
+    state then holds nothing of that kernel's size, and the step reads two vectors instead of a matrix.
     """
 
     count: jax.Array
-    kappa: Any
-    log2_gauge: jax.Array | None
-    frame: jax.Array | None
-    kappa_mean: jax.Array | None
+    kept: PackedKappa | None
 
 
 def scale_by_path_sgd(
@@ -554,13 +550,13 @@ def scale_by_path_sgd(
     second_order, normalize = bool(second_order), bool(normalize)
 
     def init_fn(params):
-        return ScaleByPathSGDState(jnp.zeros([], jnp.int32), *kappa_state(space, params, every, factored=True))
+        return ScaleByPathSGDState(jnp.zeros([], jnp.int32), kappa_state(space, params, every, factored=True))
 
     def update_fn(updates, state, params=None, *, refresh_kappa=None, **extra_args):
         del extra_args
         if params is None:
             raise ValueError("scale_by_path_sgd needs params: call tx.update(updates, state, params)")
-        refresh = check_refresh(refresh_kappa, KeptKappa(*state[1:]), "scale_by_path_sgd")
+        refresh = check_refresh(refresh_kappa, state.kept, "scale_by_path_sgd")
         return _path_sgd_update(
             space, second_order, normalize, updates, state, params, damping, floor, eps, every, refresh=refresh
         )
@@ -576,8 +572,6 @@ def _path_sgd_update(space, second_order, normalize, updates, state, params, dam
         kappa, lg = kappa_canonical(space, space.leaves_of(params, "params"), second_order, True)
         return kept_kappa(space, params, space.unflatten_like(params, kappa), lg)
 
-    kept = current_kappa(compute, KeptKappa(*state[1:]), state.count, every, refresh)
+    kept, stored = current_kappa(compute, state.kept, state.count, every, refresh)
     new = divide_by_kappa(space, updates, kept, normalize, damping, floor, eps)
-    return new, ScaleByPathSGDState(
-        optax.safe_int32_increment(state.count), *(state[1:] if state.kappa is None else kept)
-    )
+    return new, ScaleByPathSGDState(optax.safe_int32_increment(state.count), stored)

@@ -575,7 +575,7 @@ def test_kept_kappa_is_path_kappa(name):
     space = pj.trace(fn, params, x)
     tx = pj.path_sgd(space, 0.01, second_order=False, every=2)
     _, state = jax.jit(tx.update)(jax.tree_util.tree_map(jnp.ones_like, params), tx.init(params), params)
-    kept = jax.tree_util.tree_leaves(state[0].kappa, is_leaf=lambda k: isinstance(k, RankOne))
+    kept = jax.tree_util.tree_leaves(state[0].kept.unpack().kappa, is_leaf=lambda k: isinstance(k, RankOne))
     assert any(isinstance(k, RankOne) for k in kept) == (name == "mlp")
     got, want = _state_kappa(space, state[0]), pj.path_kappa(space, params, second_order=False)
     chex.assert_trees_all_close(got, want, rtol=1e-10, atol=0)
@@ -583,8 +583,9 @@ def test_kept_kappa_is_path_kappa(name):
 
 def _state_kappa(space, st):
     """κ of the params from a Path-SGD/DDP state (which keeps κ in the canonical frame)."""
-    kappa, treedef = jax.tree_util.tree_flatten(st.kappa, is_leaf=lambda k: isinstance(k, RankOne))  # κ = a bᵀ
-    return jax.tree_util.tree_unflatten(treedef, kappa_from_frame(space, [full(k) for k in kappa], st.log2_gauge))
+    kept = st.kept.unpack()
+    kappa, treedef = jax.tree_util.tree_flatten(kept.kappa, is_leaf=lambda k: isinstance(k, RankOne))  # κ = a bᵀ
+    return jax.tree_util.tree_unflatten(treedef, kappa_from_frame(space, [full(k) for k in kappa], kept.log2_gauge))
 
 
 @pytest.mark.slow
@@ -605,10 +606,10 @@ def test_dtype_preserved(dtype, name):
     fn, params, x = _model(name)
     params = jax.tree_util.tree_map(lambda a: a.astype(dtype), params)
     space = pj.trace(fn, params, x.astype(dtype))
-    tx = pj.path_sgd(space, 0.1)
+    tx = pj.path_sgd(space, 0.1, every=2)  # the state keeps κ: in the params' dtype too
     g = jax.tree_util.tree_map(jnp.ones_like, params)
     u, s = jax.jit(tx.update)(g, tx.init(params), params)
-    for a in jax.tree_util.tree_leaves((u, s[0].kappa, pj.path_kappa(space, params))):
+    for a in jax.tree_util.tree_leaves((u, s[0].kept.unpack().kappa, pj.path_kappa(space, params))):
         assert a.dtype == dtype and np.all(np.isfinite(np.asarray(a, np.float32)))
     assert pj.path_norm(space, params).dtype == dtype
 
