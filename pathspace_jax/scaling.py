@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import serialization
 
 from pathspace_jax.frames import edge_factors, frame_factor_parts, frame_factors, in_canonical_frame, replicated
 from pathspace_jax.graph import compute_dtype
@@ -67,9 +68,9 @@ class KeptKappa(NamedTuple):
     """
 
     kappa: Any
-    log2_gauge: jax.Array | None
-    frame: jax.Array | None
-    kappa_mean: jax.Array | None
+    log2_gauge: jax.Array
+    frame: jax.Array
+    kappa_mean: jax.Array
 
 
 def _is_rank_one(k) -> bool:
@@ -129,6 +130,24 @@ class PackedKappa:
             out.append(replicated(jax.lax.slice(vectors[dtype], (at[dtype],), (at[dtype] + n,)).reshape(shape)))
             at[dtype] += n
         return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _packed_state_dict(packed: PackedKappa) -> dict:
+    return {
+        "arrays": serialization.to_state_dict(packed.arrays),
+        "vectors": serialization.to_state_dict(packed.vectors),
+    }
+
+
+def _packed_from_state_dict(target: PackedKappa, state: dict) -> PackedKappa:
+    arrays = serialization.from_state_dict(target.arrays, state["arrays"], name="arrays")
+    return PackedKappa(arrays, serialization.from_state_dict(target.vectors, state["vectors"], name="vectors"),
+                       target.layout)  # fmt: skip
+
+
+# `flax.serialization.to_bytes` / `from_bytes` (and so flax's msgpack checkpoints) save and restore it like the
+# NamedTuples of the other states; orbax reads it as the pytree it is
+serialization.register_serialization_state(PackedKappa, _packed_state_dict, _packed_from_state_dict)
 
 
 def kept_kappa(space, params, kappa, lg) -> KeptKappa:

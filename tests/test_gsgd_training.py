@@ -218,7 +218,8 @@ def test_clipping_in_path_space_is_invariant():
 @pytest.mark.slow
 def test_checkpoint_restored_in_a_new_process_continues_exactly(tmp_path):
     """Train, save params and state with orbax, restore them in a fresh process that traces the model again,
-    continue: bit for bit the uninterrupted run (g_sgd with momentum and g_adam)."""
+    continue: bit for bit the uninterrupted run (g_sgd with momentum, g_adam, and path_sgd with ``every=3``,
+    whose state keeps κ packed and reuses the restored κ at the first step after the restart)."""
     script = textwrap.dedent(
         """
         import sys
@@ -243,12 +244,16 @@ def test_checkpoint_restored_in_a_new_process_continues_exactly(tmp_path):
                 p, s = step(p, s)
             return p, s
 
+        def make(name, space):
+            return {"g_sgd": lambda: pj.g_sgd(space, 0.1, momentum=0.9), "g_adam": lambda: pj.g_adam(space, 1e-2),
+                    "path_sgd": lambda: pj.path_sgd(space, 0.1, momentum=0.9, every=3)}[name]()
+
         checkpointer = ocp.StandardCheckpointer()
-        for name in ("g_sgd", "g_adam"):
+        for name in ("g_sgd", "g_adam", "path_sgd"):
             if phase == "first":
                 p = model.init(jax.random.key(1), x)["params"]
                 space = pj.trace(fn, p, x)
-                tx = pj.g_sgd(space, 0.1, momentum=0.9) if name == "g_sgd" else pj.g_adam(space, 1e-2)
+                tx = make(name, space)
                 s = tx.init(p)
                 p, s = run(tx, p, s, 10)
                 checkpointer.save(f"{path}/{name}_ckpt", {"params": p, "state": s})
@@ -257,7 +262,7 @@ def test_checkpoint_restored_in_a_new_process_continues_exactly(tmp_path):
             else:
                 fresh = model.init(jax.random.key(7), x)["params"]  # another seed: only the structure matters
                 space = pj.trace(fn, fresh, x)
-                tx = pj.g_sgd(space, 0.1, momentum=0.9) if name == "g_sgd" else pj.g_adam(space, 1e-2)
+                tx = make(name, space)
                 target = {"params": fresh, "state": tx.init(fresh)}
                 restored = checkpointer.restore(f"{path}/{name}_ckpt", target)
                 p, _ = run(tx, restored["params"], restored["state"], 10)
@@ -272,7 +277,7 @@ def test_checkpoint_restored_in_a_new_process_continues_exactly(tmp_path):
             [sys.executable, str(tmp_path / "run.py"), str(tmp_path), phase], env=env, capture_output=True, text=True
         )
         assert out.returncode == 0, out.stderr[-3000:]
-    for name in ("g_sgd", "g_adam"):
+    for name in ("g_sgd", "g_adam", "path_sgd"):
         full, resumed = np.load(tmp_path / f"{name}_full.npz"), np.load(tmp_path / f"{name}_resumed.npz")
         assert len(full.files) == len(resumed.files) == 6
         for k in full.files:

@@ -99,7 +99,8 @@ def test_explicit_mesh_data_parallel_matches_one_device():
 
 
 @pytest.mark.slow
-def test_fsdp_keeps_node_vectors_whole():
+@pytest.mark.parametrize("model", ["mlp", "rnn"])  # a process each: the longest test of the suite, split
+def test_fsdp_keeps_node_vectors_whole(model):
     """FSDP-style sharding with automatic axes and no mesh in context: the same params as one device, and no
     collective-permute in the compiled step (nor in the public functions' programs). Node vectors (one number per
     node) sliced at each leaf's offsets were split by XLA at boundaries of their own, with a halo exchange at every
@@ -112,35 +113,35 @@ def test_fsdp_keeps_node_vectors_whole():
         def fsdp(a):
             axes = [k for k in np.argsort(a.shape)[::-1] if a.shape[k] % 4 == 0]
             return NamedSharding(mesh, P(*["data" if axes and k == axes[0] else None for k in range(a.ndim)]))
-        for model, shape in MODELS.values():
-            x = jax.random.normal(jax.random.key(1), shape)
-            p = model.init(jax.random.key(0), x)["params"]
-            fn = lambda p, x, model=model: model.apply({"params": p}, x)
-            space = pj.trace(fn, p, x)
-            ps = jax.tree_util.tree_map(lambda a: jax.device_put(a, fsdp(a)), p)
-            xs = jax.device_put(x, NamedSharding(mesh, P("data")))
-            for name, tx in optimisers(space).items():
-                step = make_step(fn, tx, name)
-                state = jax.tree_util.tree_map(lambda a: jax.device_put(a, fsdp(a)), tx.init(ps))
-                hlo = step.lower(ps, state, xs).compile().as_text()
-                assert "collective-permute" not in hlo, (name, hlo.count("collective-permute"))
-                assert_close(two_steps(step, tx, ps, xs), two_steps(step, tx, p, x))
-            public = {  # called directly inside a jit: they enter the params' mesh too
-                "to_coords": lambda p: pj.to_coords(space, p),
-                "coord_scales": lambda p: pj.coord_scales(space, p),
-                "path_kappa": lambda p: pj.path_kappa(space, p),
-                "ddp_kappa": lambda p: pj.ddp_kappa(space, p, xs, alpha=1.0),
-            }
-            for name, f in public.items():
-                compiled = jax.jit(f).lower(ps).compile()
-                assert "collective-permute" not in compiled.as_text(), name
-                assert_close(compiled(ps), jax.jit(f)(p))
-                eager = f(ps)  # called outside a trace: compiled whole, each leaf placed as the params' leaf
-                assert_close(eager, compiled(ps))
-                for a, b in zip(jax.tree_util.tree_leaves(eager), jax.tree_util.tree_leaves(ps), strict=True):
-                    assert a.sharding.is_equivalent_to(b.sharding, b.ndim), (name, a.sharding, b.sharding)
+        model, shape = MODELS[__model__]
+        x = jax.random.normal(jax.random.key(1), shape)
+        p = model.init(jax.random.key(0), x)["params"]
+        fn = lambda p, x: model.apply({"params": p}, x)
+        space = pj.trace(fn, p, x)
+        ps = jax.tree_util.tree_map(lambda a: jax.device_put(a, fsdp(a)), p)
+        xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+        for name, tx in optimisers(space).items():
+            step = make_step(fn, tx, name)
+            state = jax.tree_util.tree_map(lambda a: jax.device_put(a, fsdp(a)), tx.init(ps))
+            hlo = step.lower(ps, state, xs).compile().as_text()
+            assert "collective-permute" not in hlo, (name, hlo.count("collective-permute"))
+            assert_close(two_steps(step, tx, ps, xs), two_steps(step, tx, p, x))
+        public = {  # called directly inside a jit: they enter the params' mesh too
+            "to_coords": lambda p: pj.to_coords(space, p),
+            "coord_scales": lambda p: pj.coord_scales(space, p),
+            "path_kappa": lambda p: pj.path_kappa(space, p),
+            "ddp_kappa": lambda p: pj.ddp_kappa(space, p, xs, alpha=1.0),
+        }
+        for name, f in public.items():
+            compiled = jax.jit(f).lower(ps).compile()
+            assert "collective-permute" not in compiled.as_text(), name
+            assert_close(compiled(ps), jax.jit(f)(p))
+            eager = f(ps)  # called outside a trace: compiled whole, each leaf placed as the params' leaf
+            assert_close(eager, compiled(ps))
+            for a, b in zip(jax.tree_util.tree_leaves(eager), jax.tree_util.tree_leaves(ps), strict=True):
+                assert a.sharding.is_equivalent_to(b.sharding, b.ndim), (name, a.sharding, b.sharding)
         print("ok")
-        """
+        """.replace("__model__", repr(model))
     )
 
 
