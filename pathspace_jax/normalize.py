@@ -76,10 +76,11 @@ def _check(space: PathSpace, alpha, moment, eps) -> float:
     if not float(eps) >= 0.0:
         raise ValueError(f"eps must be >= 0, got {eps}")
     for spec in jax.tree_util.tree_leaves(space.arg_specs):
-        if not jnp.issubdtype(spec.dtype, jnp.floating):
+        if not (jnp.issubdtype(spec.dtype, jnp.floating) or jnp.issubdtype(spec.dtype, jnp.bool_)):
             raise DDPNormalizationError(
                 f"ddp_normalize: the traced function takes an input of dtype {spec.dtype}; DDP-Normalization is "
-                "defined here for floating-point inputs (trace a function of the one-hot input for token ids)"
+                "defined here for floating-point inputs and boolean masks (trace a function of the one-hot input "
+                "for token ids)"
             )
     return alpha
 
@@ -253,8 +254,8 @@ def ddp_normalize(space: PathSpace, *, alpha: float, moment: str = "second", eps
       traced function returns, in the dtype of ``w_tilde``.
 
     Raises:
-      DDPNormalizationError: token ids, pinned groups, recurrences, residual connections, a node axis
-        that is not the last, a batch of one with the variance.
+      DDPNormalizationError: token ids (boolean masks are inputs), pinned groups, recurrences, residual
+        connections, a node axis that is not the last, a batch of one with the variance.
 
     Example:
       >>> fn_tilde = pj.ddp_normalize(space, alpha=0.5)

@@ -101,6 +101,35 @@ def test_fn_tilde_is_the_definition(name, alpha, moment):
     assert not np.allclose(fn(p, x), fn_tilde(p, x))  # not vacuous: normalisation changes the function
 
 
+@pytest.mark.parametrize("alpha,moment", [(0.5, "second"), (1.0, "variance")])
+def test_a_boolean_mask_is_an_input_like_the_others(alpha, moment):
+    """A padding mask passed as booleans and applied with ``jnp.where`` (here to the first hidden layer's
+    activations, per example) is an input of the normalised network: the masked examples' zeros enter the next
+    layer's statistics, as in the definition written by hand (it was refused as a non-float input)."""
+    _, _, p, x = _case("mlp")
+    mask = jnp.arange(x.shape[0]) % 3 != 0
+
+    def fn(p, x, m):
+        h = jnp.where(m[:, None], jax.nn.relu(x @ p["w0"] + p["b0"]), 0.0)
+        return jax.nn.relu(h @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
+
+    def ref(p, x, m):
+        h = x
+        for i in range(2):
+            z = h @ p[f"w{i}"] + p[f"b{i}"]
+            g2 = alpha * _stat(z, moment, 0) + (1 - alpha) * (jnp.sum(p[f"w{i}"] ** 2, 0) + p[f"b{i}"] ** 2)
+            h = jax.nn.relu(z / jnp.sqrt(g2))
+            h = jnp.where(m[:, None], h, 0.0) if i == 0 else h
+        return h @ p["w2"] + p["b2"]
+
+    space = pj.trace(fn, p, x, mask)
+    fn_tilde = pj.ddp_normalize(space, alpha=alpha, moment=moment, eps=0.0)
+    chex.assert_trees_all_close(fn_tilde(p, x, mask), ref(p, x, mask), rtol=1e-12, atol=1e-12)
+    assert not np.allclose(ref(p, x, mask), ref(p, x, jnp.ones_like(mask)))  # the mask matters
+    w = pj.ddp_normalized_weights(space, p, x, mask, alpha=alpha, moment=moment, eps=0.0)
+    chex.assert_trees_all_close(fn(w, x, mask), fn_tilde(p, x, mask), rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("alpha,moment", CASES)
 def test_normalised_network_has_unit_gamma_orthogonal_gradients_and_incoming_scale_invariance(alpha, moment):
     fn, _, p, x = _case("mlp")
