@@ -26,7 +26,8 @@ jax.config.update("jax_enable_x64", True)
 # longer in the later runs whatever the code (checked against a checkout of the earlier commit); 9.3 minutes
 # (403 tests) on 2026-11-25 after the unrolled scans of commit e98cb23; 9.5 and 9.8 minutes (413 tests) in two CI
 # dry runs on 2026-11-26 (the second after 571a47b took 13 s of worker time out); 12.3-12.5 minutes (502 tests)
-# on 2026-11-27, and 13.6 (546 tests: six more zoo models) later that day.
+# on 2026-11-27, and 13.6 (546 tests: six more zoo models) later that day; 14.1 minutes (549 tests, user 26.5)
+# on 2026-11-27 (twenty-second session), then 12.4 (554 tests, user 23.4) with TEST_XLA_FLAGS below.
 # PJ_TEST_CACHE=0 turns it off.
 if os.environ.get("PJ_TEST_CACHE", "1") != "0":
     _CACHE = {
@@ -37,6 +38,16 @@ if os.environ.get("PJ_TEST_CACHE", "1") != "0":
     for _name, _value in _CACHE.items():
         jax.config.update(_name, _value)
         os.environ[_name.upper()] = str(_value)
+
+
+# The tests compile many small programs and run each a few times: XLA:CPU's LLVM backend at -O1 without its
+# expensive passes compiles them faster (test_kappa and test_trace from an empty cache: 157 s -> 123 s on 2
+# cores) and runs them as fast (the digits CNN's training test: 13.1 s -> 11.0 s; at -O0 it took 17 times
+# longer, its convolutions unvectorised). Set before JAX starts its backend; subprocesses inherit it (tests that
+# set XLA_FLAGS for theirs append to it). PJ_TEST_FAST_COMPILE=0 compiles as users do.
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=1 --xla_llvm_disable_expensive_passes=true"
+if os.environ.get("PJ_TEST_FAST_COMPILE", "1") != "0":
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest's own -m selection

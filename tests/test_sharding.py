@@ -64,7 +64,8 @@ def assert_close(a, b):
 
 
 def _run(body: str) -> None:
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4".strip()
+    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
     env.pop("JAX_ENABLE_X64", None)
     out = subprocess.run(
         [sys.executable, "-c", COMMON + textwrap.dedent(body)], env=env, capture_output=True, text=True
