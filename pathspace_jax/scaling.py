@@ -1,5 +1,6 @@
-"""The κ-scaled step that Path-SGD and DDP-SGD share: κ kept with its frames (`KeptKappa`), its typical size per
-leaf in the balanced frame (`geometric_mean`), and the division by it with the floor (`divide_by_kappa`)."""
+"""The κ-scaled step that Path-SGD and DDP-SGD share: κ kept with its frames (`KeptKappa`, stored in the state as
+`PackedKappa`), its typical size per leaf in the balanced frame (`geometric_mean`), and the division by it with
+the floor (`divide_by_kappa`)."""
 
 from __future__ import annotations
 
