@@ -46,6 +46,8 @@ _TXS = {
     "path_sgd": (lambda space: pj.path_sgd(space, 0.05), False),
     "ddp_sgd": (lambda space: pj.ddp_sgd(space, 0.05, alpha=0.5), True),
 }
+# and one whose state keeps κ (`pathspace_jax.scaling.PackedKappa`, a pytree that nnx wraps leaf by leaf)
+_NNX_TXS = {**_TXS, "path_sgd_every3": (lambda space: pj.path_sgd(space, 0.05, every=3), False)}
 
 
 def _loss(model, x, y):
@@ -53,9 +55,9 @@ def _loss(model, x, y):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(_TXS))
+@pytest.mark.parametrize("name", list(_NNX_TXS))
 def test_nnx_optimizer_matches_the_functional_loop(name):
-    make, needs_inputs = _TXS[name]
+    make, needs_inputs = _NNX_TXS[name]
     model = _MLP(nnx.Rngs(0))
     graphdef, params = nnx.split(model, nnx.Param)
     space = pj.trace(lambda p, x: nnx.merge(graphdef, p)(x), params, _X)
