@@ -115,18 +115,24 @@ def assert_update_invariant(
     if not isinstance(inputs, tuple):
         inputs = (inputs,)
     grad_fn = jax.grad(loss_fn)
-    fn = jax.jit(lambda p: space.fn(p, *inputs))
+    fn = jax.jit(lambda p, xs: space.fn(p, *xs))
+    # arrays (the batch, update's inputs= and key=) are arguments of the compiled step, not constants baked into
+    # it; anything else (refresh_kappa, a Python bool; a batch holding Python numbers) is part of the program
+    arrays = {k: v for k, v in kwargs.items() if _is_arrays(v)}
+    static = {k: v for k, v in kwargs.items() if k not in arrays}
+    batch_arg = batch if _is_arrays(batch) else None
 
     @jax.jit  # as in training; op by op, a step dispatches (and first compiles) each of its many operations alone
-    def step(p, state):
-        updates, state = tx.update(grad_fn(p, batch), state, p, **kwargs)
+    def step(p, state, batch_arg, arrays):
+        grads = grad_fn(p, batch if batch_arg is None else batch_arg)
+        updates, state = tx.update(grads, state, p, **arrays, **static)
         return optax.apply_updates(p, updates), state
 
     def run(p):
         state = tx.init(p)
         for _ in range(num_steps):
-            p, state = step(p, state)
-        return fn(p)
+            p, state = step(p, state, batch_arg, arrays)
+        return fn(p, inputs)
 
     def differs(a, b):
         return any(
@@ -134,7 +140,7 @@ def assert_update_invariant(
             for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b))
         )
 
-    before = fn(params)
+    before = fn(params, inputs)
     expected = run(params)
     if not differs(expected, before):
         raise AssertionError("the optimizer steps left the function unchanged: the invariance test would be vacuous")
@@ -143,3 +149,9 @@ def assert_update_invariant(
         if not differs(params, scaled):
             raise AssertionError("random_rescale left params unchanged: the rescaling test would be vacuous")
         chex.assert_trees_all_close(run(scaled), expected, rtol=rtol, atol=atol)
+
+
+def _is_arrays(tree) -> bool:
+    """A non-empty pytree whose leaves are all arrays."""
+    leaves = jax.tree_util.tree_leaves(tree)
+    return bool(leaves) and all(isinstance(x, jax.Array | np.ndarray) for x in leaves)
