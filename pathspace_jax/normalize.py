@@ -76,7 +76,7 @@ def _check(space: PathSpace, alpha, moment, eps) -> float:
     if not float(eps) >= 0.0:
         raise ValueError(f"eps must be >= 0, got {eps}")
     for spec in jax.tree_util.tree_leaves(space.arg_specs):
-        if not (jnp.issubdtype(spec.dtype, jnp.floating) or jnp.issubdtype(spec.dtype, jnp.bool_)):
+        if not flat.supported_input(spec.dtype) or jnp.issubdtype(spec.dtype, jnp.integer):  # no token ids
             raise DDPNormalizationError(
                 f"ddp_normalize: the traced function takes an input of dtype {spec.dtype}; DDP-Normalization is "
                 "defined here for floating-point inputs and boolean masks (trace a function of the one-hot input "

@@ -242,16 +242,18 @@ def current_kappa(compute, stored: PackedKappa | None, count, every, refresh: bo
     """
     if stored is None:
         return compute(), None
+
+    def fresh():
+        return PackedKappa.pack(compute(), like=stored)
+
     if refresh is not None:
-        new = PackedKappa.pack(compute(), like=stored) if refresh else stored
+        new = fresh() if refresh else stored
         return new.unpack(), new
 
     def flat(packed):
         return [jnp.ravel(a) for a in (*packed.arrays, *packed.vectors)]
 
-    ks = jax.lax.cond(
-        count % every == 0, lambda _: flat(PackedKappa.pack(compute(), like=stored)), lambda ks: ks, flat(stored)
-    )
+    ks = jax.lax.cond(count % every == 0, lambda _: flat(fresh()), lambda ks: ks, flat(stored))
     arrays = tuple(k.reshape(jnp.shape(a)) for k, a in zip(ks, stored.arrays, strict=False))
     new = PackedKappa(arrays, tuple(ks[len(arrays) :]), stored.layout)
     return new.unpack(), new
