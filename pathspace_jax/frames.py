@@ -329,14 +329,14 @@ def kappa_from_frame(space: PathSpace, kappa, lg):
 
 
 def materialize(*vecs):
-    """The node vectors ``vecs`` as computed arrays, through one gather.
+    """The node vectors ``vecs`` as computed arrays, each through a gather of its own.
 
     XLA:CPU fuses a node vector's whole expression (frexp, powers of two, square roots) into every per-entry
     loop that reads it, so it is recomputed once per entry, in each of those loops; a gather is never fused
     there (an optimization barrier is removed before fusion). On the 784-512-512-10 MLP this took 0.15 ms of
-    G-SGD's 1.1 ms update. The vectors are stacked as columns and the gather takes whole rows: gathering along
-    the second axis of a row-wise stack made XLA:CPU transpose the stack first, one more kernel per call.
+    G-SGD's 1.1 ms update. One gather per vector, not one of the vectors stacked as columns: the per-entry
+    loops then read each vector contiguously. On a GPU (H200) the columns' strided reads made G-SGD's weight
+    updates on the MLP 784-2048-2048-10 take 29 and 28 µs instead of 12 and 7 (its device time per step 205 →
+    157 µs); on the CPU the separate gathers measured 0.93–1.00× the stacked ones.
     """
-    stack = jnp.stack(vecs, axis=1)
-    rows = jnp.take(stack, np.arange(stack.shape[0], dtype=np.int32), axis=0, mode="clip")
-    return tuple(replicated(rows[:, i]) for i in range(len(vecs)))
+    return tuple(replicated(jnp.take(v, np.arange(v.shape[0], dtype=np.int32), mode="clip")) for v in vecs)
