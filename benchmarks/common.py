@@ -208,7 +208,13 @@ def results_folder() -> Path:
 def write_results(name: str, rows: dict[str, Any]) -> Path:
     """Write ``results/<platform>-jax<version>/<name>.json`` with the platform and versions it was taken on."""
     path = results_folder() / f"{name}.json"
-    meta = {
+    path.write_text(json.dumps({"meta": run_meta(), "results": rows}, indent=2) + "\n")
+    return path
+
+
+def run_meta() -> dict[str, Any]:
+    """The platform and versions a measurement is taken on."""
+    return {
         "backend": jax.default_backend(),
         "devices": [str(d) for d in jax.devices()],
         "device_kind": jax.devices()[0].device_kind,
@@ -219,5 +225,3 @@ def write_results(name: str, rows: dict[str, Any]) -> Path:
         "date": datetime.date.today().isoformat(),
         **{m.__name__: m.__version__ for m in (jaxlib, optax, flax)},
     }
-    path.write_text(json.dumps({"meta": meta, "results": rows}, indent=2) + "\n")
-    return path
