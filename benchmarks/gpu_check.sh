@@ -4,6 +4,7 @@
 #   sh benchmarks/gpu_check.sh bench [SECONDS] [LOGDIR]   # step benchmarks on an idle GPU, then report.py
 #   sh benchmarks/gpu_check.sh suite [SECONDS] [LOGDIR]   # the whole test suite, 14 workers
 #   sh benchmarks/gpu_check.sh ab CHANGE [SECONDS] [LOGDIR] # bench_path_sgd without and with CHANGE, twice
+#   sh benchmarks/gpu_check.sh profile [SECONDS] [LOGDIR] # gpu_profile.py: kernels and device time per step
 #
 # `ab` times a candidate change in one call: bench_path_sgd.py as things are and with CHANGE, alternating, twice
 # each, each run's JSON kept as {base,changed}{1,2}.json in LOGDIR/ab.tgz. CHANGE is a patch of the library (applied
@@ -12,12 +13,13 @@
 # it with `bench` in one call (`ab P 240 $OUT; bench 330 $OUT`). On 2 CPU cores the four runs took 200 s.
 # SECONDS (default 560) bounds the run; LOGDIR (default /tmp/gpu_check) gets one log (bench.log or suite.log), and
 # `bench` its results folder (JSON and figures) as LOGDIR/results.tgz, `ab` its runs as LOGDIR/ab.tgz: one file
-# each, since a lent machine sends back only a few files per call (the third lease lost its JSON that way). Needs jax with CUDA, flax, optax, chex,
-# pytest and pytest-xdist, with the checkout on PYTHONPATH or installed. On one H200 (JAX 0.11.2, 2026-11-27) the
-# whole suite took 414 s from a cold compilation cache, and bench_path_sgd, bench_gsgd and bench_kernels 154 s, so
-# `suite 445` then `bench` with the rest fit one 10-minute call (bench_ddp and bench_scale did not).
+# each, `profile` its JSON and HLO as LOGDIR/profile.tgz: one file each, since a lent machine sends back only a few
+# files per call (the third lease lost its JSON that way). Needs jax with CUDA, flax, optax, chex, pytest and
+# pytest-xdist, with the checkout on PYTHONPATH or installed. On one H200 (JAX 0.11.2, 2026-11-27) the whole suite
+# took 414 s from a cold compilation cache, and again more than 425 s (all 555 results in, cut off before pytest's
+# summary): give it 480. bench_path_sgd, bench_gsgd and bench_kernels took 154 s; `profile`'s ten cases under 130 s.
 set -u
-mode=${1:?usage: gpu_check.sh bench|suite [SECONDS] [LOGDIR], or ab CHANGE [SECONDS] [LOGDIR]}
+mode=${1:?usage: gpu_check.sh bench|suite|profile [SECONDS] [LOGDIR], or ab CHANGE [SECONDS] [LOGDIR]}
 if [ "$mode" = ab ]; then
     change=${2:?usage: gpu_check.sh ab PATCH|VAR=VALUE [SECONDS] [LOGDIR]}
     shift
@@ -50,6 +52,12 @@ suite)
     echo "suite rc=$? at $(($(date +%s) - start)) s"
     tail -60 "$logs/suite.log"
     ;;
+profile)
+    timeout "$(left)" python3 benchmarks/gpu_profile.py "$logs/profile" > "$logs/profile.log" 2>&1
+    echo "profile rc=$? at $(($(date +%s) - start)) s"
+    cut -c1-300 "$logs/profile.log" | tail -20
+    tar czf "$logs/profile.tgz" -C "$logs" profile && rm -r "$logs/profile"
+    ;;
 ab)
     folder=$(python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import common; print(common.results_folder())")
     if [ -f "$change" ]; then
@@ -78,7 +86,7 @@ ab)
     tar czf "$logs/ab.tgz" -C "$logs" ab && rm -r "$logs/ab"
     ;;
 *)
-    echo "unknown mode $mode: bench, suite or ab" >&2
+    echo "unknown mode $mode: bench, suite, profile or ab" >&2
     exit 2
     ;;
 esac
