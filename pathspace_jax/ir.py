@@ -104,6 +104,34 @@ class Recorder:
     def emit(self, eqn: Eqn) -> None:
         self.frames[-1].eqns.append(eqn)
 
+    def value(self, x, max_size: int = 1 << 22):
+        """The concrete value of a recorded constant ``x`` (an id, or ``("lit", value)``) computed in the current
+        frame from literals and the frame's constants alone (a selection kernel built from ``iota``), or None:
+        where it reads anything else, or any value on its way has more than ``max_size`` entries."""
+        frame = self.frames[-1]
+        made = {o: e for e in frame.eqns for o in e.outs}
+        memo: dict[int, Any] = {}
+
+        def ev(v):
+            if isinstance(v, tuple):
+                return np.asarray(v[1])
+            if v in frame.consts:
+                c = frame.consts[v]
+                return None if isinstance(c, jax.core.Tracer) or np.size(c) > max_size else np.asarray(c)
+            if v not in memo:
+                e = made.get(v)
+                ins = None if e is None or e.body is not None or e.inner is not None else [ev(u) for u in e.ins]
+                memo[v] = None
+                if ins is not None and all(a is not None for a in ins):
+                    outs = jax.eval_shape(lambda *a, e=e: jx.bind(e.prim, e.params, a), *ins)
+                    if all(np.prod(o.shape, dtype=np.int64) <= max_size for o in outs):
+                        with jax.ensure_compile_time_eval():
+                            res = jx.bind(e.prim, e.params, ins)
+                        memo.update((o, np.asarray(r)) for o, r in zip(e.outs, res, strict=True))
+            return memo[v]
+
+        return ev(x)
+
     def push(self, *, consts_of_caller: bool = False) -> Frame:
         """Record into a new frame (a scan body; with ``consts_of_caller``, a call's body whose constants
         belong to the frame that calls it)."""

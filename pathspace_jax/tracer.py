@@ -5,7 +5,9 @@ primitives that rearrange entries have theirs in `pathspace_jax.shape_rules`):
 
 * ``dot_general`` / ``conv_general_dilated`` with a parameter operand unify the contracted activation axis
   with the parameter's input axis and give the result the parameter's output axis: an edge tensor between
-  two node groups (a convolution kernel's spatial axes are taps: each tap its own edge); a batch axis of
+  two node groups (a convolution kernel's spatial axes are taps: each tap its own edge); a constant kernel that
+  selects one tap of one channel per output feature (``lax.conv_general_dilated_patches``, inside
+  ``nn.ConvLocal``) re-arranges atoms, any other constant kernel pins them; a batch axis of
   the parameter (an ensemble's members, experts) or a grouped convolution's groups are part of the nodes on
   both sides, the result's axis atoms of its own (`Interpreter.diagonal`; `pathspace_jax.trace` makes it a
   position where a layer shares it);
@@ -531,6 +533,15 @@ class Interpreter(ShapeRules):
         if lhs.kind == CONST and rhs.kind == CONST:
             out[ospec[1]] = [self.atoms.new(out_shape[ospec[1]])]
             return [Val(CONST, out)]
+        if lhs.kind == ACT and rhs.kind == CONST and not grouped and self.selects_taps(eqn, rhs, groups):
+            # each output feature (c, t) is input channel c at tap t (times a fixed coefficient): the channel's
+            # nodes, at other positions (`lax.conv_general_dilated_patches`, behind `nn.ConvLocal`)
+            for k in lspec[2:]:
+                for f in self.atoms.factors(lhs.axes[k]):
+                    self.atoms.position[f] = True
+            taps = out_shape[ospec[1]] // groups
+            out[ospec[1]] = list(lhs.axes[lspec[1]]) + [self.atoms.new(taps, position=True)]
+            return [Val(ACT, out)]
         why = "batch-grouped convolution" if grouped else "convolution without a parameter kernel"
         for v in ins:
             self.mark_other(v, why)
@@ -540,6 +551,19 @@ class Interpreter(ShapeRules):
         val = Val(ACT, out)
         self.pin(val, why)
         return [val]
+
+    def selects_taps(self, eqn, kernel: Val, groups: int) -> bool:
+        """Whether a convolution's constant ``kernel`` (a value the trace can compute) has one group per input
+        channel and, for each output feature, exactly one non-zero entry: every output is one input entry times
+        a fixed coefficient, as ``lax.conv_general_dilated_patches`` makes them."""
+        dn = jx.param(eqn, "dimension_numbers")
+        if groups != eqn.invars[0].aval.shape[dn.lhs_spec[1]]:
+            return False
+        k = self.rec.value(kernel.id)
+        if k is None:
+            return False
+        k = np.moveaxis(k, (dn.rhs_spec[0], dn.rhs_spec[1]), (0, 1))
+        return k.shape[1] == 1 and bool(np.all(np.count_nonzero(k.reshape(k.shape[0], -1), axis=1) == 1))
 
     def diagonal_ends(self, p: Val, axis: list[int]) -> list[int]:
         """The atoms that parameter ``p``'s batch axis ``axis`` gives the result (`diagonal`), the same at every use

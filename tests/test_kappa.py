@@ -165,6 +165,7 @@ ZOO_NAMES = {
     "multihead": "plain_multihead_einsum_position_bias",
     "ensemble": "vmap_ensemble_mean",
     "graph": "plain_graph_scatter_add",
+    "local": "local_cnn_convlocal",
 }
 
 
@@ -183,7 +184,7 @@ def _model(name):
         return _linen(LinenRNN(**kw), (2, 4, 2))
     if name == "separable":
         return _linen(LinenSeparable(), (2, 5, 5, 1))
-    if name in ZOO_NAMES:  # heads × width nodes and a per-position bias; an nn.vmap ensemble; a graph network
+    if name in ZOO_NAMES:  # heads × width nodes, a per-position bias; an nn.vmap ensemble; a graph; nn.ConvLocal
         case = ZOO[ZOO_NAMES[name]]
         return case.fn, case.params, case.inputs(2)
     raise KeyError(name)
@@ -203,7 +204,7 @@ def _gamma2_reference(name, fn, x):
     return lambda p: _output_sum(name, fn)(_squared(p), ones)
 
 
-FEEDFORWARD = ["mlp", "res", "cnn", "linen_cnn", "multihead", "separable", "ensemble", "graph"]
+FEEDFORWARD = ["mlp", "res", "cnn", "linen_cnn", "multihead", "separable", "ensemble", "graph", "local"]
 RECURRENT = ["rnn_last", "rnn_stacked_every", "rnn_reverse_every"]  # single/stacked, last/every step, reverse
 
 

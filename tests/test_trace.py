@@ -118,6 +118,36 @@ def test_rescale_jits_and_vmaps():
     chex.assert_trees_all_close(jax.tree_util.tree_map(lambda a: a[1], batched), one)
 
 
+@pytest.mark.parametrize("taps_per_output, pins", [(1, False), (2, True)])
+def test_a_constant_convolution_kernel_is_a_relabelling_only_where_it_selects(taps_per_output, pins):
+    """A grouped convolution with a constant kernel whose every output feature reads one tap of its channel
+    (``lax.conv_general_dilated_patches``, inside ``nn.ConvLocal``) passes the channel's nodes on; one that adds two
+    taps with fixed coefficients (a blur) pins the channels it reads, since a node's rescaling cannot move them."""
+    kernel = np.zeros((2, 2, 1, 8))  # HWIO, 2 channels × 4 output features each
+    for o in range(8):
+        for t in range(taps_per_output):
+            kernel[(o + t) % 4 // 2, (o + t) % 2, 0, o] = 1.0
+
+    def fn(p, x):
+        h = jax.nn.relu(x @ p["w1"] + p["b1"])  # [B, 3, 3, 2]: the 2 channels are nodes
+        dn = ("NHWC", "HWIO", "NHWC")
+        y = jax.lax.conv_general_dilated(h, jnp.asarray(kernel), (1, 1), "VALID", dimension_numbers=dn,
+                                         feature_group_count=2)  # fmt: skip
+        return jnp.einsum("bhwc,hwcd->bd", y, p["w2"])
+
+    rng = np.random.default_rng(0)
+    params = {"w1": rng.standard_normal((1, 2)), "b1": rng.standard_normal(2), "w2": rng.standard_normal((2, 2, 8, 3))}
+    space = pj.trace(fn, params, rng.standard_normal((2, 3, 3, 1)))
+    assert any(g.kind == "pinned" for g in space.groups) == pins
+    assert space.num_hidden == (0 if pins else 2)
+    if not pins:
+        chex.assert_trees_all_close(
+            pj.path_kappa(space, params, second_order=False),
+            jax.grad(lambda q: jnp.sum(fn(q, np.ones((1, 3, 3, 1)))))(jax.tree.map(np.square, params)),
+            rtol=1e-6,
+        )
+
+
 def test_a_batch_axis_of_weights_gives_nodes_of_their_own_unless_a_layer_shares_it():
     """Weights with a batch axis in a ``dot_general`` (experts, ensemble members) have nodes of their own along it:
     node (member, unit) feeds (member, unit') only. Where a bias is shared by every member, or a layer contracts the
