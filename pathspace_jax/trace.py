@@ -272,7 +272,7 @@ def _shared_diagonals(interp: Interpreter, leaf_info: list[tuple]) -> list[tuple
     for axis, ends in interp.diagonal.items():
         ins, outs = atoms.factors(list(axis[1])), atoms.factors(ends)
         same = [atoms.size[r] for r in ins] == [atoms.size[r] for r in outs]
-        if not same or any(atoms.position[r] for r in ins + outs):
+        if not same or any(atoms.position[r] for r in outs):
             shared.append(axis)
         roots.update((r, axis) for r in ins + outs)
     keys = {frozenset(f[k] for k in node_in) for _, f, node_in, _, _, _, _ in leaf_info if node_in}
@@ -376,17 +376,17 @@ def _leaf_roles(interp: Interpreter, leaves, paths) -> list[tuple]:
         kind = "other"
         if not note and any(role is None for _, role in factors):
             note = "some axes are neither contracted nor produced by an edge"
+        roots = [r for r, _ in factors]
+        ends = [diagonal[i].get(r, r) if role == "diag" else r for r, role in factors] if i in diagonal else roots
         if not note:
             # positions of the factors that are nodes (the others are taps)
             node_in = [k for k, (r, role) in enumerate(factors) if role in ("in", "diag") and not atoms.position[r]]
-            node_out = [k for k, (r, role) in enumerate(factors) if role in ("out", "diag") and not atoms.position[r]]
+            node_out = [k for k, (_, role) in enumerate(factors) if role in ("out", "diag") and not atoms.position[ends[k]]]
             kind = "weight" if node_in else "bias"
             if not node_out:
                 note = "no output node axis"
             elif any(atoms.alias[factors[k][0]] is not None for k in node_out):
                 note = "its output axis is a concatenation"
-        roots = [r for r, _ in factors]
-        ends = [diagonal[i].get(r, r) if role == "diag" else r for r, role in factors] if i in diagonal else roots
         if note and interp.uses[i] and " at " not in note:  # where the leaf is first used as an edge
             note += f", used at {interp.line(interp.uses[i][0][3])}"
         if note:

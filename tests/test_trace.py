@@ -149,9 +149,10 @@ def test_a_constant_convolution_kernel_is_a_relabelling_only_where_it_selects(ta
 
 
 def test_a_batch_axis_of_weights_gives_nodes_of_their_own_unless_a_layer_shares_it():
-    """Weights with a batch axis in a ``dot_general`` (experts, ensemble members) have nodes of their own along it:
-    node (member, unit) feeds (member, unit') only. Where a bias is shared by every member, or a layer contracts the
-    members alone, the axis is a position instead (the nodes shared along it): smaller, still exact symmetries."""
+    """Weights with a batch axis in a ``dot_general`` (experts, ensemble members, the positions of ``nn.ConvLocal``)
+    have nodes of their own along it: node (member, unit) feeds (member, unit') only. Where a bias is shared by
+    every member, a layer contracts the members alone, or a convolution shares weights across ConvLocal's
+    positions, the axis is a position instead (the nodes shared along it): smaller, still exact symmetries."""
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((5, 4)))
     w1, w2, e = rng.standard_normal((3, 4, 6)), rng.standard_normal((3, 6, 2)), rng.standard_normal((3, 2))
@@ -177,15 +178,23 @@ def test_a_batch_axis_of_weights_gives_nodes_of_their_own_unless_a_layer_shares_
             cnn = nn.vmap(_Cnn, variable_axes={"params": 0}, split_rngs={"params": True}, in_axes=None, axis_size=2)
             return cnn()(x)
 
+    class LocalThenConv(nn.Module):  # nn.ConvLocal's positions are a batch axis of its kernel: a 1×1 conv shares it
+        @nn.compact
+        def __call__(self, x):
+            x = nn.relu(nn.ConvLocal(3, (2, 2), padding="VALID")(x))
+            return nn.Conv(2, (1, 1))(x).reshape(x.shape[0], -1)
+
     xs, images = jnp.stack([x, 2 * x, -x]), jnp.asarray(rng.standard_normal((3, 5, 5, 2)))
     vmapped = PerMemberInputs().init(jax.random.key(0), xs)["params"]
     cnns = CNNs().init(jax.random.key(0), images)["params"]
+    local = LocalThenConv().init(jax.random.key(0), images)["params"]
     for fn, params, inputs, hidden in (
         (experts, {"w1": w1, "b1": rng.standard_normal((3, 1, 6)), "w2": w2}, x, 18),
         (experts, {"w1": w1, "b1": rng.standard_normal(6), "w2": w2}, x, 6),  # one bias for all members
         (contracted, {"w1": w1, "w2": w2, "e": e}, x, 6),
         (lambda p, x: PerMemberInputs().apply({"params": p}, x), vmapped, xs, 3 * 5),
         (lambda p, x: CNNs().apply({"params": p}, x), cnns, images, 2 * (4 + 3)),
+        (lambda p, x: LocalThenConv().apply({"params": p}, x), local, images, 3),
     ):
         space = pj.trace(fn, params, inputs)
         assert space.num_hidden == hidden

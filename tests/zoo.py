@@ -166,16 +166,16 @@ class SeparableCNN(nn.Module):
 
 class LocalCNN(nn.Module):
     """A locally connected layer (`nn.ConvLocal`: a kernel per output position, applied to the patches that
-    ``lax.conv_general_dilated_patches`` extracts with a constant one-hot kernel) between a convolution and
-    global sum pooling. The pooling adds every position of a channel with one coefficient, so the ConvLocal's
-    nodes are its channels (2), as a convolution's: H = 3 + 2. (Its coefficient is 1, so that the |·|² network
-    of `test_kappa`'s reference, the model on squared params, has the pooling's coefficient squared.)"""
+    ``lax.conv_general_dilated_patches`` extracts with a constant one-hot kernel) between a convolution and a
+    Dense readout of every position. Its kernel and bias at position p reach output channel f at p alone, and
+    the readout reads each (p, f) with weights of its own: its nodes are (position, channel), 2 × 2 × 2 of
+    them, where a convolution's would be its 2 channels. H = 3 + 8."""
 
     @nn.compact
     def __call__(self, x):
         x = nn.relu(nn.Conv(3, (3, 3), padding="VALID")(x))
         x = nn.relu(nn.ConvLocal(2, (2, 2), padding="VALID")(x))
-        return nn.Dense(2)(x.sum(axis=(1, 2)))
+        return nn.Dense(2)(x.reshape(x.shape[0], -1))
 
 
 class Mixer(nn.Module):
@@ -493,7 +493,7 @@ def _build() -> dict[str, Case]:
         _linen("cnn2d_stride_padding_maxpool", CNN2D(), _normal(8, 8, 1), hidden=7),
         _linen("residual_cnn", ResCNN(), _normal(5, 5, 2), hidden=7),
         _linen("separable_cnn_depthwise_grouped", SeparableCNN(), _normal(5, 5, 2), hidden=12),
-        _linen("local_cnn_convlocal", LocalCNN(), _normal(5, 5, 1), hidden=5),
+        _linen("local_cnn_convlocal", LocalCNN(), _normal(5, 5, 1), hidden=11),
         _linen("mixer_input_residual_stream", Mixer(), _normal(4, 3), hidden=11, extra_symmetries=1),
         _linen("rnn_last_step", RNNLast(), _normal(6, 3), hidden=5, recurrent=True),
         _linen("stacked_rnn_every_step", StackedRNNEvery(), _normal(5, 2), hidden=7, recurrent=True),
