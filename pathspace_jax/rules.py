@@ -126,7 +126,10 @@ _group(Rule("method", multiplicative=True), "dot_general", "conv_general_dilated
 _group(Rule("method", as_is=True, sums=True), "reduce_sum", "reduce_window_sum", "scatter-add")
 _group(Rule("method", as_is=True), "concatenate", "dynamic_slice", "gather", "pad", "rev", "slice")
 
-_group(Rule("method", as_is=True, breaks_linearity=True), "max", "reduce_max", "reduce_window_max", "select_n")
+_group(
+    Rule("method", as_is=True, breaks_linearity=True),
+    "max", "reduce_max", "reduce_window_max", "scatter-max", "select_n",
+)  # fmt: skip
 _group(Rule("method", breaks_linearity=True), "argmax", "min", "reduce_min")
 _group(Rule(None, breaks_linearity=True), "sort")
 _group(

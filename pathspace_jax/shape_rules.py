@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+import numpy as np
+
 from pathspace_jax import jaxpr as jx
 from pathspace_jax.atoms import ACT, CONST, PARAM, Val
 
@@ -202,6 +204,20 @@ class ShapeRules:
         into its nodes). The window axes of the updates are the operand's (same nodes); the axes the ids index
         and the updates' other axes are summed over, which pins them unless they are positions (graph nodes,
         edges), as a reduction does. A non-zero operand is an offset unless it is an activation itself."""
+        return self._scatter(eqn, ins, identity=False)
+
+    def rule_scatter_max(self, eqn, ins):
+        """``operand.at[ids].max(updates)`` with constant ``ids``: a segment max (``jax.ops.segment_max``, a graph
+        network's max aggregation), read as `rule_scatter_add`; its operand is −∞ (what ``segment_max`` leaves in
+        a segment no update reaches), 0, or an activation: a constant other than those is an offset."""
+        return self._scatter(eqn, ins, identity=self._all_neg_inf(ins[0]))
+
+    def _all_neg_inf(self, v) -> bool:
+        """Whether a constant is −∞ everywhere (the identity of ``max``), as far as the trace can compute it."""
+        c = self.rec.value(v.id) if v.kind == CONST else None
+        return c is not None and c.size > 0 and bool(np.all(np.isneginf(c)))
+
+    def _scatter(self, eqn, ins, identity: bool):
         op, idx, upd = ins
         dn = jx.param(eqn, "dimension_numbers")
         window = [k for k in range(len(op.axes)) if k not in dn.inserted_window_dims]
@@ -215,7 +231,7 @@ class ShapeRules:
         for k in range(len(upd.axes)):
             if k not in dn.update_window_dims:
                 self.atoms.pin(upd.axes[k], self.reason("sums over the nodes of a group"))
-        if upd.kind == ACT and op.kind == CONST and not op.zero:
+        if upd.kind == ACT and op.kind == CONST and not op.zero and not identity:
             self.pin(upd, "adds a constant offset")
         kind = ACT if ACT in (op.kind, upd.kind) else CONST
         return [Val(kind, [list(ax) for ax in op.axes], zero=op.zero and upd.zero)]

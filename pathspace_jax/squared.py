@@ -68,6 +68,8 @@ def _squared_op(e: Eqn, ks: Sequence[str], vals: list, out_kind: str, power: flo
     if name in ("neg", "abs"):
         return [vals[0]]
     if rule(name).as_is or name.startswith("custom_"):  # custom_*: kept whole only around ReLU-like code
+        if name == "scatter-max" and ks[0] == "const":  # −∞ where no update lands: no path, 0 here
+            vals = [jnp.maximum(vals[0], 0), *vals[1:]]
         if name in ("max", "min", "add", "add_any") and "act" in ks:
             for k, v in zip(ks, vals, strict=True):
                 if k == "const" and _nonzero(v):

@@ -381,7 +381,8 @@ def _leaf_roles(interp: Interpreter, leaves, paths) -> list[tuple]:
         if not note:
             # positions of the factors that are nodes (the others are taps)
             node_in = [k for k, (r, role) in enumerate(factors) if role in ("in", "diag") and not atoms.position[r]]
-            node_out = [k for k, (_, role) in enumerate(factors) if role in ("out", "diag") and not atoms.position[ends[k]]]
+            node_out = [k for k, (_, role) in enumerate(factors) if role in ("out", "diag")]
+            node_out = [k for k in node_out if not atoms.position[ends[k]]]  # a batch axis: its output side
             kind = "weight" if node_in else "bias"
             if not node_out:
                 note = "no output node axis"

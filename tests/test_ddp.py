@@ -19,7 +19,7 @@ import optax
 import pytest
 from flax import nnx
 from jax.flatten_util import ravel_pytree
-from zoo import LocalCNN
+from zoo import ZOO, LocalCNN
 
 import pathspace_jax as pj
 from pathspace_jax.frames import kappa_from_frame
@@ -144,6 +144,9 @@ def _flax_model(name):
         return _linen(LinenSeparable(), (5, 4, 4, 1))
     if name == "linen_local":  # nn.ConvLocal
         return _linen(LocalCNN(), (5, 5, 5, 1))
+    if name == "plain_graph_max":  # jax.ops.segment_max
+        case = ZOO["plain_graph_segment_max"]
+        return case.fn, case.params, case.inputs(5)
     if name == "plain_graph":
         shapes = {"w_msg": (3, 4), "b": (4,), "w_self": (3, 4), "w": (4, 2)}
         params = _perturb({k: jax.ShapeDtypeStruct(s, jnp.float64) for k, s in shapes.items()}, scale=1.0)
@@ -399,7 +402,7 @@ def test_kappa_is_half_hessian_diagonal_of_the_recursion(name, alpha, moment):
     [("linen_cnn", "second"), ("linen_cnn", "variance"), ("linen_res_cnn", "second"), ("nnx_mlp", "second"),
      ("plain_nested", "variance"), ("plain_seq", "second"), ("linen_rnn", "second"), ("linen_rnn", "variance"),
      ("linen_separable", "second"), ("plain_graph", "second"), ("plain_graph", "variance"), ("linen_local", "second"),
-     ("linen_local", "variance")],
+     ("linen_local", "variance"), ("plain_graph_max", "second"), ("plain_graph_max", "variance")],
 )  # fmt: skip
 def test_alpha_one_is_the_fisher_diagonal_on_flax_models(name, moment):
     fn, params, x = _flax_model(name)

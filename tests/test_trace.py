@@ -148,6 +148,30 @@ def test_a_constant_convolution_kernel_is_a_relabelling_only_where_it_selects(ta
         )
 
 
+@pytest.mark.parametrize("fill, pins", [(-np.inf, False), (0.0, False), (1.0, True)])
+def test_a_segment_max_is_homogeneous_into_minus_infinity_or_zero(fill, pins):
+    """``operand.at[ids].max(messages)``: into −∞ (``jax.ops.segment_max``) or 0 the messages' nodes go on; into
+    1 it is an offset, which pins them. Graph node 3 receives no message: it is −∞ (then 0 after the ReLU) in the
+    network, and its segment carries no path in the |·|^p network, whose κ stays finite. (DDP's statistics of that
+    pre-activation would be infinite: the zoo's segment-max graph, every segment reached, checks DDP.)"""
+    senders, receivers = np.array([0, 1, 2, 0]), np.array([1, 2, 0, 2])
+
+    def fn(p, x):  # x: [B, graph nodes 4, 3]
+        msg = x[:, senders] @ p["w_msg"]
+        agg = jnp.full((x.shape[0], 4, 5), fill).at[:, receivers].max(msg)
+        return jax.nn.relu(agg + x @ p["w_self"] + p["b"]).sum(1) @ p["w"]
+
+    rng = np.random.default_rng(0)
+    params = {k: rng.standard_normal(s) for k, s in (("w_msg", (3, 5)), ("w_self", (3, 5)), ("b", 5), ("w", (5, 2)))}
+    x = rng.standard_normal((6, 4, 3))
+    space = pj.trace(fn, params, x)
+    assert space.num_hidden == (0 if pins else 5)
+    if not pins:
+        pj.testing.assert_function_invariant(fn, space, params, x)
+        for kappa in (pj.path_kappa(space, params), pj.path_kappa(space, params, second_order=False)):
+            assert all(np.all(np.isfinite(k)) for k in jax.tree_util.tree_leaves(kappa))
+
+
 def test_a_batch_axis_of_weights_gives_nodes_of_their_own_unless_a_layer_shares_it():
     """Weights with a batch axis in a ``dot_general`` (experts, ensemble members, the positions of ``nn.ConvLocal``)
     have nodes of their own along it: node (member, unit) feeds (member, unit') only. Where a bias is shared by

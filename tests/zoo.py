@@ -451,6 +451,28 @@ def _plain_graph() -> Case:
     return Case("plain_graph_scatter_add", fn, params, _normal(5, 3), hidden=10)
 
 
+def _plain_graph_max() -> Case:
+    """`_plain_graph` with max aggregation (``jax.ops.segment_max``, a scatter-max into −∞): the largest message of
+    each feature, positively homogeneous as max pooling is; every graph node receives a message. H = 6 + 4."""
+    senders, receivers = np.array([0, 1, 2, 3, 4, 0, 2]), np.array([1, 2, 3, 4, 0, 3, 4])
+    rng = np.random.default_rng(1)
+
+    def layer(n_in, n_out):
+        w_msg, w_self = rng.standard_normal((n_in, n_out)), rng.standard_normal((n_in, n_out))
+        return {"w_msg": w_msg, "b_msg": 0.3 * rng.standard_normal(n_out), "w_self": w_self}
+
+    params = _f64([layer(3, 6), layer(6, 4), {"w": rng.standard_normal((4, 2)), "b": 0.3 * rng.standard_normal(2)}])
+
+    def fn(p, x):  # x: [B, graph nodes 5, features 3]
+        for layer in p[:-1]:
+            msg = x[:, senders] @ layer["w_msg"] + layer["b_msg"]
+            agg = jax.vmap(lambda m: jax.ops.segment_max(m, receivers, num_segments=5))(msg)
+            x = jax.nn.relu(agg + x @ layer["w_self"])
+        return x.sum(1) @ p[-1]["w"] + p[-1]["b"]
+
+    return Case("plain_graph_segment_max", fn, params, _normal(5, 3), hidden=10)
+
+
 @jax.custom_vjp
 def _my_relu(x):
     return jnp.maximum(x, 0.0)
@@ -530,6 +552,7 @@ def _build() -> dict[str, Case]:
         _linen("vmap_ensemble_mean", Ensemble(), _normal(4), hidden=12, extra_symmetries=4),
         _plain_experts(),
         _plain_graph(),
+        _plain_graph_max(),
     ]
     return {c.name: c for c in cases}
 
