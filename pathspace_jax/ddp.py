@@ -57,8 +57,8 @@ fixed (``stop_gradient``) in the node statistics of the layers after them, so γ
 in every weight. Parameters that are not edges (a LayerNorm's scale) get κ = 0 and pass through the
 transformations. The inputs' leading axis is the batch axis, and the function is applied to each
 example as a batch of one (``jax.vmap``), so functions that mix examples are not supported.
-Token ids (integer inputs) are a one-hot input times the embedding table, as in
-`pathspace_jax.path_kappa`.
+Token ids (integer inputs) are a one-hot input times the embedding table, and an integer input cast to
+floats is the input's values (uint8 pixels), as in `pathspace_jax.path_kappa`.
 
 **Recurrences** (``scan``). The recursion runs on the unrolled network (a node is a pre-activation at
 one step, with its own S over the batch; the scan is evaluated step by step). A path uses a recurrent

@@ -312,6 +312,11 @@ def is_row_lookup(params: dict, operand_ndim: int, slice_sizes_tail: tuple, out_
     )
 
 
+def cast_dtype(params: dict):
+    """The dtype a ``convert_element_type`` casts to, from its params."""
+    return np.dtype(params["new_dtype"])
+
+
 def is_plain_matmul(params: dict) -> bool:
     """Whether a ``dot_general`` with these params is ``a @ b`` of two matrices: the last axis of ``a``
     contracted with the first of ``b``, no batch axes."""

@@ -63,7 +63,9 @@ step: each step's recurrent edge is a path from h_{t−1} to the next pre-activa
 **Token ids.** An integer input is a sequence of token ids and ``table[ids]`` an embedding lookup:
 the one-hot input (one input node per row of the table) times the table. On the all-ones input of
 the |·|^p network every looked-up vector is then Σ_rows |table[row, :]|^p, so path norms and κ are
-those of the same network fed one-hot vectors (tested against that formulation).
+those of the same network fed one-hot vectors (tested against that formulation). An integer input that the
+function casts to floats (uint8 pixels, ``x.astype(jnp.float32) / 255``) is read as numbers instead: the cast
+is the input, 1 on the all-ones input, its fixed coefficients (1/255) on every path.
 
 **Masks.** A boolean input (a padding mask, read by ``jnp.where``) is a constant of the network, all
 True on the all-ones input: every position counts, as on a batch without padding.

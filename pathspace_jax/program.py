@@ -11,7 +11,8 @@ value produced by a parameterised linear map (possibly plus biases, residual bra
 that is used by anything else (a ReLU, the next layer, two consumers, the function's output); every output
 of the function is a node. The flagged values make the boundary: pinned nodes are *sinks* and what is
 computed from them *boundary values* (`_find_boundary`). Integer inputs are token ids, and a gather of a
-parameter by them an embedding lookup (the |·|^p network looks it up: `pathspace_jax.squared`).
+parameter by them an embedding lookup (the |·|^p network looks it up: `pathspace_jax.squared`); cast to floats,
+an integer input is the input's values (uint8 pixels).
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ def _finish(
     in_kinds: Sequence[str] | None = None,
     in_pinned: Sequence[bool] | None = None,
     int_inputs: Sequence[bool] = (),
+    numbers: Sequence[bool] = (),
 ) -> Program:
     """The `Program` of a recorded ``frame`` (`pathspace_jax.trace.record`; ``flags`` its values' flags): each
     value's kind, the values in boundary groups, the nodes and the boundary. ``allow_scan`` keeps each recorded
@@ -75,7 +77,8 @@ def _finish(
     joined with the body's carry outputs); otherwise scan, while and cond raise ``err``. ``inline_custom``
     enters every ``custom_jvp``/``custom_vjp`` call (``jax.nn.relu`` becomes a plain ``max``); otherwise
     ReLU-like ones are kept whole (`_kept_whole`). ``in_kinds`` overrides the kinds of the inputs (a scan
-    body's), ``in_pinned`` their flags; ``int_inputs`` marks the inputs that are token ids (or boolean masks:
+    body's), ``in_pinned`` their flags; ``numbers`` the integer inputs that are values where cast to floats (uint8
+    pixels); ``int_inputs`` marks the inputs that are token ids (or boolean masks:
     constants of the network too)."""
     eqns: list[Eqn] = []
     kinds: dict[int, str] = dict.fromkeys(frame.consts, "const")
@@ -105,7 +108,11 @@ def _finish(
                     "is used at every time step, so γ²_net is not quadratic in it)."
                 )
             k = functools.reduce(_join, ks, "const")
-            from_tokens = any(not isinstance(x, tuple) and x in tokens for x in e.ins)
+            ins_ids = [x for x in e.ins if not isinstance(x, tuple)]
+            if name == "convert_element_type" and ins_ids and ins_ids[0] in number_ids:
+                if jnp.issubdtype(jx.cast_dtype(e.params), jnp.floating):
+                    k = "act"  # integer features read as numbers (uint8 pixels cast to float): the input's values
+            from_tokens = any(x in tokens for x in ins_ids)
             lookup = from_tokens and name == "gather" and ks[0] == "param"
             if lookup:
                 k = "act"  # an embedding lookup: the one-hot input times the table (`pathspace_jax.squared`)
@@ -127,6 +134,7 @@ def _finish(
         if is_int:
             kinds[i] = "const"
             tokens.add(i)
+    number_ids = {i for i, is_number in zip(in_ids[n_params:], numbers, strict=False) if is_number}
     in_flags = in_pinned if in_pinned is not None else [flags.get(i) for i in in_ids]
     pinned.update(i for i, f in zip(in_ids, in_flags, strict=True) if f is True and kinds[i] == "act")
     walk(frame.eqns)
@@ -297,7 +305,8 @@ def _program(space: PathSpace, param_key: tuple, input_key: tuple, mesh, **optio
         ) from e
     frame, flags = record(closed, len(param_specs), [leaf.path for leaf in space.leaves])
     int_inputs = [not jnp.issubdtype(s.dtype, jnp.floating) for s in input_specs]  # token ids and masks
-    return _finish(frame, flags, len(param_specs), int_inputs=int_inputs, **options)
+    numbers = [jnp.issubdtype(s.dtype, jnp.integer) for s in input_specs]  # not masks: a mask cast to floats stays one
+    return _finish(frame, flags, len(param_specs), int_inputs=int_inputs, numbers=numbers, **options)
 
 
 def supported_input(dtype) -> bool:

@@ -874,10 +874,51 @@ def test_a_boolean_mask_is_a_constant_of_the_network():
     jac = jax.vmap(lambda xi, mi: jax.jacrev(lambda p: fn(p, xi[None], mi[None])[0])(params))(x, mask)
     fisher = jax.tree_util.tree_map(lambda j: jnp.mean(jnp.sum(j * j, axis=1), axis=0), jac)
     chex.assert_trees_all_close(pj.ddp_kappa(space, params, (x, mask), alpha=1.0), fisher, rtol=1e-10, atol=1e-12)
+
+    def by_product(p, x, mask):  # the mask cast to floats and multiplied in: still a constant, not an input
+        return (jax.nn.relu(x @ p["w1"] + p["b1"]) * mask[..., None].astype(x.dtype)).sum(1) @ p["w2"]
+
+    product = pj.trace(by_product, params, x, mask)
+    chex.assert_trees_all_close(pj.path_kappa(product, params), pj.path_kappa(space, params), rtol=1e-12)
+    chex.assert_trees_all_close(pj.ddp_kappa(product, params, (x, mask), alpha=1.0), fisher, rtol=1e-10, atol=1e-12)
     y, loss = jnp.zeros((6, 2)), lambda p, b: jnp.mean((fn(p, *b[0]) - b[1]) ** 2)
     for tx, kw in ((pj.path_sgd(space, 0.05), {}), (pj.ddp_sgd(space, 0.05, alpha=0.5), {"inputs": (x, mask)})):
         pj.testing.assert_update_invariant(tx, loss, space, params, ((x, mask), y), inputs=(x, mask),
                                            update_kwargs=kw, rtol=1e-9, atol=1e-12)  # fmt: skip
+
+
+def test_integer_features_cast_to_float_are_an_input():
+    """Pixels passed as uint8 and cast to float in the model (``x.astype(f) / 255``) are the input's values, not
+    token ids: Path-SGD's κ is ½ diag ∇²γ² on the all-ones input (the fixed coefficient 1/255 on every path,
+    squared), DDP's at α = 1 the Fisher diagonal of the pixels, and DDP's at α = ½ that of the same network given
+    the pixels as floats. Both raised before ("multiplies two parameters": the cast pixels were read as ids)."""
+
+    def fn(p, x):  # x: uint8 [B, 4]
+        h = jax.nn.relu(x.astype(jnp.float64) / 255.0 @ p["w1"] + p["b1"])
+        return h @ p["w2"]
+
+    k = jax.random.split(jax.random.key(9), 4)
+    params = {"w1": jax.random.normal(k[0], (4, 5), jnp.float64), "b1": jax.random.normal(k[1], (5,), jnp.float64),
+              "w2": jax.random.normal(k[2], (5, 2), jnp.float64)}  # fmt: skip
+    x = jax.random.randint(k[3], (6, 4), 0, 256).astype(jnp.uint8)
+    space = pj.trace(fn, params, x)
+    assert space.num_hidden == 5
+
+    def gamma2(p):  # the squared network on the all-ones input, the fixed coefficient 1/255 squared too
+        q = jax.tree_util.tree_map(lambda a: a * a, p)
+        return jnp.sum(jax.nn.relu(jnp.ones((1, 4)) / 255.0**2 @ q["w1"] + q["b1"]) @ q["w2"])
+
+    chex.assert_trees_all_close(pj.path_kappa(space, params), _hessian_diag(gamma2, params), rtol=1e-10, atol=1e-12)
+    jac = jax.vmap(lambda xi: jax.jacrev(lambda p: fn(p, xi[None])[0])(params))(x)
+    fisher = jax.tree_util.tree_map(lambda j: jnp.mean(jnp.sum(j * j, axis=1), axis=0), jac)
+    chex.assert_trees_all_close(pj.ddp_kappa(space, params, x, alpha=1.0), fisher, rtol=1e-10, atol=1e-12)
+    as_float = lambda p, xf: jax.nn.relu(xf / 255.0 @ p["w1"] + p["b1"]) @ p["w2"]  # noqa: E731
+    xf = x.astype(jnp.float64)
+    chex.assert_trees_all_close(
+        pj.ddp_kappa(space, params, x, alpha=0.5),
+        pj.ddp_kappa(pj.trace(as_float, params, xf), params, xf, alpha=0.5),
+        rtol=1e-12,
+    )
 
 
 def test_vmap_over_an_ensemble():
