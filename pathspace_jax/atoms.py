@@ -148,6 +148,7 @@ class Val:
     zero: bool = False
     scalars: list[int] = dataclasses.field(default_factory=list)  # atoms of squeezed size-1 axes
     random: bool = False  # a constant computed from random numbers (a dropout mask, a PRNG key)
+    scaled: bool = False  # a parameter's view times fixed coefficients (BatchNorm's scale over its running deviation)
     id: Any = None  # the value's id in the recorded program (`pathspace_jax.ir`), or ("lit", value)
 
     def with_id(self, i) -> Val:

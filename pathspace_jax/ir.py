@@ -32,6 +32,7 @@ class Eqn:
     scan: jx.Scan | None = None  # for a scan: its operand split, length, direction
     body: Any = None  # for a scan: its body, a `Frame` as recorded, a `Program` once finished
     inner: list[Eqn] | None = None  # for a custom_jvp/custom_vjp call: its body's equations, as recorded
+    edge: bool = False  # an elementwise product the trace made an edge (a learned per-unit scale, `Interpreter`)
 
     @property
     def where(self) -> str:
@@ -73,8 +74,10 @@ class Program:
         return not isinstance(x, tuple) and self.kinds[x] == "param" and x not in self.fixed
 
     def is_edge(self, e) -> bool:
-        """Whether equation ``e`` is an edge product: a dot or convolution with an edge parameter operand."""
-        return e.prim.name in ("dot_general", "conv_general_dilated") and any(map(self.edge_param, e.ins))
+        """Whether equation ``e`` is an edge product: a dot or convolution with an edge parameter operand, or a
+        per-unit scale (``e.edge``)."""
+        edges = e.edge or e.prim.name in ("dot_general", "conv_general_dilated")
+        return edges and any(map(self.edge_param, e.ins))
 
 
 class Recorder:

@@ -106,7 +106,7 @@ def _nodes(space: PathSpace, prog: flat.Program) -> dict[int, _Node]:
         name = e.prim.name
         params = {leaf_of[x] for x in e.ins if not isinstance(x, tuple) and kinds[x] == "param" and x in leaf_of}
         acts = [x for x in e.ins if not isinstance(x, tuple) and kinds[x] == "act"]
-        if name in ("dot_general", "conv_general_dilated") and params:
+        if (name in ("dot_general", "conv_general_dilated") or e.edge) and params:
             chain[e.outs[0]] = params
         elif any(x in chain for x in acts) and rule(name).continues_node:
             if name in ("add", "add_any", "sub") and any(x not in chain for x in acts):

@@ -315,6 +315,8 @@ class Interpreter(ShapeRules):
         acts = [v for v in ins if v.kind == ACT]
         params = [v for v in ins if v.kind == PARAM]
         consts = [v for v in ins if v.kind == CONST]
+        if len(acts) == 1 and len(params) == 1 and (scaled := self.per_unit_scale(eqn, ins, *acts, *params)):
+            return scaled
         if len(acts) > 1:
             for v in acts:
                 self.pin(v, "product of activations")
@@ -327,18 +329,42 @@ class Interpreter(ShapeRules):
             return [self.ew(ACT, ins, self.broadcast(eqn, acts + params + consts, unify=len(acts) > 1))]
         if len(params) == 1 and eqn.primitive.name == "mul":
             # a parameter times a fixed coefficient is still a view of that parameter
-            return [self.ew(PARAM, ins, self.broadcast(eqn, params + consts, unify=False), leaf=params[0].leaf)]
+            axes = self.broadcast(eqn, params + consts, unify=False)
+            return [self.ew(PARAM, ins, axes, leaf=params[0].leaf, scaled=params[0].scaled or bool(consts))]
         if params:
             for v in params:
                 self.mark_other(v, "product of parameters")
             return [self.ew(CONST, ins, self.broadcast(eqn, ins, unify=False))]
         return [self.ew(CONST, ins, self.broadcast(eqn, ins, unify=False), zero=any(c.zero for c in consts))]
 
+    def per_unit_scale(self, eqn, ins, x: Val, p: Val) -> Recorded | None:
+        """``x * p`` with ``p`` a parameter that varies along some of ``x``'s axes only (a learned per-unit scale:
+        LayerScale, a gain after a ReLU): a diagonal edge, entry c from node c of x's group to node c of a group
+        of its own (`diagonal_ends`), the other axes broadcast. None (the product pins, as before) where x is
+        pinned already (a LayerNorm's normalised value: its scale lies on no path), p varies along no axis, or p is
+        combined with fixed coefficients (BatchNorm's scale over its running deviation: the running mean it
+        subtracts breaks the symmetry, although it is 0 at initialisation)."""
+        pinned = any(self.atoms.reasons[r] for r in self.atoms.factors(self.all_atoms(x)))
+        if eqn.primitive.name != "mul" or pinned or p.scaled:
+            return None
+        own = {f for ax in self.leaf_axes[p.leaf] for f in self.atoms.factors(ax)}
+        out, diagonal = [], False
+        for k, d in enumerate(eqn.outvars[0].aval.shape):
+            if d > 1 and self.size(p.axes[k]) == d and set(self.atoms.factors(p.axes[k])) <= own:
+                self.atoms.unify(x.axes[k], p.axes[k], self.reason())
+                out.append(self.diagonal_ends(p, p.axes[k]))
+                diagonal = True
+            else:
+                out.append(list(x.axes[k]))
+        if not diagonal:
+            return None
+        return self.record(eqn, ins, [self.ew(ACT, ins, out)], edge=True)
+
     def rule_div(self, eqn, ins):
         num, den = ins
         if den.kind == CONST and num.kind in (ACT, PARAM):
             if num.kind == PARAM:
-                return [self.ew(PARAM, ins, self.broadcast(eqn, [num, den], unify=False), leaf=num.leaf)]
+                return [self.ew(PARAM, ins, self.broadcast(eqn, [num, den], unify=False), leaf=num.leaf, scaled=True)]
             return [self.ew(ACT, ins, self.broadcast(eqn, [num, den], unify=False))]
         if num.kind == CONST and den.kind == CONST:
             return [self.ew(CONST, ins, self.broadcast(eqn, ins, unify=False), zero=num.zero)]

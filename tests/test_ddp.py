@@ -144,6 +144,9 @@ def _flax_model(name):
         return _linen(LinenSeparable(), (5, 4, 4, 1))
     if name == "linen_local":  # nn.ConvLocal
         return _linen(LocalCNN(), (5, 5, 5, 1))
+    if name == "layer_scale":  # learned per-unit scales
+        case = ZOO["layer_scale_mlp"]
+        return case.fn, case.params, case.inputs(5)
     if name == "plain_graph_max":  # jax.ops.segment_max
         case = ZOO["plain_graph_segment_max"]
         return case.fn, case.params, case.inputs(5)
@@ -402,7 +405,8 @@ def test_kappa_is_half_hessian_diagonal_of_the_recursion(name, alpha, moment):
     [("linen_cnn", "second"), ("linen_cnn", "variance"), ("linen_res_cnn", "second"), ("nnx_mlp", "second"),
      ("plain_nested", "variance"), ("plain_seq", "second"), ("linen_rnn", "second"), ("linen_rnn", "variance"),
      ("linen_separable", "second"), ("plain_graph", "second"), ("plain_graph", "variance"), ("linen_local", "second"),
-     ("linen_local", "variance"), ("plain_graph_max", "second"), ("plain_graph_max", "variance")],
+     ("linen_local", "variance"), ("plain_graph_max", "second"), ("plain_graph_max", "variance"),
+     ("layer_scale", "second"), ("layer_scale", "variance")],
 )  # fmt: skip
 def test_alpha_one_is_the_fisher_diagonal_on_flax_models(name, moment):
     fn, params, x = _flax_model(name)

@@ -167,6 +167,7 @@ ZOO_NAMES = {
     "graph": "plain_graph_scatter_add",
     "local": "local_cnn_convlocal",
     "graph_max": "plain_graph_segment_max",
+    "layer_scale": "layer_scale_mlp",
 }
 
 
@@ -205,7 +206,19 @@ def _gamma2_reference(name, fn, x):
     return lambda p: _output_sum(name, fn)(_squared(p), ones)
 
 
-FEEDFORWARD = ["mlp", "res", "cnn", "linen_cnn", "multihead", "separable", "ensemble", "graph", "graph_max", "local"]
+FEEDFORWARD = [
+    "mlp",
+    "res",
+    "cnn",
+    "linen_cnn",
+    "multihead",
+    "separable",
+    "ensemble",
+    "graph",
+    "graph_max",
+    "local",
+    "layer_scale",
+]
 RECURRENT = ["rnn_last", "rnn_stacked_every", "rnn_reverse_every"]  # single/stacked, last/every step, reverse
 
 

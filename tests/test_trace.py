@@ -148,6 +148,32 @@ def test_a_constant_convolution_kernel_is_a_relabelling_only_where_it_selects(ta
         )
 
 
+def test_a_learned_per_unit_scale_is_a_diagonal_edge():
+    """LayerScale on a residual branch (ConvNeXt, CaiT): ``x + γ ⊙ branch(x)``. γ is an edge from the branch's
+    Dense outputs (linear nodes of their own) into the stream's nodes, which the sum ties to the first layer's:
+    H = 4 + 3 + 4, every rescaling a symmetry, κ⁽¹⁾ that of the squared network. (A LayerNorm's scale multiplies a
+    normalised, pinned value: it stays off every path, `test_kappa`.)"""
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.relu(nn.Dense(4)(x))
+            branch = nn.Dense(4)(nn.relu(nn.Dense(3)(x)))
+            x = nn.relu(x + branch * self.param("layer_scale", nn.initializers.constant(0.5), (4,)))
+            return nn.Dense(2)(x)
+
+    model = Block()
+    x = jax.random.normal(jax.random.key(0), (6, 3), jnp.float64)
+    params = jax.tree.map(lambda a: a.astype(jnp.float64) + 0.1, model.init(jax.random.key(1), x)["params"])
+    fn = lambda p, x: model.apply({"params": p}, x)  # noqa: E731
+    space = pj.trace(fn, params, x)
+    assert space.num_hidden == 4 + 3 + 4
+    pj.testing.assert_function_invariant(fn, space, params, x)
+    squared = jax.tree.map(jnp.square, params)
+    ref = jax.grad(lambda q: jnp.sum(fn(q, jnp.ones((1, 3)))))(squared)  # κ⁽¹⁾ = ∂γ²/∂p̃ on the all-ones input
+    chex.assert_trees_all_close(pj.path_kappa(space, params, second_order=False), ref, rtol=1e-10)
+
+
 @pytest.mark.parametrize("fill, pins", [(-np.inf, False), (0.0, False), (1.0, True)])
 def test_a_segment_max_is_homogeneous_into_minus_infinity_or_zero(fill, pins):
     """``operand.at[ids].max(messages)``: into −∞ (``jax.ops.segment_max``) or 0 the messages' nodes go on; into

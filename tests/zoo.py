@@ -87,6 +87,15 @@ def _normal(*shape):
     return lambda key, b: jax.random.normal(key, (b, *shape), jnp.float64)
 
 
+def _gains(case: Case, *names: str) -> Case:
+    """The case with its per-unit scales ``names`` drawn around 1 (`_alive` makes every vector a small bias: gains
+    that small leave the next ReLU units nearly always off or on, extra symmetries that spoil the rank check)."""
+    rng = np.random.default_rng(7)
+
+    params = {k: (1.0 + 0.3 * rng.standard_normal(np.shape(v)) if k in names else v) for k, v in case.params.items()}
+    return dataclasses.replace(case, params=_f64(params))
+
+
 def _linen(name, module, draw, hidden, pinned=0, recurrent=False, extra_symmetries=0, seed=0, flax_init=False) -> Case:
     if flax_init:  # the model's own initialisers, run eagerly (compiles its init ops: a few seconds)
         params = _alive(_f64(module.init(jax.random.key(seed), draw(jax.random.key(123), 2))["params"]), with_jax=True)
@@ -176,6 +185,19 @@ class LocalCNN(nn.Module):
         x = nn.relu(nn.Conv(3, (3, 3), padding="VALID")(x))
         x = nn.relu(nn.ConvLocal(2, (2, 2), padding="VALID")(x))
         return nn.Dense(2)(x.reshape(x.shape[0], -1))
+
+
+class LayerScaleMLP(nn.Module):
+    """Learned per-unit scales on two Dense layers' outputs (CaiT's and ConvNeXt's LayerScale; a residual one is in
+    `test_trace`): each is a diagonal edge from the Dense's nodes (linear: no ReLU between) into nodes of its
+    own. H = (4 + 4) + 3 + (4 + 4)."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Dense(4)(x) * self.param("gain", nn.initializers.ones, (4,)))
+        h = nn.relu(nn.Dense(3)(x))
+        x = nn.relu(nn.Dense(4)(h) * self.param("layer_scale", nn.initializers.ones, (4,)))
+        return nn.Dense(2)(x)
 
 
 class Mixer(nn.Module):
@@ -516,6 +538,7 @@ def _build() -> dict[str, Case]:
         _linen("residual_cnn", ResCNN(), _normal(5, 5, 2), hidden=7),
         _linen("separable_cnn_depthwise_grouped", SeparableCNN(), _normal(5, 5, 2), hidden=12),
         _linen("local_cnn_convlocal", LocalCNN(), _normal(5, 5, 1), hidden=11),
+        _gains(_linen("layer_scale_mlp", LayerScaleMLP(), _normal(3), hidden=19, seed=1), "gain", "layer_scale"),
         _linen("mixer_input_residual_stream", Mixer(), _normal(4, 3), hidden=11, extra_symmetries=1),
         _linen("rnn_last_step", RNNLast(), _normal(6, 3), hidden=5, recurrent=True),
         _linen("stacked_rnn_every_step", StackedRNNEvery(), _normal(5, 2), hidden=7, recurrent=True),
