@@ -451,12 +451,13 @@ def _plain_experts() -> Case:
     return Case("plain_experts_einsum", fn, params, _normal(4), hidden=12)
 
 
-def _plain_graph() -> Case:
-    """A graph network on a fixed five-node graph: each layer gathers the senders' features, sums the messages into
-    their receivers (a scatter-add, as ``jax.ops.segment_sum``) and adds the node's own term; the graph's nodes are
-    positions, the features nodes (6 + 4)."""
+def _plain_graph(aggregate: str = "sum") -> Case:
+    """A graph network on a fixed five-node graph: each layer gathers the senders' features, aggregates the messages
+    into their receivers, summed (a scatter-add, as ``jax.ops.segment_sum``) or their largest (``jax.ops.segment_max``,
+    a scatter-max into −∞: positively homogeneous, as max pooling is; every graph node receives a message), and adds
+    the node's own term; the graph's nodes are positions, the features nodes (6 + 4)."""
     senders, receivers = np.array([0, 1, 2, 3, 4, 0, 2]), np.array([1, 2, 3, 4, 0, 3, 4])
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(0 if aggregate == "sum" else 1)
 
     def layer(n_in, n_out):
         w_msg, w_self = rng.standard_normal((n_in, n_out)), rng.standard_normal((n_in, n_out))
@@ -464,35 +465,19 @@ def _plain_graph() -> Case:
 
     params = _f64([layer(3, 6), layer(6, 4), {"w": rng.standard_normal((4, 2)), "b": 0.3 * rng.standard_normal(2)}])
 
-    def fn(p, x):  # x: [B, graph nodes 5, features 3]
-        for layer in p[:-1]:
-            msg = x[:, senders] @ layer["w_msg"] + layer["b_msg"]
-            x = jax.nn.relu(jnp.zeros((*x.shape[:2], msg.shape[-1])).at[:, receivers].add(msg) + x @ layer["w_self"])
-        return x.sum(1) @ p[-1]["w"] + p[-1]["b"]
-
-    return Case("plain_graph_scatter_add", fn, params, _normal(5, 3), hidden=10)
-
-
-def _plain_graph_max() -> Case:
-    """`_plain_graph` with max aggregation (``jax.ops.segment_max``, a scatter-max into −∞): the largest message of
-    each feature, positively homogeneous as max pooling is; every graph node receives a message. H = 6 + 4."""
-    senders, receivers = np.array([0, 1, 2, 3, 4, 0, 2]), np.array([1, 2, 3, 4, 0, 3, 4])
-    rng = np.random.default_rng(1)
-
-    def layer(n_in, n_out):
-        w_msg, w_self = rng.standard_normal((n_in, n_out)), rng.standard_normal((n_in, n_out))
-        return {"w_msg": w_msg, "b_msg": 0.3 * rng.standard_normal(n_out), "w_self": w_self}
-
-    params = _f64([layer(3, 6), layer(6, 4), {"w": rng.standard_normal((4, 2)), "b": 0.3 * rng.standard_normal(2)}])
+    def aggregated(msg, x):
+        if aggregate == "sum":
+            return jnp.zeros((*x.shape[:2], msg.shape[-1])).at[:, receivers].add(msg)
+        return jax.vmap(lambda m: jax.ops.segment_max(m, receivers, num_segments=5))(msg)
 
     def fn(p, x):  # x: [B, graph nodes 5, features 3]
         for layer in p[:-1]:
             msg = x[:, senders] @ layer["w_msg"] + layer["b_msg"]
-            agg = jax.vmap(lambda m: jax.ops.segment_max(m, receivers, num_segments=5))(msg)
-            x = jax.nn.relu(agg + x @ layer["w_self"])
+            x = jax.nn.relu(aggregated(msg, x) + x @ layer["w_self"])
         return x.sum(1) @ p[-1]["w"] + p[-1]["b"]
 
-    return Case("plain_graph_segment_max", fn, params, _normal(5, 3), hidden=10)
+    name = "plain_graph_scatter_add" if aggregate == "sum" else "plain_graph_segment_max"
+    return Case(name, fn, params, _normal(5, 3), hidden=10)
 
 
 @jax.custom_vjp
@@ -575,7 +560,7 @@ def _build() -> dict[str, Case]:
         _linen("vmap_ensemble_mean", Ensemble(), _normal(4), hidden=12, extra_symmetries=4),
         _plain_experts(),
         _plain_graph(),
-        _plain_graph_max(),
+        _plain_graph("max"),
     ]
     return {c.name: c for c in cases}
 
