@@ -27,7 +27,8 @@ position, as batch normalisation does), and the incoming weights of a node are e
 edge leaves whose destination it is (taps and input channels of a kernel, its bias). The node axis of
 a pre-activation must be its last axis (Dense, NHWC convolutions). Recurrences, residual connections
 (a node that an activation enters without a parameter edge), pinned groups feeding hidden nodes of
-their own and token ids are refused with an error that says why.
+their own and token ids (embedding lookups) are refused with an error that says why; integer inputs cast to
+floats (uint8 pixels) are inputs like the others.
 
 References:
   Neyshabur, Salakhutdinov, Tomioka, Srebro, "Data-dependent path normalization in neural networks",
@@ -76,11 +77,10 @@ def _check(space: PathSpace, alpha, moment, eps) -> float:
     if not float(eps) >= 0.0:
         raise ValueError(f"eps must be >= 0, got {eps}")
     for spec in jax.tree_util.tree_leaves(space.arg_specs):
-        if not flat.supported_input(spec.dtype) or jnp.issubdtype(spec.dtype, jnp.integer):  # no token ids
+        if not flat.supported_input(spec.dtype):
             raise DDPNormalizationError(
                 f"ddp_normalize: the traced function takes an input of dtype {spec.dtype}; DDP-Normalization is "
-                "defined here for floating-point inputs and boolean masks (trace a function of the one-hot input "
-                "for token ids)"
+                "defined here for floating-point inputs, integers cast to floats and boolean masks"
             )
     return alpha
 
@@ -181,6 +181,12 @@ def _program(space: PathSpace, param_key: tuple, input_key: tuple):
 def _checked_program(space: PathSpace, param_key: tuple, input_key: tuple, mesh):
     """`_program` for the abstract mesh in context (part of the key, as in `pathspace_jax.program.program`)."""
     prog = flat.program(space, param_key, input_key, who="ddp_normalize", err=DDPNormalizationError)
+    if prog.lookups:  # integer inputs cast to floats (uint8 pixels) are values, and normalised as any input
+        raise DDPNormalizationError(
+            "ddp_normalize: the traced function looks up embeddings by token ids; DDP-Normalization is defined here "
+            "for floating-point inputs, integers cast to floats and boolean masks (trace a function of the one-hot "
+            "input for token ids)"
+        )
     if prog.sinks or prog.bnd:
         raise DDPNormalizationError(
             "ddp_normalize: the network has pinned node groups (see pj.describe); DDP-Normalization is "
@@ -254,8 +260,8 @@ def ddp_normalize(space: PathSpace, *, alpha: float, moment: str = "second", eps
       traced function returns, in the dtype of ``w_tilde``.
 
     Raises:
-      DDPNormalizationError: token ids (boolean masks are inputs), pinned groups, recurrences, residual
-        connections, a node axis that is not the last, a batch of one with the variance.
+      DDPNormalizationError: token ids (boolean masks and integers cast to floats are inputs), pinned groups,
+        recurrences, residual connections, a node axis that is not the last, a batch of one with the variance.
 
     Example:
       >>> fn_tilde = pj.ddp_normalize(space, alpha=0.5)

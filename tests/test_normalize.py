@@ -102,6 +102,17 @@ def test_fn_tilde_is_the_definition(name, alpha, moment):
 
 
 @pytest.mark.parametrize("alpha,moment", [(0.5, "second"), (1.0, "variance")])
+def test_integer_pixels_cast_to_floats_are_an_input_like_the_others(alpha, moment):
+    """uint8 inputs that the function casts to floats: the same normalised network as on the float pixels."""
+    _, _, p, x = _case("mlp")
+    pixels = jnp.asarray(np.round(jnp.abs(x) * 80), jnp.uint8)
+    fn = lambda q, u: mlp_fn(q, u.astype(F64) / 255.0)  # noqa: E731
+    got = pj.ddp_normalize(pj.trace(fn, p, pixels), alpha=alpha, moment=moment, eps=0.0)(p, pixels)
+    want = mlp_tilde(p, pixels.astype(F64) / 255.0, alpha, moment)
+    chex.assert_trees_all_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("alpha,moment", [(0.5, "second"), (1.0, "variance")])
 def test_a_boolean_mask_is_an_input_like_the_others(alpha, moment):
     """A padding mask passed as booleans and applied with ``jnp.where`` (here to the first hidden layer's
     activations, per example) is an input of the normalised network: the masked examples' zeros enter the next
@@ -236,5 +247,5 @@ def test_errors():
         return jax.nn.relu(q["emb"][ids]) @ q["w"]
 
     ep = {"emb": jnp.ones((5, 3), F64), "w": jnp.ones((3, 2), F64)}
-    with pytest.raises(pj.DDPNormalizationError, match="an input of dtype int"):
-        pj.ddp_normalize(pj.trace(embed_fn, ep, jnp.array([0, 1, 2])), alpha=0.5)
+    with pytest.raises(pj.DDPNormalizationError, match="looks up embeddings by token ids"):
+        pj.ddp_normalize(pj.trace(embed_fn, ep, jnp.array([0, 1, 2])), alpha=0.5)(ep, jnp.array([0, 1, 2]))
