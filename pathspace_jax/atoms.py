@@ -67,6 +67,11 @@ class Atoms:
                 self.reasons[r].append(reason)
             self.random[r] |= random
 
+    def make_positions(self, atoms: Sequence[int]) -> None:
+        """Mark the factors of ``atoms`` as positions (time, space, a shared batch axis): shared by the nodes."""
+        for r in self.factors(atoms):
+            self.position[r] = True
+
     def set_expand(self, r: int, children: list[int]) -> None:
         self.expand[r] = list(children)
         for c in self.factors(children):

@@ -236,8 +236,7 @@ def _groups(interp: Interpreter, leaves, paths):
             return (leaves, paths, leaf_info, *_node_groups(interp, leaf_info))
         for axis in shared:  # positions after all, as they were before the rules saw the rest of the network
             saved.unify(list(axis[1]), interp.diagonal.pop(axis), "a batch axis shared by a layer")
-            for f in saved.factors(list(axis[1])):
-                saved.position[f] = True
+            saved.make_positions(list(axis[1]))
         interp.atoms = copy.deepcopy(saved)
 
 

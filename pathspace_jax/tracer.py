@@ -119,8 +119,7 @@ class Interpreter(ShapeRules):
         """Decide the `defer`red atoms, in order (a later one's source may be an earlier one's result)."""
         for new, source, why, fixed in self.deferred:
             if all(self.atoms.position[f] for f in self.atoms.factors(source)):
-                for f in self.atoms.factors(new):
-                    self.atoms.position[f] = True
+                self.atoms.make_positions(new)
             elif not all(self.atoms.position[f] for f in self.atoms.factors(new)):
                 self.atoms.pin(new, why)
                 if fixed:  # the result, and what it was computed from (an input: the same value 1 in κ)
@@ -549,11 +548,9 @@ class Interpreter(ShapeRules):
             self.use(rhs, c_out, "out")
             for k in rspec[2:]:
                 self.use(rhs, rhs.axes[k], "tap")
-                for f in self.atoms.factors(rhs.axes[k]):
-                    self.atoms.position[f] = True
+                self.atoms.make_positions(rhs.axes[k])
             for k in lspec[2:]:
-                for f in self.atoms.factors(lhs.axes[k]):
-                    self.atoms.position[f] = True
+                self.atoms.make_positions(lhs.axes[k])
             out[ospec[1]] = list(g_out) + list(c_out)
             return [Val(ACT, out)]
         if lhs.kind == CONST and rhs.kind == CONST:
@@ -563,8 +560,7 @@ class Interpreter(ShapeRules):
             # each output feature (c, t) is input channel c at tap t (times a fixed coefficient): the channel's
             # nodes, at other positions (`lax.conv_general_dilated_patches`, behind `nn.ConvLocal`)
             for k in lspec[2:]:
-                for f in self.atoms.factors(lhs.axes[k]):
-                    self.atoms.position[f] = True
+                self.atoms.make_positions(lhs.axes[k])
             taps = out_shape[ospec[1]] // groups
             out[ospec[1]] = list(lhs.axes[lspec[1]]) + [self.atoms.new(taps, position=True)]
             return [Val(ACT, out)]
@@ -679,8 +675,7 @@ class Interpreter(ShapeRules):
         consts, init, xs = ins[:nc], ins[nc : nc + nk], ins[nc + nk :]
         for v in xs:  # the scanned axis: positions (time steps, or layers)
             if v.axes:
-                for f in self.atoms.factors(v.axes[0]):
-                    self.atoms.position[f] = True
+                self.atoms.make_positions(v.axes[0])
         sliced = [v for v in xs if v.kind == PARAM]
         layers = sliced and all(v.axes == self.leaf_axes[v.leaf] for v in sliced)
         if layers:
