@@ -22,6 +22,8 @@ pooling with its squared 1/k, and γ²_net the sum of its outputs.
 (``dot_general``/``conv`` with a parameter operand), possibly plus biases, residual branches and
 constant factors; it becomes a node where it is used by anything else (a ReLU, the next layer, two
 consumers, or the function's output). Every output of the function is an output node.
+A node at −∞ (a graph node that no message reaches in a ``jax.ops.segment_max``, whose ReLU gives 0)
+has no value: it reads as 0 in the statistics, with no derivative (the |w|^p network reads that −∞ as 0).
 
 **Computing κ.** Writing λ_v = ∂γ²_net/∂γ_v² for the backward pass of the γ² recursion (eq. 29) and
 ν_v = α λ_v, the diagonal of the Hessian splits into (eq. 32, derived again here because a path uses

@@ -56,7 +56,17 @@ def run_program(prog: flat.Program, invals: list, want: Sequence, post=None, bat
             if o in boundary:  # a boundary value: downstream, an input of the homogeneous part
                 kept[o], env[o] = v, jax.lax.stop_gradient(v)
     outs = [jnp.asarray(x[1]) if isinstance(x, tuple) else env[x] for x in prog.out_ids]
-    return outs, [got[w] if isinstance(w, tuple) else kept.get(w, env[w]) for w in want]
+    got = [got[w] if isinstance(w, tuple) else kept.get(w, env[w]) for w in want]
+    if any(e.prim.name == "scatter-max" for e in prog.eqns):
+        got = [_no_value_as_zero(z) for z in got]
+    return outs, got
+
+
+def _no_value_as_zero(z):
+    """A pre-activation at −∞ has no value: a segment max that no message reaches (``jax.ops.segment_max``) plus
+    anything finite, which the ReLU after it turns into 0. It reads as 0 with no derivative, so a node that carries
+    nothing has no statistic (as the |w|^p network reads the −∞ as 0: no path) instead of an infinite one."""
+    return jnp.where(jnp.isneginf(z), jnp.zeros_like(z), z) if jnp.issubdtype(z.dtype, jnp.floating) else z
 
 
 def scan_nodes(prog: flat.Program, which: str = "sinks") -> list:

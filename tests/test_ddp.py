@@ -348,12 +348,48 @@ def _ln_params(key):
     return p
 
 
+_SENDERS, _RECEIVERS = np.array([0, 1, 2, 0]), np.array([1, 2, 0, 2])  # graph node 3 receives no message
+
+
+def graph_fn(p, x):
+    """A graph layer with max aggregation (``jax.ops.segment_max``, a scatter-max into −∞) and a self term; graph
+    node 3 receives no message, so its pre-activation is −∞ (−∞ plus its self term) and its ReLU gives 0."""
+    msg = x[:, _SENDERS] @ p["w_msg"]  # x: [batch, 4 graph nodes, 3]
+    agg = jax.vmap(lambda m: jax.ops.segment_max(m, _RECEIVERS, num_segments=4))(msg)
+    return jax.nn.relu(agg + x @ p["w_self"] + p["b"]).sum(1) @ p["w"]
+
+
+def graph_gamma_net(p, x, alpha, moment):
+    """The recursion written out for `graph_fn`: the messages are nodes, the max aggregation takes the largest γ²
+    of the messages into a graph node (as max pooling does). Graph node 3 has no value (−∞ before its ReLU, 0
+    after): it has no statistic, and its γ² is the squared sum of its self term alone."""
+    reached = [0, 1, 2]
+    msg = x[:, _SENDERS] @ p["w_msg"]
+    g_msg = alpha * _stat(msg, moment) + (1 - alpha) * jnp.sum(p["w_msg"] ** 2, axis=0)
+    agg = jnp.stack([jnp.max(msg[:, _RECEIVERS == v], axis=1) for v in reached], axis=1)
+    g_agg = jnp.stack([jnp.max(g_msg[_RECEIVERS == v], axis=0) for v in reached])
+    g_self = jnp.sum(p["w_self"] ** 2, axis=0) + p["b"] ** 2
+    z = agg + x[:, reached] @ p["w_self"] + p["b"]
+    g_z = alpha * _stat(z, moment) + (1 - alpha) * (g_agg + g_self)
+    g_dead = (1 - alpha) * g_self
+    out = jax.nn.relu(z).sum(1) @ p["w"]
+    g_out = alpha * _stat(out, moment) + (1 - alpha) * ((g_z.sum(0) + g_dead) @ p["w"] ** 2)
+    return jnp.sum(g_out)
+
+
+def _graph_params(key):
+    ks = jax.random.split(key, 4)
+    shapes = {"w_msg": (3, 5), "w_self": (3, 5), "b": (5,), "w": (5, 2)}
+    return {k: 0.6 * jax.random.normal(kk, s, jnp.float64) for kk, (k, s) in zip(ks, shapes.items())}
+
+
 CASES = {
     "mlp": (mlp_fn, mlp_gamma_net, lambda: _mlp_params(jax.random.key(0)), (6, 3)),
     "residual": (res_fn, res_gamma_net, lambda: _res_params(jax.random.key(1)), (6, 3)),
     "residual_block": (block_fn, block_gamma_net, lambda: _block_params(jax.random.key(3)), (6, 3)),
     "cnn": (cnn_fn, cnn_gamma_net, lambda: _cnn_params(jax.random.key(2)), (4, 4, 4, 2)),
     "layer_norm_tanh": (ln_fn, ln_gamma_net, lambda: _ln_params(jax.random.key(4)), (6, 3)),
+    "graph_empty_segment": (graph_fn, graph_gamma_net, lambda: _graph_params(jax.random.key(5)), (6, 4, 3)),
 }
 
 

@@ -178,8 +178,8 @@ def test_a_learned_per_unit_scale_is_a_diagonal_edge():
 def test_a_segment_max_is_homogeneous_into_minus_infinity_or_zero(fill, pins):
     """``operand.at[ids].max(messages)``: into −∞ (``jax.ops.segment_max``) or 0 the messages' nodes go on; into
     1 it is an offset, which pins them. Graph node 3 receives no message: it is −∞ (then 0 after the ReLU) in the
-    network, and its segment carries no path in the |·|^p network, whose κ stays finite. (DDP's statistics of that
-    pre-activation would be infinite: the zoo's segment-max graph, every segment reached, checks DDP.)"""
+    network, and its segment carries no path in the |·|^p network, whose κ stays finite (DDP-SGD's κ on this graph:
+    test_ddp's graph_empty_segment)."""
     senders, receivers = np.array([0, 1, 2, 0]), np.array([1, 2, 0, 2])
 
     def fn(p, x):  # x: [B, graph nodes 4, 3]
