@@ -9,6 +9,8 @@ them alone and ``-m "slow or not slow"`` runs everything (what CI runs).
 
 import gc
 import os
+import subprocess
+import sys
 import tempfile
 
 import jax
@@ -27,7 +29,8 @@ jax.config.update("jax_enable_x64", True)
 # (403 tests) on 2026-11-25 after the unrolled scans of commit e98cb23; 9.5 and 9.8 minutes (413 tests) in two CI
 # dry runs on 2026-11-26 (the second after 571a47b took 13 s of worker time out); 12.3-12.5 minutes (502 tests)
 # on 2026-11-27, and 13.6 (546 tests: six more zoo models) later that day; 14.1 minutes (549 tests, user 26.5)
-# on 2026-11-27 (twenty-second session), then 12.4 (554 tests, user 23.4) with TEST_XLA_FLAGS below.
+# on 2026-11-27 (twenty-second session), then 12.4 (554 tests, user 23.4) with TEST_XLA_FLAGS below; 12.4 (590
+# tests, user 23.4) and 8.9 (user 16.4) with XLA:CPU's older fusion emitters (LEGACY_FUSION_EMITTERS below).
 # PJ_TEST_CACHE=0 turns it off.
 if os.environ.get("PJ_TEST_CACHE", "1") != "0":
     _CACHE = {
@@ -43,11 +46,27 @@ if os.environ.get("PJ_TEST_CACHE", "1") != "0":
 # The tests compile many small programs and run each a few times: XLA:CPU's LLVM backend at -O1 without its
 # expensive passes compiles them faster (test_kappa and test_trace from an empty cache: 157 s -> 123 s on 2
 # cores) and runs them as fast (the digits CNN's training test: 13.1 s -> 11.0 s; at -O0 it took 17 times
-# longer, its convolutions unvectorised). Set before JAX starts its backend; subprocesses inherit it (tests that
-# set XLA_FLAGS for theirs append to it). PJ_TEST_FAST_COMPILE=0 compiles as users do.
+# longer, its convolutions unvectorised). Where jaxlib still has them, XLA:CPU's older (LLVM IR) fusion emitters
+# compile faster again than its MLIR ones: seven of the slowest tests from an empty cache, in one process, 56.7 s
+# -> 35.0 s of XLA compilation, 82 s -> 58 s in all (2026-11-27, jaxlib 0.10.2); jaxlib 0.12 has no switch for
+# them, and XLA aborts the process on a flag it does not know, so a subprocess tries it first (once per run: the
+# pytest workers and the tests' subprocesses inherit the environment). Set before JAX starts its backend; tests
+# that set XLA_FLAGS for their subprocesses append to it. PJ_TEST_FAST_COMPILE=0 compiles as users do.
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=1 --xla_llvm_disable_expensive_passes=true"
-if os.environ.get("PJ_TEST_FAST_COMPILE", "1") != "0":
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
+LEGACY_FUSION_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+
+
+def _xla_accepts(flags: str) -> bool:
+    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
+    run = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env, capture_output=True)
+    return run.returncode == 0
+
+
+if os.environ.get("PJ_TEST_FAST_COMPILE", "1") != "0" and "PJ_TEST_XLA_FLAGS" not in os.environ:
+    _flags = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
+    if _xla_accepts(f"{_flags} {LEGACY_FUSION_EMITTERS}"):
+        _flags = f"{_flags} {LEGACY_FUSION_EMITTERS}"
+    os.environ["XLA_FLAGS"] = os.environ["PJ_TEST_XLA_FLAGS"] = _flags
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest's own -m selection
