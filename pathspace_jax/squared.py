@@ -57,6 +57,8 @@ def _squared_op(e: Eqn, ks: Sequence[str], vals: list, out_kind: str, power: flo
         return bind(e, vals)
     if e.edge:  # a per-unit scale that the trace made an edge (`Interpreter.per_unit_scale`): the parameter is raised
         return bind(e, vals)
+    if name == "mul" and sorted(ks) == ["act", "param"] and jnp.size(vals[ks.index("param")]) == 1:
+        return bind(e, vals)  # a learned scalar coefficient (`Interpreter.rule_mul`), raised already
     if name in ("dot_general", "conv_general_dilated"):
         if ks.count("const") == 0 and "act" in ks and "param" in ks or ks.count("const") == 1:
             vals = [v if k != "const" else raise_power(v, power) for v, k in zip(vals, ks, strict=False)]

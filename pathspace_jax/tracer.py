@@ -314,8 +314,14 @@ class Interpreter(ShapeRules):
         acts = [v for v in ins if v.kind == ACT]
         params = [v for v in ins if v.kind == PARAM]
         consts = [v for v in ins if v.kind == CONST]
-        if len(acts) == 1 and len(params) == 1 and (scaled := self.per_unit_scale(eqn, ins, *acts, *params)):
-            return scaled
+        if len(acts) == 1 and len(params) == 1 and eqn.primitive.name == "mul":
+            if all(self.size(ax) == 1 for ax in params[0].axes):
+                # a learned scalar (PReLU's slope, a gain): a coefficient of every unit alike, so x's units keep
+                # their rescaling (its gradient is invariant under it); the |w|^p network takes it raised
+                self.mark_other(params[0], "a learned scalar coefficient (PReLU's slope, a gain)")
+                return [self.ew(ACT, ins, self.broadcast(eqn, ins, unify=False))]
+            if scaled := self.per_unit_scale(eqn, ins, *acts, *params):
+                return scaled
         if len(acts) > 1:
             for v in acts:
                 self.pin(v, "product of activations")
@@ -340,15 +346,17 @@ class Interpreter(ShapeRules):
         """``x * p`` with ``p`` a parameter that varies along some of ``x``'s axes only (a learned per-unit scale:
         LayerScale, a gain after a ReLU): a diagonal edge, entry c from node c of x's group to node c of a group
         of its own (`diagonal_ends`), the other axes broadcast. None (the product pins, as before) where x is
-        pinned already (a LayerNorm's normalised value: its scale lies on no path), p varies along no axis, or p is
-        combined with fixed coefficients (BatchNorm's scale over its running deviation: the running mean it
-        subtracts breaks the symmetry, although it is 0 at initialisation)."""
+        pinned already (a LayerNorm's normalised value: its scale lies on no path), p varies along no axis (a
+        scalar is a coefficient: `rule_mul`), or p is combined with fixed coefficients (BatchNorm's scale over its
+        running deviation: the running mean it subtracts breaks the symmetry, although it is 0 at
+        initialisation)."""
+        shape = eqn.outvars[0].aval.shape
         pinned = any(self.atoms.reasons[r] for r in self.atoms.factors(self.all_atoms(x)))
-        if eqn.primitive.name != "mul" or pinned or p.scaled:
+        if pinned or p.scaled or len(p.axes) != len(shape) or len(x.axes) != len(shape):
             return None
         own = {f for ax in self.leaf_axes[p.leaf] for f in self.atoms.factors(ax)}
         out, diagonal = [], False
-        for k, d in enumerate(eqn.outvars[0].aval.shape):
+        for k, d in enumerate(shape):
             if d > 1 and self.size(p.axes[k]) == d and set(self.atoms.factors(p.axes[k])) <= own:
                 self.atoms.unify(x.axes[k], p.axes[k], self.reason())
                 out.append(self.diagonal_ends(p, p.axes[k]))

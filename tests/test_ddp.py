@@ -147,6 +147,9 @@ def _flax_model(name):
     if name == "layer_scale":  # learned per-unit scales
         case = ZOO["layer_scale_mlp"]
         return case.fn, case.params, case.inputs(5)
+    if name == "prelu":  # learned scalar coefficients (PReLU's slope, a gain)
+        case = ZOO["prelu_mlp_scalar_gain"]
+        return case.fn, case.params, case.inputs(5)
     if name == "plain_graph_max":  # jax.ops.segment_max
         case = ZOO["plain_graph_segment_max"]
         return case.fn, case.params, case.inputs(5)
@@ -442,7 +445,7 @@ def test_kappa_is_half_hessian_diagonal_of_the_recursion(name, alpha, moment):
      ("plain_nested", "variance"), ("plain_seq", "second"), ("linen_rnn", "second"), ("linen_rnn", "variance"),
      ("linen_separable", "second"), ("plain_graph", "second"), ("plain_graph", "variance"), ("linen_local", "second"),
      ("linen_local", "variance"), ("plain_graph_max", "second"), ("plain_graph_max", "variance"),
-     ("layer_scale", "second"), ("layer_scale", "variance")],
+     ("layer_scale", "second"), ("layer_scale", "variance"), ("prelu", "second")],
 )  # fmt: skip
 def test_alpha_one_is_the_fisher_diagonal_on_flax_models(name, moment):
     fn, params, x = _flax_model(name)

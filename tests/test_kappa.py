@@ -168,6 +168,7 @@ ZOO_NAMES = {
     "local": "local_cnn_convlocal",
     "graph_max": "plain_graph_segment_max",
     "layer_scale": "layer_scale_mlp",
+    "prelu": "prelu_mlp_scalar_gain",
 }
 
 
@@ -218,6 +219,7 @@ FEEDFORWARD = [
     "graph_max",
     "local",
     "layer_scale",
+    "prelu",
 ]
 RECURRENT = ["rnn_last", "rnn_stacked_every", "rnn_reverse_every"]  # single/stacked, last/every step, reverse
 

@@ -200,6 +200,24 @@ class LayerScaleMLP(nn.Module):
         return nn.Dense(2)(x)
 
 
+class PReLUMLP(nn.Module):
+    """Learned scalar coefficients: PReLU's negative slope (``where(z >= 0, z, slope * z)``) and a gain after a
+    ReLU. Each multiplies every unit alike, so the units stay hidden and the scalars are not edges (kind
+    "other"). H = 5 + 4; the gain and the next kernel trade a common factor: one symmetry beyond rescaling."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.PReLU(param_dtype=jnp.float64)(nn.Dense(5)(x))
+        x = nn.relu(nn.Dense(4)(x)) * self.param("gain", nn.initializers.ones, ())
+        return nn.Dense(2)(x)
+
+
+def _prelu_mlp() -> Case:
+    case = _linen("prelu_mlp_scalar_gain", PReLUMLP(), _normal(3), hidden=9, extra_symmetries=1)
+    params = {**case.params, "PReLU_0": {"negative_slope": 0.25}, "gain": 1.3}
+    return dataclasses.replace(case, params=_f64(params))
+
+
 class Mixer(nn.Module):
     """An MLP-Mixer block with ReLUs: token mixing (a Dense over the transposed tokens), a residual stream that
     begins with the input itself (so the token MLP's output nodes are the input's: edges into an input group),
@@ -524,6 +542,7 @@ def _build() -> dict[str, Case]:
         _linen("separable_cnn_depthwise_grouped", SeparableCNN(), _normal(5, 5, 2), hidden=12),
         _linen("local_cnn_convlocal", LocalCNN(), _normal(5, 5, 1), hidden=11),
         _gains(_linen("layer_scale_mlp", LayerScaleMLP(), _normal(3), hidden=19, seed=1), "gain", "layer_scale"),
+        _prelu_mlp(),
         _linen("mixer_input_residual_stream", Mixer(), _normal(4, 3), hidden=11, extra_symmetries=1),
         _linen("rnn_last_step", RNNLast(), _normal(6, 3), hidden=5, recurrent=True),
         _linen("stacked_rnn_every_step", StackedRNNEvery(), _normal(5, 2), hidden=7, recurrent=True),
