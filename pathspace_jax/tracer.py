@@ -503,6 +503,8 @@ class Interpreter(ShapeRules):
                 out[j] = self.diagonal_ends(p, p.axes[a])
             for a in pfree:
                 self.use(p, p.axes[a], "out")
+            if x.kind == ACT:
+                self.shared_along(x, xc, [k for k in range(len(x.axes)) if k not in xc and k not in xb])
             return [Val(ACT, out)]
         if kinds == (CONST, CONST):
             return [Val(CONST, out)]
@@ -528,6 +530,29 @@ class Interpreter(ShapeRules):
                 self.atoms.unify(lhs.axes[a], rhs.axes[b], self.reason())
             return [Val(ACT, out)]
         return [Val(CONST, out)]
+
+    def shared_along(self, x: Val, read: Sequence[int], free: Sequence[int]) -> None:
+        """A layer reads the axes ``read`` of ``x`` with weights shared along its ``free`` axes. Where a free axis
+        and a read one were written by one kernel (its output axes: ``nn.DenseGeneral`` with two feature axes, an
+        ``nn.vmap``'d layer's members), the free axis is a position: the nodes are shared along it, as the
+        weights are (the units of the read axis rescale alike at every entry of the free one)."""
+        atoms = self.atoms
+        free = [  # the examples' axis and other input axes are not a kernel's (and the common case: no search)
+            k for k in free if self.size(x.axes[k]) > 1
+            and not all(atoms.input[f] or atoms.position[f] for f in atoms.factors(x.axes[k]))
+        ]  # fmt: skip
+        if not free:
+            return
+        outs: dict[int, set[int]] = {}
+        for leaf, uses in enumerate(self.uses):
+            for a, role, _, _ in uses:
+                if role == "out":
+                    outs.setdefault(leaf, set()).update(atoms.factors([a]))
+        read_f = [set(atoms.factors(x.axes[k])) for k in read]
+        for k in free:
+            f = set(atoms.factors(x.axes[k]))
+            if any(f <= own and any(r and r <= own for r in read_f) for own in outs.values()):
+                atoms.make_positions(x.axes[k])
 
     def rule_conv_general_dilated(self, eqn, ins):
         lhs, rhs = ins

@@ -147,8 +147,8 @@ def _flax_model(name):
     if name == "layer_scale":  # learned per-unit scales
         case = ZOO["layer_scale_mlp"]
         return case.fn, case.params, case.inputs(5)
-    if name == "prelu":  # learned scalar coefficients (PReLU's slope, a gain)
-        case = ZOO["prelu_mlp_scalar_gain"]
+    if name in ("prelu", "shared_head"):  # learned scalar coefficients; nn.vmap'd members read by one head
+        case = ZOO["prelu_mlp_scalar_gain" if name == "prelu" else "vmap_members_shared_head"]
         return case.fn, case.params, case.inputs(5)
     if name == "plain_graph_max":  # jax.ops.segment_max
         case = ZOO["plain_graph_segment_max"]
@@ -445,7 +445,8 @@ def test_kappa_is_half_hessian_diagonal_of_the_recursion(name, alpha, moment):
      ("plain_nested", "variance"), ("plain_seq", "second"), ("linen_rnn", "second"), ("linen_rnn", "variance"),
      ("linen_separable", "second"), ("plain_graph", "second"), ("plain_graph", "variance"), ("linen_local", "second"),
      ("linen_local", "variance"), ("plain_graph_max", "second"), ("plain_graph_max", "variance"),
-     ("layer_scale", "second"), ("layer_scale", "variance"), ("prelu", "second")],
+     ("layer_scale", "second"), ("layer_scale", "variance"), ("prelu", "second"), ("shared_head", "second"),
+     ("shared_head", "variance")],
 )  # fmt: skip
 def test_alpha_one_is_the_fisher_diagonal_on_flax_models(name, moment):
     fn, params, x = _flax_model(name)

@@ -169,6 +169,8 @@ ZOO_NAMES = {
     "graph_max": "plain_graph_segment_max",
     "layer_scale": "layer_scale_mlp",
     "prelu": "prelu_mlp_scalar_gain",
+    "dense_general": "dense_general_shared_readout",
+    "shared_head": "vmap_members_shared_head",
 }
 
 
@@ -220,6 +222,8 @@ FEEDFORWARD = [
     "local",
     "layer_scale",
     "prelu",
+    "dense_general",
+    "shared_head",
 ]
 RECURRENT = ["rnn_last", "rnn_stacked_every", "rnn_reverse_every"]  # single/stacked, last/every step, reverse
 

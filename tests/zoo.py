@@ -200,6 +200,26 @@ class LayerScaleMLP(nn.Module):
         return nn.Dense(2)(x)
 
 
+class SharedReadout(nn.Module):
+    """A first layer whose kernel writes two axes, read by a second layer along one of them with weights shared
+    along the other: ``nn.DenseGeneral((2, 4))`` then ``nn.Dense`` on the last axis (``members=False``), or three
+    ``nn.vmap``'d members (one kernel and bias each, the input shared) then one head for all (``members=True``).
+    The nodes are shared along the first axis, as the second layer's weights are: a position, H = 4 (it pinned all
+    8 or 12 units: the second layer read their group only in part)."""
+
+    members: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        if self.members:
+            vmapped = nn.vmap(nn.Dense, variable_axes={"params": 0}, split_rngs={"params": True}, in_axes=None,
+                              axis_size=3)  # fmt: skip
+            h = nn.relu(vmapped(4)(x))  # [members, batch, 4]
+            return nn.Dense(2)(h).sum(0)
+        h = nn.relu(nn.DenseGeneral((2, 4))(x))  # [batch, 2, 4]
+        return nn.Dense(2)(h).sum(1)
+
+
 class PReLUMLP(nn.Module):
     """Learned scalar coefficients: PReLU's negative slope (``where(z >= 0, z, slope * z)``) and a gain after a
     ReLU. Each multiplies every unit alike, so the units stay hidden and the scalars are not edges (kind
@@ -543,6 +563,8 @@ def _build() -> dict[str, Case]:
         _linen("local_cnn_convlocal", LocalCNN(), _normal(5, 5, 1), hidden=11),
         _gains(_linen("layer_scale_mlp", LayerScaleMLP(), _normal(3), hidden=19, seed=1), "gain", "layer_scale"),
         _prelu_mlp(),
+        _linen("dense_general_shared_readout", SharedReadout(), _normal(3), hidden=4),
+        _linen("vmap_members_shared_head", SharedReadout(members=True), _normal(3), hidden=4),
         _linen("mixer_input_residual_stream", Mixer(), _normal(4, 3), hidden=11, extra_symmetries=1),
         _linen("rnn_last_step", RNNLast(), _normal(6, 3), hidden=5, recurrent=True),
         _linen("stacked_rnn_every_step", StackedRNNEvery(), _normal(5, 2), hidden=7, recurrent=True),
