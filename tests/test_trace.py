@@ -42,6 +42,21 @@ def test_counts_by_hand(case, spaces):
     assert any(leaf.recurrent for leaf in space.leaves) == case.recurrent
 
 
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_a_batch_of_one_traces_like_a_batch(case, spaces):
+    """The examples' axis of size 1 shares its atom with every size-1 axis (a bias reshaped to broadcast): traced on
+    one example, the model has the same groups and edges as on several (a rule that made the examples' axis a
+    position at batch 1 once made every RNN example refused as "time-major")."""
+    one = pj.trace(case.fn, case.params, case.inputs(1))
+    many = spaces[case.name]
+    assert [(g.size, g.kind) for g in one.groups] == [(g.size, g.kind) for g in many.groups]
+    for a, b in zip(one.leaves, many.leaves, strict=True):
+        assert (a.path, a.kind, a.src_groups, a.dst_groups) == (b.path, b.kind, b.src_groups, b.dst_groups)
+        np.testing.assert_array_equal(a.src, b.src, err_msg=a.path)
+        np.testing.assert_array_equal(a.dst, b.dst, err_msg=a.path)
+    assert one.positions_first == many.positions_first
+
+
 def _jacobian(fn, flat, x):
     # forward mode where it is cheaper, on CPU only: JAX's JVP of a float64 max-pool runs at float32 precision on
     # GPU (its pair-reduction workaround), which adds spurious singular values
