@@ -146,9 +146,10 @@ PIN_HINTS = (
      "fixed (expected); a float mask among the inputs is an activation too: pass it as booleans and apply it "
      "with jnp.where(mask, x, 0)"),
     ("product of a parameter and an activation", "a learned scale of units that are fixed already (LayerNorm's) or "
-     "of a whole layer (a scalar): train it as an 'other' leaf (optax.partition with pj.path_labels)"),
-    ("product with a parameter", "a learned scale of units that are fixed already (LayerNorm's) or of a whole "
-     "layer (a scalar): train it as an 'other' leaf (optax.partition with pj.path_labels)"),
+     "combined with fixed coefficients (BatchNorm's): train it as an 'other' leaf (optax.partition with "
+     "pj.path_labels)"),
+    ("product with a parameter", "a learned scale of units that are fixed already (LayerNorm's) or combined with "
+     "fixed coefficients (BatchNorm's): train it as an 'other' leaf (optax.partition with pj.path_labels)"),
     ("constant offset", "a constant added to an activation: make it a learned bias, or remove it"),
     ("non-zero constant", "clip at 0 (relu) rather than at another constant (relu6 -> relu), or start from zeros"),
     ("selects on an activation", "a jnp.where on activations: write it as relu or leaky_relu if it is one"),

@@ -33,6 +33,7 @@ class Eqn:
     body: Any = None  # for a scan: its body, a `Frame` as recorded, a `Program` once finished
     inner: list[Eqn] | None = None  # for a custom_jvp/custom_vjp call: its body's equations, as recorded
     edge: bool = False  # an elementwise product the trace made an edge (a learned per-unit scale, `Interpreter`)
+    coefficient: bool = False  # a product by a learned scalar, a coefficient on the paths (`Interpreter.rule_mul`)
 
     @property
     def where(self) -> str:

@@ -55,10 +55,8 @@ def _squared_op(e: Eqn, ks: Sequence[str], vals: list, out_kind: str, power: flo
     if name in ("mul", "div") and sum(k != "const" for k in ks) == 1:
         vals = [v if k != "const" else raise_power(v, power) for v, k in zip(vals, ks, strict=False)]
         return bind(e, vals)
-    if e.edge:  # a per-unit scale that the trace made an edge (`Interpreter.per_unit_scale`): the parameter is raised
+    if e.edge or e.coefficient:  # a per-unit scale or a learned scalar, as the trace recorded it: raised already
         return bind(e, vals)
-    if name == "mul" and sorted(ks) == ["act", "param"] and jnp.size(vals[ks.index("param")]) == 1:
-        return bind(e, vals)  # a learned scalar coefficient (`Interpreter.rule_mul`), raised already
     if name in ("dot_general", "conv_general_dilated"):
         if ks.count("const") == 0 and "act" in ks and "param" in ks or ks.count("const") == 1:
             vals = [v if k != "const" else raise_power(v, power) for v, k in zip(vals, ks, strict=False)]

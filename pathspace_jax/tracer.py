@@ -317,9 +317,10 @@ class Interpreter(ShapeRules):
         if len(acts) == 1 and len(params) == 1 and eqn.primitive.name == "mul":
             if all(self.size(ax) == 1 for ax in params[0].axes):
                 # a learned scalar (PReLU's slope, a gain): a coefficient of every unit alike, so x's units keep
-                # their rescaling (its gradient is invariant under it); the |w|^p network takes it raised
+                # their rescaling (and the scalar's gradient is invariant under it); the |w|^p network takes it raised
                 self.mark_other(params[0], "a learned scalar coefficient (PReLU's slope, a gain)")
-                return [self.ew(ACT, ins, self.broadcast(eqn, ins, unify=False))]
+                out = self.ew(ACT, ins, self.broadcast(eqn, ins, unify=False))
+                return self.record(eqn, ins, [out], coefficient=True)
             if scaled := self.per_unit_scale(eqn, ins, *acts, *params):
                 return scaled
         if len(acts) > 1:

@@ -133,6 +133,14 @@ def _linen(module, xshape, seed=0):
     return (lambda p, x: module.apply({"params": p}, x)), params, x
 
 
+_FROM_ZOO = {  # models of tests/zoo.py
+    "layer_scale": "layer_scale_mlp",  # learned per-unit scales
+    "prelu": "prelu_mlp_scalar_gain",  # learned scalar coefficients
+    "shared_head": "vmap_members_shared_head",  # nn.vmap'd members read by one head
+    "plain_graph_max": "plain_graph_segment_max",  # jax.ops.segment_max
+}
+
+
 def _flax_model(name):
     if name == "linen_cnn":
         return _linen(LinenCNN(), (5, 8, 8, 1))
@@ -144,14 +152,8 @@ def _flax_model(name):
         return _linen(LinenSeparable(), (5, 4, 4, 1))
     if name == "linen_local":  # nn.ConvLocal
         return _linen(LocalCNN(), (5, 5, 5, 1))
-    if name == "layer_scale":  # learned per-unit scales
-        case = ZOO["layer_scale_mlp"]
-        return case.fn, case.params, case.inputs(5)
-    if name in ("prelu", "shared_head"):  # learned scalar coefficients; nn.vmap'd members read by one head
-        case = ZOO["prelu_mlp_scalar_gain" if name == "prelu" else "vmap_members_shared_head"]
-        return case.fn, case.params, case.inputs(5)
-    if name == "plain_graph_max":  # jax.ops.segment_max
-        case = ZOO["plain_graph_segment_max"]
+    if name in _FROM_ZOO:
+        case = ZOO[_FROM_ZOO[name]]
         return case.fn, case.params, case.inputs(5)
     if name == "plain_graph":
         shapes = {"w_msg": (3, 4), "b": (4,), "w_self": (3, 4), "w": (4, 2)}
