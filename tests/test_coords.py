@@ -793,13 +793,17 @@ def test_a_standard_flax_init_is_on_average_its_own_balanced_frame(model, shape)
             assert np.all(np.log2(level[units]) > 0.5)  # the level is what moved it
 
 
-def test_path_norms_of_a_relu_rnn_count_paths_through_the_recurrent_kernel_by_enumeration():
+@pytest.mark.parametrize("gpu_form", [False, True])
+def test_path_norms_of_a_relu_rnn_count_paths_through_the_recurrent_kernel_by_enumeration(gpu_form, monkeypatch):
     """q_in,v: Σ over every path from an input or the bias into v through up to RECURRENT_STEPS recurrent edges
     of the product of its squared weights (the unrolled network's paths); q_out,v likewise from v to the outputs.
-    Enumerated path by path in float64."""
+    Enumerated path by path in float64, in both forms of the sweeps (the GPU's keeps each dense kernel's sums
+    apart from their consumers), also under ``jit`` of ``vmap``."""
     import itertools
 
     from pathspace_jax.gsgd import RECURRENT_STEPS, path_norms
+
+    monkeypatch.setattr(pj.gsgd, "_separate_sums", lambda: gpu_form)
 
     model = _RNN()  # 4 inputs, 8 hidden ReLU units with a recurrent kernel, 3 outputs
     x = jnp.ones((2, 5, 4), jnp.float32)
@@ -824,5 +828,13 @@ def test_path_norms_of_a_relu_rnn_count_paths_through_the_recurrent_kernel_by_en
     assert np.all(q_in > 1.5 * (np.sum(w_in**2, 0) + b**2))  # not vacuous: the recurrent paths count
     got_in, got_out = path_norms(space, space.leaves_of(p), jnp.float64)
     hidden = next(g for g in space.groups if g.size == h)
-    np.testing.assert_allclose(np.asarray(got_in)[hidden.offset : hidden.offset + h], q_in, rtol=1e-12)
-    np.testing.assert_allclose(np.asarray(got_out)[hidden.offset : hidden.offset + h], q_out, rtol=1e-12)
+    units = slice(hidden.offset, hidden.offset + h)
+    np.testing.assert_allclose(np.asarray(got_in)[units], q_in, rtol=1e-12)
+    np.testing.assert_allclose(np.asarray(got_out)[units], q_out, rtol=1e-12)
+    # batched over (p, 2 p): the norms of 2 p are those of p times 4 per weight on the path
+    both = jax.jit(jax.vmap(lambda leaves: path_norms(space, leaves, jnp.float64)))(
+        [jnp.stack([a, 2 * a]) for a in space.leaves_of(p)]
+    )
+    for batched, one in zip(both, (got_in, got_out), strict=True):
+        np.testing.assert_allclose(batched[0], one, rtol=1e-12)
+        assert np.all(np.asarray(batched[1])[units] >= 4 * np.asarray(one)[units])
