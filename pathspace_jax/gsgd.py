@@ -408,9 +408,7 @@ def chart(space: PathSpace, w_leaves, g_leaves, ct, alpha):
     sign. An entry with ``σ = 0`` (a singular chart) has ``φ = 0`` and ``∂L/∂φ = 0``.
     """
     sk = skeleton(space)
-    a, b = jax.lax.optimization_barrier(node_factors(space, w_leaves, ct))  # candidate: node vectors apart
-    if alpha is not None:
-        alpha = jax.lax.optimization_barrier(alpha)
+    a, b = node_factors(space, w_leaves, ct)
     ia, ib = safe_inv(a), safe_inv(b)
     if alpha is None:
         k, p, s_in = (ia, ib), (a, b), jnp.ones_like(a)
@@ -515,7 +513,7 @@ def allocate(
         gate = jnp.asarray(sk.in_is_gauge)
         for _ in range(sk.depth_in):
             r = jnp.where(gate, r[sk.parent], r0)
-    ir = 1 / jax.lax.optimization_barrier(r)  # candidate: the allocation's ratios apart
+    ir = 1 / r
     # at the in-skeleton entry of x (from its parent): w' = w · ρ_x / R_parent(x)
     ratio_in = rho * ir[sk.parent]
     up, down = (jnp.ones((n,), ct),) * 2 if alpha is None else _balancing_pow2(alpha)
