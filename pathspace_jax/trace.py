@@ -131,8 +131,16 @@ def _run_trace(bound, leaves, treedef, paths, arg_specs, strict):
         )
     except Exception as e:
         shapes = jax.tree_util.tree_map(lambda s: f"{s.dtype}{list(s.shape)}", arg_specs)
+        hint = ""
+        if type(e).__name__ == "TraceContextError":  # flax: a Variable created outside the trace is written in it
+            hint = (
+                ". fn closes over flax.nnx state that the forward pass writes (e.g. the nnx.Rngs stream from which "
+                "nnx.RNN draws its initial carry): pass that state as an argument instead, e.g. "
+                "`graphdef, params, rest = nnx.split(model, nnx.Param, ...)`, then "
+                "`pj.trace(lambda p, x, rest: nnx.merge(graphdef, p, rest)(x), params, x, rest)`"
+            )
         raise ValueError(
-            f"fn(params, *args) could not be traced with args of shapes {shapes}: {type(e).__name__}: {e}"
+            f"fn(params, *args) could not be traced with args of shapes {shapes}: {type(e).__name__}: {e}{hint}"
         ) from e
     interp = _interpret(closed, param_specs, jax.tree_util.tree_leaves(arg_specs), paths)
     return _build(interp, treedef, leaves, paths, bound, arg_specs, strict), closed, interp

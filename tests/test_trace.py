@@ -343,6 +343,27 @@ def test_linen_nnx_and_plain_jax_agree():
         np.testing.assert_array_equal(s.leaves[1].dst, plain.leaves[1].dst)
 
 
+def test_nnx_rnn_traces_with_its_rng_state_as_an_argument_and_says_so_when_closed_over():
+    """nnx.RNN draws its initial carry from an nnx.Rngs stream, which the forward pass advances: closing over that
+    state fails (as under ``jax.jit``) with a flax error, which the message completes with what to do."""
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.rnn = nnx.RNN(nnx.SimpleCell(3, 5, activation_fn=nnx.relu, rngs=rngs))
+            self.out = nnx.Linear(5, 2, rngs=rngs)
+
+        def __call__(self, x):
+            return self.out(self.rnn(x)[:, -1])
+
+    graphdef, params, rest = nnx.split(Net(nnx.Rngs(0)), nnx.Param, ...)
+    x = jnp.ones((2, 4, 3))
+    with pytest.raises(ValueError, match=r"TraceContextError.*pass that state as an argument"):
+        pj.trace(lambda p, x: nnx.merge(graphdef, p, rest)(x), params, x)
+    space = pj.trace(lambda p, x, rest: nnx.merge(graphdef, p, rest)(x), params, x, rest)
+    assert space.num_hidden == 5  # the cell's ReLU units
+
+
 def test_describe_names_roles_and_reasons():
     rnn = pj.trace(
         ZOO["stacked_rnn_every_step"].fn, ZOO["stacked_rnn_every_step"].params, ZOO["stacked_rnn_every_step"].inputs(2)
