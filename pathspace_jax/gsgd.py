@@ -135,7 +135,13 @@ def _sweep_plan(space: PathSpace, forward: bool):
 
 
 def _separate_sums() -> bool:
-    """Whether `path_norms` keeps each dense kernel's sums out of the fusions that consume them (on a GPU)."""
+    """Whether `path_norms` keeps each dense kernel's sums out of the fusions that consume them: on a GPU.
+
+    XLA:GPU fuses a dense kernel's column sum into the elementwise op over every node that consumes it, one
+    thread per node summing its column alone: 12 of the 89 µs of device time of G-SGD's step on an MLP
+    784-512-512-10 (one H200). An optimisation barrier keeps each such sum a reduction of its own (89 → 80 µs;
+    Path-SGD κ⁽¹⁾, whose frame takes the same path norms, 101 → 89 µs). XLA:CPU fuses the sweeps well.
+    """
     return jax.default_backend() == "gpu"
 
 
@@ -157,6 +163,7 @@ def path_norms(space: PathSpace, leaves, dtype):
     `RECURRENT_STEPS` passes over each recurrent kernel.
     """
     sk = skeleton(space)
+    separate = _separate_sums()
 
     def terms(parts, q, forward):
         vals = []
@@ -173,12 +180,6 @@ def path_norms(space: PathSpace, leaves, dtype):
             s = jnp.sum(t, axis=axes, keepdims=True) * times
             vals.append((write, jax.lax.optimization_barrier(s) if separate and t.ndim == 2 else s))
         return node_sum(space.num_nodes, vals, dtype)
-
-    # XLA:GPU fuses a dense kernel's column sum into the elementwise op over every node that consumes it, one
-    # thread per node summing its column alone: 12 of the 89 µs of device time of G-SGD's step on an MLP
-    # 784-512-512-10 (one H200). A barrier keeps each such sum a reduction of its own (89 -> 80 µs; Path-SGD κ⁽¹⁾
-    # 101 -> 89 µs). XLA:CPU fuses the sweeps well and is left alone.
-    separate = _separate_sums()
 
     out = []
     for forward in (True, False):
