@@ -52,6 +52,23 @@ def nbytes(tree) -> int:
     return sum(int(np.prod(jnp.shape(a), dtype=np.int64)) * jnp.result_type(a).itemsize for a in jax.tree.leaves(tree))
 
 
+# Why a program refuses a control-flow primitive (a scan only where ``allow_scan`` is off: DDP-Normalization).
+_UNSUPPORTED = {
+    "scan": (
+        "a recurrence feeds its nodes through the same kernel at every step, while the normalisation divides each "
+        "node's incoming weights by one statistic of that node: it is defined for feed-forward networks."
+    ),
+    "while": (
+        "the loop's number of steps is decided at run time (lax.while_loop, or lax.fori_loop with traced bounds), "
+        "so its paths are not known from the program. Use lax.scan, or lax.fori_loop with Python int bounds."
+    ),
+    "cond": (
+        "the paths of the network depend on the branch taken (lax.cond, lax.switch, nn.cond). Choose the branch "
+        "in Python (a static argument), or compute both branches and select between them with jnp.where."
+    ),
+}
+
+
 def _join(a: str, b: str) -> str:
     order = {"const": 0, "param": 1, "act": 2}
     return a if order[a] >= order[b] else b
@@ -101,12 +118,8 @@ def _finish(
             if name == "scan" and allow_scan:
                 eqns.append(_finish_scan(e, ks, kinds, pinned, flags, who, err, inline_custom))
                 continue
-            if name in ("scan", "while", "cond"):
-                raise err(
-                    f"{who}: {name} at {e.where} is not supported: DDP-SGD's closed-form κ holds for "
-                    "feed-forward networks, where every path uses a parameter at most once (a recurrent kernel "
-                    "is used at every time step, so γ²_net is not quadratic in it)."
-                )
+            if name in _UNSUPPORTED:
+                raise err(f"{who}: {name} at {e.where} is not supported: {_UNSUPPORTED[name]}")
             k = functools.reduce(_join, ks, "const")
             ins_ids = [x for x in e.ins if not isinstance(x, tuple)]
             if name == "convert_element_type" and ins_ids and ins_ids[0] in number_ids:

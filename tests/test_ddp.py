@@ -847,6 +847,25 @@ def test_unsupported_models_raise():
     with pytest.raises(pj.DDPUnsupportedError, match="nested scan"):
         pj.ddp_kappa(space, p, x, alpha=0.5)
 
+    # a branch or a loop of run-time length: the paths depend on the data; both κ say so, and what to write instead
+    q = {"a": p["wi"], "u": p["wh"], "o": p["wo"]}
+    xs = x[:, 0]
+
+    def branch(q, x):
+        h = jax.nn.relu(x @ q["a"])
+        return jax.lax.cond(jnp.sum(x) > 0, lambda h: jax.nn.relu(h @ q["u"]), lambda h: 2 * h, h) @ q["o"]
+
+    def loop(q, x):
+        h = jax.nn.relu(x @ q["a"])
+        return jax.lax.fori_loop(0, jnp.sum(x > 0), lambda i, h: jax.nn.relu(h @ q["u"]), h) @ q["o"]
+
+    for fn, match in ((branch, r"cond at .*test_ddp.py.*jnp.where"), (loop, r"while at .*test_ddp.py.*lax.scan")):
+        space = pj.trace(fn, q, xs)
+        with pytest.raises(pj.DDPUnsupportedError, match=match):
+            pj.ddp_kappa(space, q, xs, alpha=0.5)
+        with pytest.raises(pj.PathKappaUnsupportedError, match=match):
+            pj.path_kappa(space, q)
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])

@@ -249,3 +249,12 @@ def test_errors():
     ep = {"emb": jnp.ones((5, 3), F64), "w": jnp.ones((3, 2), F64)}
     with pytest.raises(pj.DDPNormalizationError, match="looks up embeddings by token ids"):
         pj.ddp_normalize(pj.trace(embed_fn, ep, jnp.array([0, 1, 2])), alpha=0.5)(ep, jnp.array([0, 1, 2]))
+
+    def rnn_fn(q, xs):  # a recurrent kernel feeds its nodes at every step: no one statistic per node divides it
+        step = lambda h, xt: (jax.nn.relu(xt @ q["w0"] + h @ q["u"] + q["b0"]), None)
+        return jax.lax.scan(step, jnp.zeros((xs.shape[0], 5), F64), xs.swapaxes(0, 1))[0] @ q["w2"]
+
+    qp = {"w0": p["w0"], "b0": p["b0"], "u": jnp.eye(5, dtype=F64), "w2": jnp.ones((5, 2), F64)}
+    xs = jnp.stack([x, x], axis=1)  # examples first, two steps
+    with pytest.raises(pj.DDPNormalizationError, match=r"scan at .*test_normalize.py.*feed-forward networks"):
+        pj.ddp_normalize(pj.trace(rnn_fn, qp, xs), alpha=0.5)(qp, xs)
