@@ -64,7 +64,7 @@ _UNSUPPORTED = {
     ),
     "cond": (
         "the paths of the network depend on the branch taken (lax.cond, lax.switch, nn.cond). Choose the branch "
-        "in Python (a static argument), or compute both branches and select between them with jnp.where."
+        "in Python (a static argument of the traced function: one network per branch)."
     ),
 }
 
