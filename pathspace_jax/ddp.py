@@ -341,6 +341,8 @@ def ddp_kappa_canonical(
     prog = flat.program(space, param_key, input_key, who="ddp_kappa", err=DDPUnsupportedError, allow_scan=True)
     flat.refuse_tying(prog, "ddp_kappa", "DDP-SGD's κ is not implemented for that (path_sgd with "
                       "second_order=False needs no such condition)")  # fmt: skip
+    if alpha == 0.0:
+        flat.refuse_exclusive_branches(prog, space, "Take alpha > 0, or G-SGD")
     scans = any(e.body is not None for e in prog.eqns)
     if scans and alpha == 0.0:  # Path-SGD's κ, with the κ⁽²⁾ of the recurrent kernels
         return kappa_canonical(space, leaves, True)

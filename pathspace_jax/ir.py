@@ -29,6 +29,7 @@ class Eqn:
     ins: list  # value ids, or ("lit", value)
     outs: list[int]
     source: Any = None  # the jaxpr equation it was read from (its source line: `where`)
+    callers: tuple = ()  # the call equations it was inlined from, outermost first (`where` where source has none)
     scan: jx.Scan | None = None  # for a scan: its operand split, length, direction
     body: Any = None  # for a scan: its body, a `Frame` as recorded, a `Program` once finished
     inner: list[Eqn] | None = None  # for a custom_jvp/custom_vjp call: its body's equations, as recorded
@@ -37,8 +38,12 @@ class Eqn:
 
     @property
     def where(self) -> str:
-        """The user's source line of the equation."""
-        return jx.where(self.source) if self.source is not None else jx.UNKNOWN_SOURCE
+        """The user's source line of the equation, or of the innermost call it was inlined from that has one (the
+        body of a helper that JAX traced once and caches, such as ``jnp.where``'s, names no user line)."""
+        for source in (self.source, *reversed(self.callers)):
+            if source is not None and (line := jx.where(source)) != jx.UNKNOWN_SOURCE:
+                return line
+        return jx.UNKNOWN_SOURCE
 
 
 @dataclasses.dataclass

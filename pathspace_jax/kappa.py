@@ -170,6 +170,7 @@ def _setup(space, leaves):
     prog = flat.program(
         space, param_key, input_key, who=_WHO, err=PathKappaUnsupportedError, allow_scan=True, inline_custom=True
     )
+    flat.refuse_exclusive_branches(prog, space, "Train this model with G-SGD, or DDP-SGD at alpha > 0")
     ones = [jnp.ones(s, d) for s, d in input_key]  # token ids: 1 (any id; the |·|^p lookup sums the rows); masks: True
     return dt, leaves, lg, prog, ones
 

@@ -392,6 +392,39 @@ def refuse_tying(prog: Program, who: str, what: str) -> None:
                 )
 
 
+def refuse_exclusive_branches(prog: Program, space: PathSpace, what: str) -> None:
+    """Raise ``prog.err`` for a ``max`` (maxout) or a ``select_n`` on a condition computed from the inputs (a branch
+    written with ``jnp.where``) between activations that different edge parameters feed (``what``: what to do).
+    The |·|^p network evaluates it on its own all-ones input and keeps one operand per entry, so the path sums
+    would leave out the weights of the others, which the data still trains: κ would be 0 there and Path-SGD would
+    never update them. A ReLU, a leaky ReLU, ``nn.PReLU`` (its slope is a coefficient, not an edge: kind
+    "other"), max-pooling and masks pass. The recurrences' bodies are not searched."""
+
+    def branches(e):
+        if e.prim.name not in ("max", "select_n"):
+            return []
+        which, cases = (e.ins[0], e.ins[1:]) if e.prim.name == "select_n" else (None, e.ins)
+        acts = [x for x in cases if not isinstance(x, tuple) and prog.kinds[x] == "act"]
+        on_data = which is None or (not isinstance(which, tuple) and prog.kinds[which] == "act")
+        return acts if on_data and len(acts) > 1 else []
+
+    if not any(branches(e) for e in prog.eqns):
+        return
+    edges = [i for i, leaf in zip(prog.in_ids[: prog.n_params], space.leaves, strict=True) if leaf.kind != "other"]
+    reach: dict[int, frozenset] = {i: frozenset([i]) for i in edges}  # the edge parameters upstream
+    for e in prog.eqns:
+        acts = branches(e)
+        if acts and len({reach.get(x, frozenset()) for x in acts}) > 1:
+            op = "a max" if e.prim.name == "max" else "a jnp.where on a condition computed from the inputs"
+            raise prog.err(
+                f"{prog.who}: {op} at {e.where} chooses between activations that different parameters feed (a "
+                "maxout unit, or a branch): the |w|^p network keeps one of them per entry, so κ would be 0 on the "
+                f"others' weights and they would never be updated. {what}, or choose the branch in Python."
+            )
+        up = frozenset().union(*(reach.get(x, frozenset()) for x in e.ins if not isinstance(x, tuple)))
+        reach.update((o, up) for o in e.outs)
+
+
 def _on_one_path(prog: Program, uses: list) -> bool:
     """Whether some path of the |·|^p network crosses two of ``uses`` (equations reading one parameter): a use
     in a loop, or one whose operands depend on another's results through values that are not boundaries (the

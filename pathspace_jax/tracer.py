@@ -162,7 +162,8 @@ class Interpreter(ShapeRules):
         outs = [v.with_id(self.rec.new()) for v in outs]
         for v in outs:
             self.rec.notes[v.id] = self.all_atoms(v) if v.kind == ACT else "const" if v.kind == CONST else None
-        self.rec.emit(Eqn(eqn.primitive, dict(eqn.params), [v.id for v in ins], [v.id for v in outs], eqn, **extra))
+        ids = [v.id for v in ins], [v.id for v in outs]
+        self.rec.emit(Eqn(eqn.primitive, dict(eqn.params), *ids, eqn, callers=tuple(self.callers), **extra))
         return Recorded(outs)
 
     def run_closed(self, cj: jx.ClosedJaxpr, args: Sequence[Val]) -> list[Val]:

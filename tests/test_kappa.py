@@ -669,6 +669,48 @@ def test_errors():
         pj.path_norm(espace, ep)
 
 
+def test_choices_between_activations_that_different_weights_feed_are_refused_where_kappa_would_freeze_them():
+    """A maxout unit (``jnp.maximum`` of two layers) or a ``jnp.where`` on the data between two branches: the |w|^p
+    network keeps one operand per entry, so κ is 0 on the other's weights, which the data trains (Path-SGD never
+    updated them: κ = 0 on every entry of the second maxout piece, before this check). Path-SGD and DDP-SGD at
+    α = 0 refuse, naming the user's line (the select of ``jnp.where`` lies in JAX's cached helper); DDP-SGD at
+    α = 1 takes them. A ReLU written with ``jnp.where`` and a leaky ReLU pass."""
+    ks = jax.random.split(jax.random.key(0), 5)
+    a1, o = _normal(ks[0], (6, 8)), _normal(ks[1], (8, 3))
+    x = -jnp.abs(_normal(ks[2], (16, 6)))  # the data takes the branch through u
+
+    def maxout(p, x):
+        return jnp.maximum(x @ p["a1"], x @ p["a2"]) @ p["o"]
+
+    def branch(p, x):
+        h = x @ p["a1"]
+        return jnp.where(jnp.sum(x) < 0, jax.nn.relu(h @ p["u"]), h) @ p["o"]
+
+    for fn, extra in ((maxout, {"a2": _normal(ks[3], (6, 8), 0.1)}), (branch, {"u": _normal(ks[4], (8, 8))})):
+        p = {"a1": a1, "o": o, **extra}
+        space = pj.trace(fn, p, x)
+        line = r"at \S*test_kappa.py:\d+ \(test_choices_between\w+\) chooses between activations"
+        with pytest.raises(pj.PathKappaUnsupportedError, match=line):
+            pj.path_kappa(space, p)
+        with pytest.raises(pj.DDPUnsupportedError, match=line):
+            pj.ddp_kappa(space, p, x, alpha=0.0, estimator="exact")
+        kappa = pj.ddp_kappa(space, p, x, alpha=1.0, estimator="exact")
+        g = jax.grad(lambda p, fn=fn: jnp.sum(fn(p, x) ** 2))(p)
+        assert all(np.any(g[n] != 0) and not np.any((kappa[n] == 0) & (g[n] != 0)) for n in p)
+
+    def leaky(p, x):
+        h = x @ p["a1"]
+        return jnp.where(h > 0, h, 0.1 * h) @ p["o"]
+
+    def where_relu(p, x):
+        h = x @ p["a1"]
+        return jnp.where(h > 0, h, 0.0) @ p["o"]
+
+    q = {"a1": a1, "o": o}
+    for fn in (leaky, where_relu):
+        assert all(np.all(k > 0) for k in jax.tree.leaves(pj.path_kappa(pj.trace(fn, q, x), q)))
+
+
 def test_time_major_inputs_are_refused_not_misread():
     """κ runs the network on one example along the inputs' first axis, and DDP averages its statistics over it:
     an RNN that scans the first axis (``time_major=True``) would give κ of a one-step sequence and statistics over
