@@ -170,7 +170,6 @@ def _setup(space, leaves):
     prog = flat.program(
         space, param_key, input_key, who=_WHO, err=PathKappaUnsupportedError, allow_scan=True, inline_custom=True
     )
-    flat.refuse_exclusive_branches(prog, space, "Train this model with G-SGD, or DDP-SGD at alpha > 0")
     ones = [jnp.ones(s, d) for s, d in input_key]  # token ids: 1 (any id; the |·|^p lookup sums the rows); masks: True
     return dt, leaves, lg, prog, ones
 
@@ -309,6 +308,7 @@ def kappa_canonical(space, leaves, second_order, factored=False):
     ``factored``: the κ of a dense kernel that `_dense_sites` finds, with a single-row activation, as `RankOne`
     (the others as arrays); otherwise every κ as an array."""
     dt, ps, lg, prog, ones = _setup(space, leaves)
+    flat.refuse_exclusive_branches(prog, space, "Train this model with G-SGD, or DDP-SGD at alpha > 0")
     if second_order:
         flat.refuse_tying(prog, f"{_WHO}(second_order=True)", "the exact κ⁽²⁾ is not implemented for that (use "
                           "second_order=False for κ⁽¹⁾)")  # fmt: skip
