@@ -398,31 +398,46 @@ def refuse_exclusive_branches(prog: Program, space: PathSpace, what: str) -> Non
     The |·|^p network evaluates it on its own all-ones input and keeps one operand per entry, so the path sums
     would leave out the weights of the others, which the data still trains: κ would be 0 there and Path-SGD would
     never update them. A ReLU, a leaky ReLU, ``nn.PReLU`` (its slope is a coefficient, not an edge: kind
-    "other"), max-pooling and masks pass. The recurrences' bodies are not searched."""
+    "other"), max-pooling and masks pass. A recurrence's body is followed step by step until what its carry
+    depends on stops growing: a maxout cell's two pieces differ at the first step, and a maximum over time steps
+    (``max(h, relu(x W))`` from a zero carry) compares an activation with a constant there."""
+    data = "data"  # in a value's reach: it depends on the inputs (an activation at this step)
 
-    def branches(e):
-        if e.prim.name not in ("max", "select_n"):
-            return []
-        which, cases = (e.ins[0], e.ins[1:]) if e.prim.name == "select_n" else (None, e.ins)
-        acts = [x for x in cases if not isinstance(x, tuple) and prog.kinds[x] == "act"]
-        on_data = which is None or (not isinstance(which, tuple) and prog.kinds[which] == "act")
-        return acts if on_data and len(acts) > 1 else []
+    def upstream(reach, xs):
+        return [frozenset() if isinstance(x, tuple) else reach.get(x, frozenset()) for x in xs]
 
-    if not any(branches(e) for e in prog.eqns):
-        return
-    edges = [i for i, leaf in zip(prog.in_ids[: prog.n_params], space.leaves, strict=True) if leaf.kind != "other"]
-    reach: dict[int, frozenset] = {i: frozenset([i]) for i in edges}  # the edge parameters upstream
-    for e in prog.eqns:
-        acts = branches(e)
-        if acts and len({reach.get(x, frozenset()) for x in acts}) > 1:
-            op = "a max" if e.prim.name == "max" else "a jnp.where on a condition computed from the inputs"
-            raise prog.err(
-                f"{prog.who}: {op} at {e.where} chooses between activations that different parameters feed (a "
-                "maxout unit, or a branch): the |w|^p network keeps one of them per entry, so κ would be 0 on the "
-                f"others' weights and they would never be updated. {what}, or choose the branch in Python."
-            )
-        up = frozenset().union(*(reach.get(x, frozenset()) for x in e.ins if not isinstance(x, tuple)))
-        reach.update((o, up) for o in e.outs)
+    def walk(pr: Program, reach: dict) -> None:  # reach: a value's edge parameters upstream (outer ids), and data
+        for e in pr.eqns:
+            ups = upstream(reach, e.ins)
+            if e.body is not None:
+                bp, nc, ncar = e.body, e.scan.num_consts, e.scan.num_carry
+                while True:
+                    inner = dict(zip(bp.in_ids, ups, strict=True))
+                    walk(bp, inner)
+                    outs = upstream(inner, bp.out_ids)
+                    carry = [a | b for a, b in zip(ups[nc : nc + ncar], outs[:ncar], strict=True)]
+                    if carry == ups[nc : nc + ncar]:
+                        break
+                    ups[nc : nc + ncar] = carry
+                reach.update(zip(e.outs, carry + outs[ncar:], strict=True))
+                continue
+            which, cases = (ups[0], ups[1:]) if e.prim.name == "select_n" else (frozenset([data]), ups)
+            acts = {r for r in cases if data in r}
+            if e.prim.name in ("max", "select_n") and data in which and len(acts) > 1:
+                op = "a max" if e.prim.name == "max" else "a jnp.where on a condition computed from the inputs"
+                raise prog.err(
+                    f"{prog.who}: {op} at {e.where} chooses between activations that different parameters feed (a "
+                    "maxout unit, or a branch): the |w|^p network keeps one of them per entry, so κ would be 0 on "
+                    f"the others' weights and they would never be updated. {what}, or choose the branch in Python."
+                )
+            made = all(pr.kinds[x] != "act" for x in e.ins if not isinstance(x, tuple))  # a lookup, a cast
+            up = frozenset().union(*ups) | ({data} if made else set())
+            reach.update((o, up if pr.kinds[o] == "act" else up - {data}) for o in e.outs)
+
+    params = zip(prog.in_ids[: prog.n_params], space.leaves, strict=True)
+    reach = {i: frozenset([i]) for i, leaf in params if leaf.kind != "other"}
+    reach.update((i, frozenset([data])) for i in prog.in_ids[prog.n_params :] if prog.kinds[i] == "act")
+    walk(prog, reach)
 
 
 def _on_one_path(prog: Program, uses: list) -> bool:

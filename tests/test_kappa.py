@@ -711,6 +711,43 @@ def test_choices_between_activations_that_different_weights_feed_are_refused_whe
         assert all(np.all(k > 0) for k in jax.tree.leaves(pj.path_kappa(pj.trace(fn, q, x), q)))
 
 
+def test_a_maxout_recurrent_cell_is_refused_and_a_maximum_over_time_steps_is_not():
+    """In a recurrence's body: a maxout cell (the maximum of two pieces, each with its own input and recurrent
+    kernel) froze its second piece under Path-SGD κ⁽¹⁾ (κ = 0 on all 40 of its entries, the body was not searched);
+    a running maximum of a ReLU cell's states over time (from a zero carry) is no choice between weights."""
+    ks = jax.random.split(jax.random.key(3), 6)
+    p = {"w": _normal(ks[0], (3, 5)), "u": _normal(ks[1], (5, 5)), "o": _normal(ks[2], (5, 2))}
+    x = _normal(ks[3], (4, 6, 3))
+
+    def maxout_cell(p, x):
+        def step(h, xt):
+            return jnp.maximum(xt @ p["w"] + h @ p["u"], xt @ p["w2"] + h @ p["u2"]), None
+
+        h, _ = jax.lax.scan(step, jnp.zeros((x.shape[0], 5), x.dtype), jnp.swapaxes(x, 0, 1))
+        return h @ p["o"]
+
+    def max_over_time(p, x):
+        def step(carry, xt):
+            h, m = carry
+            h = jax.nn.relu(xt @ p["w"] + h @ p["u"])
+            return (h, jnp.maximum(m, h)), None
+
+        z = jnp.zeros((x.shape[0], 5), x.dtype)
+        (_, m), _ = jax.lax.scan(step, (z, z), jnp.swapaxes(x, 0, 1))
+        return m @ p["o"]
+
+    q = {**p, "w2": _normal(ks[4], (3, 5), 0.1), "u2": _normal(ks[5], (5, 5), 0.1)}
+    space = pj.trace(maxout_cell, q, x)
+    line = r"a max at \S*test_kappa.py:\d+ \(\w+\) chooses between activations"
+    with pytest.raises(pj.PathKappaUnsupportedError, match=line):
+        pj.path_kappa(space, q, second_order=False)
+    with pytest.raises(pj.DDPUnsupportedError, match=line):
+        pj.ddp_kappa(space, q, x, alpha=0.0, estimator="exact")
+    kappa = pj.path_kappa(pj.trace(max_over_time, p, x), p, second_order=False)
+    g = jax.grad(lambda p: jnp.sum(max_over_time(p, x) ** 2))(p)
+    assert all(np.any(g[n] != 0) and not np.any((kappa[n] == 0) & (g[n] != 0)) for n in p)
+
+
 def test_time_major_inputs_are_refused_not_misread():
     """κ runs the network on one example along the inputs' first axis, and DDP averages its statistics over it:
     an RNN that scans the first axis (``time_major=True``) would give κ of a one-step sequence and statistics over
