@@ -272,7 +272,8 @@ def _shared_diagonals(interp: Interpreter, leaf_info: list[tuple]) -> list[tuple
     sides: node (member, unit) feeds node (member, unit') only. That holds while every layer keeps the members
     apart; where one does not (a bias or a weight shared by all members, a layer that contracts the members
     alone, or the axis turns out to be space or time), the axis is a position instead, the nodes shared by all
-    its entries: still a symmetry, a smaller one.
+    its entries: still a symmetry, a smaller one. A per-unit scale's axis (`Interpreter.scales`) is no batch axis:
+    where the group it reads clashes with another, `_node_groups` pins that group, and the scale stays an edge.
     """
     atoms = interp.atoms
     shared, roots = [], {}
@@ -285,7 +286,7 @@ def _shared_diagonals(interp: Interpreter, leaf_info: list[tuple]) -> list[tuple
     keys = {frozenset(f[k] for k in node_in) for _, f, node_in, _, _, _, _ in leaf_info if node_in}
     keys |= {frozenset(e[k] for k in node_out) for _, _, _, node_out, _, _, e in leaf_info if node_out}
     for key, other in _clashes(keys):  # `_node_groups` would pin both; a member axis among them is shared instead
-        shared += [roots[t] for t in key | other if t in roots]
+        shared += [roots[t] for t in key | other if t in roots and roots[t] not in interp.scales]
     return list(dict.fromkeys(shared))
 
 

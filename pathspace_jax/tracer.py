@@ -66,6 +66,9 @@ class Interpreter(ShapeRules):
         # a params leaf's batch axis in a dot_general or a grouped convolution's groups (its atoms, the input side)
         # -> the atoms of the result's axis (`diagonal_ends`)
         self.diagonal: dict[tuple[int, tuple[int, ...]], list[int]] = {}
+        self.scales: set[tuple[int, tuple[int, ...]]] = set()  # the keys of `diagonal` that are per-unit scales
+        # per jaxpr being run (innermost last): a variable -> the equations that read it (None: an output)
+        self.consumers: list[dict[Any, list]] = []
 
     # -- helpers -------------------------------------------------------------
     def reason(self, what: str = "") -> str:
@@ -141,6 +144,11 @@ class Interpreter(ShapeRules):
             env[var] = val
         for var, val in zip(jaxpr.invars, args):
             env[var] = val
+        consumers: dict[Any, list] = {}
+        for eqn, var in [(e, v) for e in jaxpr.eqns for v in e.invars] + [(None, v) for v in jaxpr.outvars]:
+            if not jx.is_literal(var):
+                consumers.setdefault(var, []).append(eqn)
+        self.consumers.append(consumers)
         for eqn in jaxpr.eqns:
             self.eqn = eqn
             self.step += 1
@@ -154,6 +162,7 @@ class Interpreter(ShapeRules):
                 shape = getattr(var.aval, "shape", ())
                 assert len(val.axes) == len(shape), (eqn.primitive.name, val.axes, shape)
                 env[var] = val
+        self.consumers.pop()
         return [self.read(env, x) for x in jaxpr.outvars]
 
     def record(self, eqn, ins: Sequence[Val], outs: Sequence[Val], **extra) -> Recorded:
@@ -312,6 +321,8 @@ class Interpreter(ShapeRules):
     rule_add_any = rule_add
 
     def rule_mul(self, eqn, ins):
+        if any(v.factors is not None for v in ins) and (scaled := self.normalised_scale(eqn, ins)):
+            return scaled
         acts = [v for v in ins if v.kind == ACT]
         params = [v for v in ins if v.kind == PARAM]
         consts = [v for v in ins if v.kind == CONST]
@@ -322,6 +333,8 @@ class Interpreter(ShapeRules):
                 self.mark_other(params[0], "a learned scalar coefficient (PReLU's slope, a gain)")
                 out = self.ew(ACT, ins, self.broadcast(eqn, ins, unify=False))
                 return self.record(eqn, ins, [out], coefficient=True)
+            if self.pinned(acts[0]) and not params[0].scaled and self.one_product(eqn.outvars[0]):
+                return [self.ew(ACT, ins, self.broadcast(eqn, ins, unify=False), factors=(acts[0], params[0]))]
             if scaled := self.per_unit_scale(eqn, ins, *acts, *params):
                 return scaled
         if len(acts) > 1:
@@ -344,24 +357,51 @@ class Interpreter(ShapeRules):
             return [self.ew(CONST, ins, self.broadcast(eqn, ins, unify=False))]
         return [self.ew(CONST, ins, self.broadcast(eqn, ins, unify=False), zero=any(c.zero for c in consts))]
 
+    def pinned(self, v: Val) -> bool:
+        return any(self.atoms.reasons[r] for r in self.atoms.factors(self.all_atoms(v)))
+
+    def one_product(self, var) -> bool:
+        """Whether the jaxpr variable ``var`` is read once, by a ``mul``."""
+        uses = self.consumers[-1].get(var, [])
+        return len(uses) == 1 and uses[0] is not None and uses[0].primitive.name == "mul"
+
+    def normalised_scale(self, eqn, ins) -> Recorded | None:
+        """``n * (s * p)`` with ``n`` and ``s`` pinned and ``p`` a per-unit parameter (`Val.factors`): a
+        LayerNorm's or BatchNorm's scale, which flax multiplies into the per-example ``rsqrt(var + eps)`` before
+        the centred value. Recorded as ``(n * s) * p``: a diagonal edge from the normalised value's (pinned) group
+        into a group of its own (`per_unit_scale`), whose units the scale, the offset added next and the weights
+        reading them rescale. None where that does not apply: the parameter is then not an edge."""
+        shape = eqn.outvars[0].aval.shape
+        (r, n), pending = sorted(ins, key=lambda v: v.factors is None), [v for v in ins if v.factors is not None]
+        if len(pending) == 1 and n.kind == ACT and self.pinned(n):
+            s, p = r.factors
+            xs = self.broadcast(eqn, [n, s], unify=False)
+            if all(self.size(ax) == d for ax, d in zip(xs, shape, strict=True)):
+                (x,) = self.record(eqn, [n, s], [self.ew(ACT, [n, s], xs)])
+                if scaled := self.per_unit_scale(eqn, [x, p], x, p):
+                    return scaled
+        for v in pending:
+            self.mark_other(v.factors[1], "elementwise product of a parameter and an activation")
+        return None
+
     def per_unit_scale(self, eqn, ins, x: Val, p: Val) -> Recorded | None:
         """``x * p`` with ``p`` a parameter that varies along some of ``x``'s axes only (a learned per-unit scale:
-        LayerScale, a gain after a ReLU): a diagonal edge, entry c from node c of x's group to node c of a group
-        of its own (`diagonal_ends`), the other axes broadcast. None (the product pins, as before) where x is
-        pinned already (a LayerNorm's normalised value: its scale lies on no path), p varies along no axis (a
-        scalar is a coefficient: `rule_mul`), or p is combined with fixed coefficients (BatchNorm's scale over its
-        running deviation: the running mean it subtracts breaks the symmetry, although it is 0 at
-        initialisation)."""
+        LayerScale, a gain after a ReLU, a normalisation's scale): a diagonal edge, entry c from node c of x's
+        group (pinned or not) to node c of a group of its own (`diagonal_ends`), the other axes broadcast. None
+        (the product pins, as before) where p varies along no axis (a scalar is a coefficient: `rule_mul`), or p
+        is combined with fixed coefficients (BatchNorm's scale over its running deviation: the running mean it
+        subtracts breaks the symmetry, although it is 0 at initialisation)."""
         shape = eqn.outvars[0].aval.shape
-        pinned = any(self.atoms.reasons[r] for r in self.atoms.factors(self.all_atoms(x)))
-        if pinned or p.scaled or len(p.axes) != len(shape) or len(x.axes) != len(shape):
+        if p.scaled or len(p.axes) != len(shape) or len(x.axes) != len(shape):
             return None
         own = {f for ax in self.leaf_axes[p.leaf] for f in self.atoms.factors(ax)}
         out, diagonal = [], False
         for k, d in enumerate(shape):
-            if d > 1 and self.size(p.axes[k]) == d and set(self.atoms.factors(p.axes[k])) <= own:
+            full = self.size(p.axes[k]) == d == self.size(x.axes[k])  # x not broadcast along it
+            if d > 1 and full and set(self.atoms.factors(p.axes[k])) <= own:
                 self.atoms.unify(x.axes[k], p.axes[k], self.reason())
                 out.append(self.diagonal_ends(p, p.axes[k]))
+                self.scales.add((p.leaf, tuple(p.axes[k])))
                 diagonal = True
             else:
                 out.append(list(x.axes[k]))

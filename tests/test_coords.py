@@ -416,6 +416,7 @@ _TXS = {
         ("separable_cnn_depthwise_grouped", "g_adam"),
         ("mixer_input_residual_stream", "g_sgd_momentum"),
         ("plain_graph_scatter_add", "g_adam"),
+        ("layernorm_scale_offset_mlp", "g_sgd_momentum"),
     ],
 )
 def test_update_invariant_under_rescaling(name, tx_name, spaces):

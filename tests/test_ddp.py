@@ -325,21 +325,21 @@ def ln_fn(p, x):
 
 
 def ln_gamma_net(p, x, alpha, moment):
-    """Pinned groups as boundaries: the paths of the homogeneous part end at the LayerNorm's input, at its
-    output (the offset's bias edge) and at tanh's input, whose γ_v² count in γ²_net; downstream, the
-    LayerNorm's output is an input (γ² = 1, its value held fixed), and its scale lies on no path."""
+    """Pinned groups as boundaries: the paths of the homogeneous part end at the LayerNorm's input and at tanh's
+    input, whose γ_v² count in γ²_net; downstream, the normalised value is an input (γ² = 1, its value held
+    fixed), and the LayerNorm's scale an edge from it into hidden units of their own (its offset their bias)."""
     sg = jax.lax.stop_gradient
     z0 = x @ p["w0"] + p["b0"]
     g0 = alpha * _stat(z0, moment) + (1 - alpha) * (jnp.ones(x.shape[1]) @ p["w0"] ** 2 + p["b0"] ** 2)
     z1 = jax.nn.relu(z0) @ p["w1"] + p["b1"]
     g1 = alpha * _stat(z1, moment) + (1 - alpha) * (g0 @ p["w1"] ** 2 + p["b1"] ** 2)
-    y = sg(_layer_norm(z1) * p["s"]) + p["beta"]
-    gy = alpha * _stat(y, moment) + (1 - alpha) * p["beta"] ** 2
-    z2 = sg(y) @ p["w2"] + p["b2"]
-    g2 = alpha * _stat(z2, moment) + (1 - alpha) * (jnp.ones(4) @ p["w2"] ** 2 + p["b2"] ** 2)
+    y = sg(_layer_norm(z1)) * p["s"] + p["beta"]
+    gy = alpha * _stat(y, moment) + (1 - alpha) * (p["s"] ** 2 + p["beta"] ** 2)
+    z2 = y @ p["w2"] + p["b2"]
+    g2 = alpha * _stat(z2, moment) + (1 - alpha) * (gy @ p["w2"] ** 2 + p["b2"] ** 2)
     z3 = jax.nn.relu(z2) @ p["w3"] + p["b3"]
     g3 = alpha * _stat(z3, moment) + (1 - alpha) * (g2 @ p["w3"] ** 2 + p["b3"] ** 2)
-    return jnp.sum(g1) + jnp.sum(gy) + jnp.sum(g3)
+    return jnp.sum(g1) + jnp.sum(g3)
 
 
 def _ln_params(key):

@@ -22,7 +22,8 @@ import pathspace_jax as pj
 
 
 class _LM(nn.Module):
-    """Character model: embedding -> 2-layer ReLU RNN -> LayerNorm -> logits."""
+    """Character model: embedding -> 2-layer ReLU RNN -> LayerNorm -> PReLU -> logits (the PReLU's slope is the one
+    parameter that is not an edge)."""
 
     vocab: int
 
@@ -31,7 +32,7 @@ class _LM(nn.Module):
         h = nn.Embed(self.vocab, 8)(ids)
         for _ in range(2):
             h = nn.RNN(nn.SimpleCell(16, activation_fn=nn.relu))(h)
-        return nn.Dense(self.vocab)(nn.LayerNorm()(h))
+        return nn.Dense(self.vocab)(nn.PReLU()(nn.LayerNorm()(h)))
 
 
 def _text_batches(steps, batch=8, length=17):
@@ -67,7 +68,8 @@ def test_path_labels_are_the_edges_describe_lists():
     assert set(flat) == set(rows)
     for name, label in flat.items():
         assert label == ("other" if "not an edge" in rows[name] else "path"), (name, rows[name])
-    assert flat["LayerNorm_0/scale"] == "other" and flat["Embed_0/embedding"] == "path"
+    assert flat["PReLU_0/negative_slope"] == "other" and flat["Embed_0/embedding"] == "path"
+    assert flat["LayerNorm_0/scale"] == "path"  # an edge from the normalised value into units of their own
     assert jax.tree_util.tree_structure(pj.path_labels(space)) == jax.tree_util.tree_structure(labels)
 
 
@@ -88,7 +90,7 @@ def _path_tx(space, name):
 
 def _partitioned(space, params, name):
     """The path optimiser on the edges, Adam on the rest. DDP-SGD at α > 0 runs the whole network (its node
-    statistics need the LayerNorm's scale), so it scales the whole tree and the split comes after it."""
+    statistics need the PReLU's slope), so it scales the whole tree and the split comes after it."""
     labels = pj.path_labels(space, params)
     if name in ("ddp_sgd_05", "ddp_sgd_1"):
         return optax.chain(
@@ -137,7 +139,7 @@ def test_language_model_trains_in_a_partition(name):
             chex.assert_trees_all_close(a, b, rtol=1e-6, atol=1e-7)
     if name == "ddp_sgd_1":  # inside the partition, DDP-SGD says why it needs the hidden leaves' values
         inside = optax.partition({"path": path_tx, "other": optax.adam(3e-3)}, pj.path_labels(space, params))
-        with pytest.raises(ValueError, match=r"hid the values of \['LayerNorm_0/scale'\]"):
+        with pytest.raises(ValueError, match=r"hid the values of \['PReLU_0/negative_slope'\]"):
             inside.update(grads, inside.init(params), params, **extra(data[0]))
 
 

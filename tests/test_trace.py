@@ -1,5 +1,6 @@
 """trace, PathSpace, rescale, describe and the testing helpers, on the model zoo."""
 
+import functools
 import pickle
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import pytest
 from jax.extend.core import Primitive
 from jax.flatten_util import ravel_pytree
 from jax.interpreters import ad, mlir
-from zoo import ZOO, Spaces
+from zoo import ZOO, NormScaleMLP, Spaces, norm_scale
 
 import pathspace_jax as pj
 from pathspace_jax import rules
@@ -166,8 +167,8 @@ def test_a_constant_convolution_kernel_is_a_relabelling_only_where_it_selects(ta
 def test_a_learned_per_unit_scale_is_a_diagonal_edge():
     """LayerScale on a residual branch (ConvNeXt, CaiT): ``x + γ ⊙ branch(x)``. γ is an edge from the branch's
     Dense outputs (linear nodes of their own) into the stream's nodes, which the sum ties to the first layer's:
-    H = 4 + 3 + 4, every rescaling a symmetry, κ⁽¹⁾ that of the squared network. (A LayerNorm's scale multiplies a
-    normalised, pinned value: it stays off every path, `test_kappa`.)"""
+    H = 4 + 3 + 4, every rescaling a symmetry, κ⁽¹⁾ that of the squared network. (A normalisation's scale: the
+    next test.)"""
 
     class Block(nn.Module):
         @nn.compact
@@ -187,6 +188,43 @@ def test_a_learned_per_unit_scale_is_a_diagonal_edge():
     squared = jax.tree.map(jnp.square, params)
     ref = jax.grad(lambda q: jnp.sum(fn(q, jnp.ones((1, 3)))))(squared)  # κ⁽¹⁾ = ∂γ²/∂p̃ on the all-ones input
     chex.assert_trees_all_close(pj.path_kappa(space, params, second_order=False), ref, rtol=1e-10)
+
+
+def test_a_normalisation_scale_is_an_edge_into_units_of_its_own():
+    """``γ ⊙ x̂ + β``: the normalised x̂ is pinned, and the units after the scale are rescaled by γ, β and the rows of
+    the next kernel: γ is an edge from x̂'s group into a hidden group of its own. Flax's LayerNorm and BatchNorm on
+    the batch's statistics multiply γ into rsqrt(var + eps) before the centred value (the trace reassociates the
+    product), a hand-written LayerNorm after it: H = 5 + 4 (by hand: 5, one layer after it), where the scale was
+    "other" and its units pinned. Where that product is read twice, or BatchNorm divides by its running
+    statistics, γ stays "other"."""
+    ln, bn = norm_scale(batch=False), norm_scale(batch=True)
+    x = ln.inputs(6)
+    rng = np.random.default_rng(1)
+    p = {"w": rng.standard_normal((3, 5)), "g": 1 + 0.3 * rng.standard_normal(5), "b": rng.standard_normal(5),
+         "o": rng.standard_normal((5, 2))}  # fmt: skip
+
+    def by_hand(p, x, read_twice=False):
+        z = x @ p["w"]
+        centred, inv = z - z.mean(-1, keepdims=True), jax.lax.rsqrt(z.var(-1, keepdims=True) + 1e-6)
+        if not read_twice:
+            return jax.nn.relu(centred * inv * p["g"] + p["b"]) @ p["o"]
+        scale = inv * p["g"]  # multiplied into the deviation first (as flax does), and read by two products
+        return jax.nn.relu(centred * scale + p["b"]) @ p["o"] + jax.nn.relu(z * scale) @ p["o2"]
+
+    for fn, params, norm in ((ln.fn, ln.params, "LayerNorm_0"), (bn.fn, bn.params, "BatchNorm_0"), (by_hand, p, "")):
+        space = pj.trace(fn, params, x)
+        assert space.num_hidden == (5 if fn is by_hand else 5 + 4)
+        (scale,) = [leaf for leaf in space.leaves if leaf.path in (f"{norm}/scale", "g")]
+        (src,), (dst,) = scale.src_groups, scale.dst_groups
+        assert (space.groups[src].kind, space.groups[dst].kind, space.groups[dst].size) == ("pinned", "hidden", 5)
+        pj.testing.assert_function_invariant(fn, space, params, x)
+    twice, p = functools.partial(by_hand, read_twice=True), {**p, "o2": rng.standard_normal((5, 2))}
+    space = pj.trace(twice, p, x)
+    assert [leaf.kind for leaf in space.leaves if leaf.path == "g"] == ["other"] and space.num_hidden == 0
+    model = NormScaleMLP(batch=True, running=True)
+    variables = model.init(jax.random.key(0), x)
+    space = pj.trace(lambda q, x: model.apply({**variables, "params": q}, x), variables["params"], x)
+    assert [leaf.kind for leaf in space.leaves if leaf.path == "BatchNorm_0/scale"] == ["other"]
 
 
 @pytest.mark.parametrize("fill, pins", [(-np.inf, False), (0.0, False), (1.0, True)])

@@ -372,6 +372,41 @@ class LayerNormMLP(nn.Module):
         return nn.Dense(2)(x)
 
 
+class NormScaleMLP(nn.Module):
+    """Dense -> LayerNorm, or BatchNorm on the batch's statistics (``batch``), with its learned scale and offset ->
+    ReLU -> Dense -> ReLU -> Dense. The normalisation pins the 5 units it normalises; its scale is an edge from
+    each into a unit of its own (flax multiplies the scale into rsqrt(var + eps) first), which the scale, the
+    offset and the next kernel's rows rescale: H = 5 + 4. Beyond rescaling, the LayerNorm has `LayerNormMLP`'s
+    3 + 1 symmetries."""
+
+    batch: bool = False
+    running: bool = False  # BatchNorm with its running statistics
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(5)(x)
+        h = nn.BatchNorm(use_running_average=self.running)(h) if self.batch else nn.LayerNorm()(h)
+        return nn.Dense(2)(nn.relu(nn.Dense(4)(nn.relu(h))))
+
+
+def norm_scale(batch: bool) -> Case:
+    """`NormScaleMLP` with its scale drawn around 1, as `_gains` draws them; with ``batch``, a function of the batch
+    (BatchNorm's statistics), not in the zoo: the rank check counts symmetries that hold per example."""
+    module = NormScaleMLP(batch)
+    case = _linen("layernorm_scale_offset_mlp", module, _normal(3), hidden=9, pinned=1, extra_symmetries=4)
+    norm = "BatchNorm_0" if batch else "LayerNorm_0"
+    scale = 1.0 + 0.3 * np.random.default_rng(7).standard_normal(5)
+    params = _f64({**case.params, norm: {**case.params[norm], "scale": scale}})
+    if not batch:
+        return dataclasses.replace(case, params=params)
+    stats = {norm: {"mean": np.zeros(5), "var": np.ones(5)}}  # not read: the batch's statistics are used
+
+    def fn(p, x):
+        return module.apply({"params": p, "batch_stats": stats}, x, mutable=["batch_stats"])[0]
+
+    return dataclasses.replace(case, name="batchnorm_batch_statistics_mlp", fn=fn, params=params, extra_symmetries=0)
+
+
 class ConcatMLP(nn.Module):
     @nn.compact
     def __call__(self, x):
@@ -588,6 +623,7 @@ def _build() -> dict[str, Case]:
         ),
         _linen("tanh_mlp_partly_pinned", TanhMLP(), _normal(3), hidden=4, pinned=1),
         _linen("layernorm_mlp_partly_pinned", LayerNormMLP(), _normal(3), hidden=4, pinned=1, extra_symmetries=4),
+        norm_scale(batch=False),
         _linen("concat_mlp", ConcatMLP(), _normal(3), hidden=7),
         _linen("fused_lstm_relu_head", FusedLSTMHead(), _normal(3, 2), hidden=5, pinned=1),
         _linen("unet_concat_skip", UNetSkip(), _normal(6, 6, 1), hidden=10),
