@@ -52,11 +52,11 @@ like Path-SGD's κ⁽¹⁾; ν comes out of the same VJP. The second term ("seco
 Scope: feed-forward ReLU networks (MLP, CNN, residual nets, linen / nnx / plain JAX). A residual
 block ``h + relu(Dense(h))`` is feed-forward although its kernel is an edge from a node group to
 itself: every path uses it at most once. **Pinned groups are boundaries** (as in
-`pathspace_jax.path_kappa`): a pinned node (the input of a LayerNorm or a tanh, or a LayerNorm's output
-where its offset enters) is a node of the recursion whose γ_v² is added to γ²_net, and downstream
+`pathspace_jax.path_kappa`): a pinned node (the input of a LayerNorm or a tanh, or a normalised value
+that an offset enters without a scale) is a node of the recursion whose γ_v² is added to γ²_net, and downstream
 the boundary values are inputs of the homogeneous part: γ² = 1 there, and their values are held
 fixed (``stop_gradient``) in the node statistics of the layers after them, so γ²_net stays quadratic
-in every weight. Parameters that are not edges (a LayerNorm's scale) get κ = 0 and pass through the
+in every weight. Parameters that are not edges (a PReLU's slope) get κ = 0 and pass through the
 transformations. The inputs' leading axis is the batch axis, and the function is applied to each
 example as a batch of one (``jax.vmap``), so functions that mix examples are not supported.
 Token ids (integer inputs) are a one-hot input times the embedding table, and an integer input cast to

@@ -145,11 +145,11 @@ PIN_HINTS = (
     ("product of activations", "a gate, attention or normalisation multiplies activations: those units stay "
      "fixed (expected); a float mask among the inputs is an activation too: pass it as booleans and apply it "
      "with jnp.where(mask, x, 0)"),
-    ("product of a parameter and an activation", "a learned scale of units that are fixed already (LayerNorm's) or "
-     "combined with fixed coefficients (BatchNorm's): train it as an 'other' leaf (optax.partition with "
+    ("product of a parameter and an activation", "a learned scale combined with fixed coefficients (BatchNorm's "
+     "running statistics) or read by several products: train it as an 'other' leaf (optax.partition with "
      "pj.path_labels)"),
-    ("product with a parameter", "a learned scale of units that are fixed already (LayerNorm's) or combined with "
-     "fixed coefficients (BatchNorm's): train it as an 'other' leaf (optax.partition with pj.path_labels)"),
+    ("product with a parameter", "a learned scale combined with fixed coefficients (BatchNorm's running "
+     "statistics) or read by several products: train it as an 'other' leaf (optax.partition with pj.path_labels)"),
     ("constant offset", "a constant added to an activation: make it a learned bias, or remove it"),
     ("non-zero constant", "clip at 0 (relu) rather than at another constant (relu6 -> relu), or start from zeros"),
     ("selects on an activation", "a jnp.where on activations: write it as relu or leaky_relu if it is one"),

@@ -55,10 +55,11 @@ product), or an output group meets such an operation (a tanh head), the path sum
 positively homogeneous part with those nodes as its boundary, as G-SGD treats them: paths start at
 the inputs, the bias node and the boundary nodes, and end at the outputs and the boundary nodes. In
 the |·|^p network a boundary node's incoming path sum is added to γ²_net there, and downstream its
-value is 1, like an input's; a parameter that is not an edge (a LayerNorm's scale) lies on no path
-(κ = 0; the transformations pass such leaves through), and a bias added to a boundary value (a
-LayerNorm's offset) is a path of one edge. A pinned recurrent group cuts the recurrence at every
-step: each step's recurrent edge is a path from h_{t−1} to the next pre-activation.
+value is 1, like an input's (a LayerNorm's scale is an edge leaving it); a parameter that is not an edge
+(a PReLU's slope) lies on no path (κ = 0; the transformations pass such leaves through), and a bias added
+to a boundary value (a LayerNorm's offset without a scale) is a path of one edge. A pinned recurrent group
+cuts the recurrence at every step: each step's recurrent edge is a path from h_{t−1} to the next
+pre-activation.
 
 **Token ids.** An integer input is a sequence of token ids and ``table[ids]`` an embedding lookup:
 the one-hot input (one input node per row of the table) times the table. On the all-ones input of

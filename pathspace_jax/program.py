@@ -248,7 +248,8 @@ def _find_boundary(prog: Program, fresh: set[int]) -> None:
     their |·|^p values are added to the total) and, for everything downstream, *sources* of value 1, like
     inputs. Values computed from boundary values without a parameter edge (a LayerNorm, a tanh head) are
     boundary values too (`prog.bnd`): they are 1 in the |·|^p network, and parameter edges leaving them
-    start new paths. A bias added to a boundary value (a LayerNorm's offset) ends at a sink of its own.
+    start new paths. A bias added to a boundary value (a LayerNorm's offset without a scale) ends at a sink of
+    its own.
     """
     if not prog.pinned:
         return
@@ -271,7 +272,7 @@ def _find_boundary(prog: Program, fresh: set[int]) -> None:
             if act_ins and not edge and all(x in bnd for x in act_ins):
                 bnd.add(o)  # computed from boundary values only
                 if e.prim.name in ("add", "add_any", "sub") and any(map(prog.edge_param, e.ins)):
-                    sinks.append(o)  # a bias edge enters a boundary node (a LayerNorm's offset)
+                    sinks.append(o)  # a bias edge enters a boundary node (an offset without a scale)
             elif o in pinned and o in node_set:
                 sinks.append(o)  # the paths of the homogeneous part end here
                 bnd.add(o)

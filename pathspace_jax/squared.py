@@ -243,7 +243,7 @@ def _dense_of_ones(e: Eqn, ks, ms) -> list | None:
 
 def _boundary_op(prog: Program, e: Eqn, ks, vals) -> list:
     """An operation whose result is a boundary value (`_find_boundary`): 1 in the |·|^p network. A parameter
-    that multiplies it (a LayerNorm's scale) lies on no path."""
+    that multiplies it other than as an edge (an "other" leaf) lies on no path."""
     if any(ks[k] == "act" and x not in prog.bnd and x not in prog.sinks for k, x in enumerate(e.ins)):
         raise prog.err(
             f"{prog.who}: {e.prim.name} at {e.where} combines a value of the positively homogeneous part with a "
