@@ -358,6 +358,7 @@ class Interpreter(ShapeRules):
         return [self.ew(CONST, ins, self.broadcast(eqn, ins, unify=False), zero=any(c.zero for c in consts))]
 
     def pinned(self, v: Val) -> bool:
+        """Whether an atom of ``v`` is pinned already (a normalised value, a tanh's input)."""
         return any(self.atoms.reasons[r] for r in self.atoms.factors(self.all_atoms(v)))
 
     def one_product(self, var) -> bool:
