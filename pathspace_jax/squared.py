@@ -3,8 +3,9 @@
 `evaluate` runs the flat program (`pathspace_jax.program`) with every linear coefficient replaced by its |·|^p: the
 parameters arrive raised, fixed coefficients on a path (average pooling's 1/k, a constant scale) are raised
 here, ``sub``/``neg``/``abs`` become ``add``/identity, and ReLU, max pooling and the other primitives whose
-rule is ``as_is`` (`pathspace_jax.rules`) are applied as they are to the non-negative values. On an all-ones
-input its outputs (and, with boundaries, the sums at the sinks: `total`) sum to Σ_paths Π |p_e|^p. Values
+rule is ``as_is`` (`pathspace_jax.rules`) are applied as they are to the non-negative values; weights that are
+boundary values (attention's softmax, times its values) are 1. On an all-ones input its outputs (and, with
+boundaries, the sums at the sinks: `total`) sum to Σ_paths Π |p_e|^p. Values
 are carried as `V` (a mantissa and an optional int32 power-of-two exponent renormalised after every
 operation that can change magnitudes, so products neither overflow nor underflow). Hooks let the callers
 mix node statistics in (DDP), perturb a scan's carries and record what κ⁽²⁾ needs (Path-SGD).
@@ -172,6 +173,8 @@ def evaluate(
     boundary = prog.bnd | sink_set
     for idx, e in enumerate(prog.eqns):
         ks = [("const" if isinstance(x, tuple) else kinds[x]) for x in e.ins]
+        if e.prim.name == "dot_general" and ks == ["act", "act"] and len(set(e.ins) & boundary) == 1:
+            ks = ["const" if x in boundary else k for k, x in zip(ks, e.ins, strict=True)]  # attention's weights: 1
         vals = [rd(x) for x in e.ins]
         out_kind = kinds[e.outs[0]]
         if e.outs[0] in sink_set:  # only the paths of the homogeneous part end at a sink

@@ -17,7 +17,10 @@ primitives that rearrange entries have theirs in `pathspace_jax.shape_rules`):
   concatenation keep or re-arrange atoms;
 * ``scan`` / ``while`` tie the carry to itself (recurrent kernels become edges from a group to itself);
   calls (``pjit``, ``custom_jvp_call``, ``custom_vjp_call``, ``checkpoint``) and ``cond`` are entered;
-* anything that is not positively homogeneous per node (``tanh``, ``exp``, ``rsqrt``, a product of
+* a per-unit scale (LayerScale, a normalisation's scale: `Interpreter.per_unit_scale`) is a diagonal edge, and
+  a sum weighted by fully pinned values (attention's weights times its values: `Interpreter.weighted_sum`)
+  keeps the other operand's atoms;
+* anything that is not positively homogeneous per node (``tanh``, ``exp``, ``rsqrt``, another product of
   activations, adding a non-zero constant, a reduction over nodes, an unknown primitive) **pins** the atoms
   it touches.
 """
@@ -551,6 +554,8 @@ class Interpreter(ShapeRules):
             return [Val(ACT, out)]
         if kinds == (CONST, CONST):
             return [Val(CONST, out)]
+        if kinds == (ACT, ACT) and self.fully_pinned(lhs) != self.fully_pinned(rhs):
+            return [self.weighted_sum(ins, (lc, rc), (lb, rb), (lfree, rfree))]
         for v in ins:
             self.mark_other(v, "multiplied by a parameter")
         if ACT in kinds:
@@ -573,6 +578,25 @@ class Interpreter(ShapeRules):
                 self.atoms.unify(lhs.axes[a], rhs.axes[b], self.reason())
             return [Val(ACT, out)]
         return [Val(CONST, out)]
+
+    def fully_pinned(self, v: Val) -> bool:
+        """Whether every atom of ``v`` is pinned (a softmax's output): its value is the same under every rescaling."""
+        return all(self.atoms.reasons[r] for r in self.atoms.factors(self.all_atoms(v)))
+
+    def weighted_sum(self, ins, contracted, batch, free) -> Val:
+        """A ``dot_general`` of a fully pinned ``a`` and an activation ``x`` that is not (attention's weights times its
+        values): a's entries are coefficients that no rescaling changes, so x's units go on through the sum, along
+        x's batch axes (the heads) and free axes, and the result scales with them. x's contracted axes (the keys)
+        must be positions: where they turn out to be nodes, they are pinned (`settle`). a's free axes (the
+        queries) are its own."""
+        j = 0 if self.fully_pinned(ins[1]) else 1  # the activation's side
+        x = ins[j]
+        why = self.reason("sums nodes with coefficients computed from pinned values")
+        for k in contracted[j]:
+            self.defer(list(x.axes[k]), list(x.axes[k]), why)
+        out = [list(x.axes[k]) for k in batch[j]]
+        out += [list(v.axes[k]) for v, fr in zip(ins, free, strict=True) for k in fr]
+        return Val(ACT, out)
 
     def shared_along(self, x: Val, read: Sequence[int], free: Sequence[int]) -> None:
         """A layer reads the axes ``read`` of ``x`` with weights shared along its ``free`` axes. Where a free axis

@@ -364,6 +364,39 @@ def _ln_params(key):
     return p
 
 
+def attention_fn(p, x):
+    """Single-head self-attention between a ReLU layer and a per-position readout: the weights come from pinned
+    values (q and k), the values' units are hidden."""
+    h = jax.nn.relu(x @ p["w0"] + p["b0"])  # x: [B, T, 3]
+    q, k, v = h @ p["wq"], h @ p["wk"], h @ p["wv"] + p["bv"]
+    a = jax.nn.softmax(jnp.einsum("btd,bsd->bts", q, k), axis=-1)
+    return jax.nn.relu(jnp.einsum("bts,bsd->btd", a, v)) @ p["wo"] + p["bo"]
+
+
+def attention_gamma_net(p, x, alpha, moment):
+    """The recursion on the network unrolled over positions (S over the batch): q and k are pinned nodes whose γ²
+    count in γ²_net; the weights are boundary values, 1 in the recursion (every value position reaches every query)
+    and held fixed in the statistics of the readout."""
+    sg = jax.lax.stop_gradient
+    z0 = x @ p["w0"] + p["b0"]
+    g0 = alpha * _stat(z0, moment) + (1 - alpha) * (jnp.ones(3) @ p["w0"] ** 2 + p["b0"] ** 2)
+    h = jax.nn.relu(z0)
+    q, k, v = h @ p["wq"], h @ p["wk"], h @ p["wv"] + p["bv"]
+    gq = alpha * _stat(q, moment) + (1 - alpha) * (g0 @ p["wq"] ** 2)
+    gk = alpha * _stat(k, moment) + (1 - alpha) * (g0 @ p["wk"] ** 2)
+    gv = alpha * _stat(v, moment) + (1 - alpha) * (g0 @ p["wv"] ** 2 + p["bv"] ** 2)
+    a = sg(jax.nn.softmax(jnp.einsum("btd,bsd->bts", q, k), axis=-1))
+    z = jax.nn.relu(jnp.einsum("bts,bsd->btd", a, v)) @ p["wo"] + p["bo"]
+    gz = alpha * _stat(z, moment) + (1 - alpha) * (jnp.sum(gv, axis=0) @ p["wo"] ** 2 + p["bo"] ** 2)
+    return jnp.sum(gq) + jnp.sum(gk) + jnp.sum(gz)
+
+
+def _attention_params(key):
+    shapes = {"w0": (3, 5), "b0": (5,), "wq": (5, 4), "wk": (5, 4), "wv": (5, 4), "bv": (4,), "wo": (4, 2), "bo": (2,)}
+    ks = jax.random.split(key, len(shapes))
+    return {n: 0.6 * jax.random.normal(k, s, jnp.float64) for k, (n, s) in zip(ks, shapes.items())}
+
+
 _SENDERS, _RECEIVERS = np.array([0, 1, 2, 0]), np.array([1, 2, 0, 2])  # graph node 3 receives no message
 
 
@@ -407,6 +440,7 @@ CASES = {
     "layer_norm_tanh": (ln_fn, ln_gamma_net, lambda: _ln_params(jax.random.key(4)), (6, 3)),
     "layer_norm_flax_order": (ln_flax_fn, ln_gamma_net, lambda: _ln_params(jax.random.key(4)), (6, 3)),
     "graph_empty_segment": (graph_fn, graph_gamma_net, lambda: _graph_params(jax.random.key(5)), (6, 4, 3)),
+    "attention": (attention_fn, attention_gamma_net, lambda: _attention_params(jax.random.key(6)), (6, 3, 3)),
 }
 
 
@@ -470,7 +504,10 @@ def test_alpha_one_is_the_fisher_diagonal_on_flax_models(name, moment):
     chex.assert_trees_all_close(got, expected, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("name", [n for n in CASES if not n.startswith("layer_norm")])  # boundaries: not f's Fisher
+_BOUNDARIES = ("layer_norm_tanh", "layer_norm_flax_order", "attention")
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if n not in _BOUNDARIES])  # boundaries: not f's Fisher
 def test_alpha_one_is_the_fisher_diagonal_hand_models(name):
     fn, _, params, x, space = _case(name)
     got = pj.ddp_kappa(space, params, x, alpha=1.0)

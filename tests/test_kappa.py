@@ -471,6 +471,38 @@ def test_pinned_groups_are_boundaries(name):
                                     rtol=1e-8, atol=1e-10)  # fmt: skip
 
 
+def test_attention_values_are_hidden_and_its_weights_are_one_in_the_squared_network():
+    """Self-attention ``softmax(q kᵀ) v``: the weights are computed from pinned values (q and k, whose product pins
+    them), so no rescaling changes them, and the values' units go on through the weighted sum into the output
+    projection: hidden (they were pinned, as a product of activations). In the |w|^2 network the weights are
+    boundary values, 1: every value position reaches every query position. γ² written by hand on the all-ones
+    input (T positions): the paths that end at q and k, and those through the values, T of them per query."""
+    t, ks = 3, jax.random.split(jax.random.key(8), 9)
+    shapes = {"w0": (3, 6), "b0": (6,), "wq": (6, 4), "wk": (6, 4), "wv": (6, 4), "bv": (4,), "wo": (4, 2), "bo": (2,)}
+    params = {n: 0.5 * jax.random.normal(k, s_, F64) for k, (n, s_) in zip(ks, shapes.items())}
+
+    def fn(p, x):  # x: [B, T, 3]
+        h = jax.nn.relu(x @ p["w0"] + p["b0"])
+        q, k, v = h @ p["wq"], h @ p["wk"], h @ p["wv"] + p["bv"]
+        a = jax.nn.softmax(jnp.einsum("btd,bsd->bts", q, k), axis=-1)
+        return (jax.nn.relu(jnp.einsum("bts,bsd->btd", a, v)) @ p["wo"] + p["bo"]).sum(1)
+
+    def gamma2(p):
+        q = _squared(p)
+        h = jnp.ones(3) @ q["w0"] + q["b0"]  # at every position
+        values = h @ q["wv"] + q["bv"]
+        out = (t * values) @ q["wo"] + q["bo"]  # the weights are 1: T value positions per query
+        return t * (jnp.sum(h @ q["wq"]) + jnp.sum(h @ q["wk"]) + jnp.sum(out))
+
+    x = jax.random.normal(jax.random.key(9), (5, t, 3), F64)
+    space = pj.trace(fn, params, x)
+    assert space.num_hidden == 6 + 4
+    np.testing.assert_allclose(float(pj.path_norm(space, params)) ** 2, float(gamma2(params)), rtol=1e-12)
+    ref = _half_hessian_diag(gamma2, params)
+    chex.assert_trees_all_close(pj.path_kappa(space, params), ref, rtol=1e-10, atol=1e-12)
+    pj.testing.assert_function_invariant(fn, space, params, x)
+
+
 def _embed_fn(p, ids):
     return jax.nn.relu(p["emb"][ids] @ p["w0"] + p["b0"]) @ p["w1"] + p["b1"]
 

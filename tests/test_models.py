@@ -90,8 +90,8 @@ def test_layers_stacked_with_scan_are_the_network_written_as_a_loop(kind, remat)
     fs, fl = (lambda p, x: stacked.apply({"params": p}, x)), (lambda p, x: loop.apply({"params": p}, x))
     np.testing.assert_allclose(fs(params, x), fl(_unstack(params), x), rtol=1e-6)
     ss, sl = pj.trace(fs, params, x), pj.trace(fl, _unstack(params), x)
-    # a block: its MLP's 16 hidden units, and 8 behind each LayerNorm's scale
-    assert ss.num_hidden == sl.num_hidden == (32 if kind == "mlp" else 3 * (16 + 2 * 8))
+    # a block: its MLP's 16 hidden units, 8 behind each LayerNorm's scale, and the attention's 8 values
+    assert ss.num_hidden == sl.num_hidden == (32 if kind == "mlp" else 3 * (16 + 2 * 8 + 8))
     assert not any(leaf.recurrent for leaf in ss.leaves)
     np.testing.assert_allclose(pj.path_norm(ss, params), pj.path_norm(sl, _unstack(params)), rtol=1e-5)
 
