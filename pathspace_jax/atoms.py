@@ -154,7 +154,7 @@ class Val:
     scalars: list[int] = dataclasses.field(default_factory=list)  # atoms of squeezed size-1 axes
     random: bool = False  # a constant computed from random numbers (a dropout mask, a PRNG key)
     scaled: bool = False  # a parameter's view times fixed coefficients (BatchNorm's scale over its running deviation)
-    # a pinned value times a per-unit parameter, (value, parameter), whose one use is a product (`Interpreter.rule_mul`)
+    # a fully pinned value times a per-unit parameter, (value, parameter), read once, by a product (`rule_mul`)
     factors: tuple | None = None
     id: Any = None  # the value's id in the recorded program (`pathspace_jax.ir`), or ("lit", value)
 

@@ -336,7 +336,7 @@ class Interpreter(ShapeRules):
                 self.mark_other(params[0], "a learned scalar coefficient (PReLU's slope, a gain)")
                 out = self.ew(ACT, ins, self.broadcast(eqn, ins, unify=False))
                 return self.record(eqn, ins, [out], coefficient=True)
-            if self.pinned(acts[0]) and not params[0].scaled and self.one_product(eqn.outvars[0]):
+            if self.fully_pinned(acts[0]) and not params[0].scaled and self.one_product(eqn.outvars[0]):
                 return [self.ew(ACT, ins, self.broadcast(eqn, ins, unify=False), factors=(acts[0], params[0]))]
             if scaled := self.per_unit_scale(eqn, ins, *acts, *params):
                 return scaled
@@ -360,9 +360,10 @@ class Interpreter(ShapeRules):
             return [self.ew(CONST, ins, self.broadcast(eqn, ins, unify=False))]
         return [self.ew(CONST, ins, self.broadcast(eqn, ins, unify=False), zero=any(c.zero for c in consts))]
 
-    def pinned(self, v: Val) -> bool:
-        """Whether an atom of ``v`` is pinned already (a normalised value, a tanh's input)."""
-        return any(self.atoms.reasons[r] for r in self.atoms.factors(self.all_atoms(v)))
+    def fully_pinned(self, v: Val) -> bool:
+        """Whether every atom of ``v`` is pinned (a normalised value, a softmax's output): no rescaling changes it,
+        and the flat program has it among its boundary values."""
+        return all(self.atoms.reasons[r] for r in self.atoms.factors(self.all_atoms(v)))
 
     def one_product(self, var) -> bool:
         """Whether the jaxpr variable ``var`` is read once, by a ``mul``."""
@@ -370,14 +371,14 @@ class Interpreter(ShapeRules):
         return len(uses) == 1 and uses[0] is not None and uses[0].primitive.name == "mul"
 
     def normalised_scale(self, eqn, ins) -> Recorded | None:
-        """``n * (s * p)`` with ``n`` and ``s`` pinned and ``p`` a per-unit parameter (`Val.factors`): a
+        """``n * (s * p)`` with ``n`` and ``s`` fully pinned and ``p`` a per-unit parameter (`Val.factors`): a
         LayerNorm's or BatchNorm's scale, which flax multiplies into the per-example ``rsqrt(var + eps)`` before
         the centred value. Recorded as ``(n * s) * p``: a diagonal edge from the normalised value's (pinned) group
         into a group of its own (`per_unit_scale`), whose units the scale, the offset added next and the weights
         reading them rescale. None where that does not apply: the parameter is then not an edge."""
         shape = eqn.outvars[0].aval.shape
         (r, n), pending = sorted(ins, key=lambda v: v.factors is None), [v for v in ins if v.factors is not None]
-        if len(pending) == 1 and n.kind == ACT and self.pinned(n):
+        if len(pending) == 1 and n.kind == ACT and self.fully_pinned(n):
             s, p = r.factors
             xs = self.broadcast(eqn, [n, s], unify=False)
             if all(self.size(ax) == d for ax, d in zip(xs, shape, strict=True)):
@@ -578,10 +579,6 @@ class Interpreter(ShapeRules):
                 self.atoms.unify(lhs.axes[a], rhs.axes[b], self.reason())
             return [Val(ACT, out)]
         return [Val(CONST, out)]
-
-    def fully_pinned(self, v: Val) -> bool:
-        """Whether every atom of ``v`` is pinned (a softmax's output): its value is the same under every rescaling."""
-        return all(self.atoms.reasons[r] for r in self.atoms.factors(self.all_atoms(v)))
 
     def weighted_sum(self, ins, contracted, batch, free) -> Val:
         """A ``dot_general`` of a fully pinned ``a`` and an activation ``x`` that is not (attention's weights times its
