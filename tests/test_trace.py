@@ -227,6 +227,29 @@ def test_a_normalisation_scale_is_an_edge_into_units_of_its_own():
     assert [leaf.kind for leaf in space.leaves if leaf.path == "BatchNorm_0/scale"] == ["other"]
 
 
+def test_a_sum_weighted_by_pinned_values_keeps_units_along_positions_and_pins_them_across_nodes():
+    """``a · h`` with ``a`` fully pinned (a tanh's output) and ``h`` a ReLU layer: an outer product keeps h's units
+    (each entry of h times a coefficient no rescaling changes: H = 4, the function invariant); a contraction over
+    h's units mixes them with those coefficients, which pins them. (Attention's weights times its values, summed
+    over positions: `test_kappa`.)"""
+    rng = np.random.default_rng(0)
+    p = {"w": rng.standard_normal((3, 4)), "u": rng.standard_normal((3, 4)), "o": rng.standard_normal((4, 2))}
+    x = rng.standard_normal((5, 3))
+
+    def outer(p, x):
+        h, a = jax.nn.relu(x @ p["w"]), jnp.tanh(x @ p["u"])
+        return jnp.einsum("bi,bj->bij", a, h).sum(1) @ p["o"]
+
+    def across_units(p, x):
+        h, a = jax.nn.relu(x @ p["w"]), jnp.tanh(x @ p["u"])
+        return jnp.einsum("bi,bi->b", a, h)[:, None] + h @ p["o"]
+
+    space = pj.trace(outer, p, x)
+    assert [(g.size, g.kind) for g in space.groups] == [(3, "input"), (4, "hidden"), (4, "pinned"), (2, "output")]
+    pj.testing.assert_function_invariant(outer, space, p, x)
+    assert pj.trace(across_units, p, x).num_hidden == 0
+
+
 @pytest.mark.parametrize("fill, pins", [(-np.inf, False), (0.0, False), (1.0, True)])
 def test_a_segment_max_is_homogeneous_into_minus_infinity_or_zero(fill, pins):
     """``operand.at[ids].max(messages)``: into −∞ (``jax.ops.segment_max``) or 0 the messages' nodes go on; into
