@@ -230,9 +230,9 @@ def _find_nodes(prog: Program, body: bool = False) -> set[int]:
             if v not in fresh:
                 continue
             merged = len(us) == 1 and rule(us[0].prim.name).continues_node
-            if merged and us[0].prim.name in ("mul", "div"):
+            if merged and us[0].prim.name in ("mul", "div"):  # by constant factors, or a gate (a pinned value)
                 other = [x for x in us[0].ins if x != v]
-                merged = all(isinstance(x, tuple) or kinds[x] == "const" for x in other)
+                merged = all(isinstance(x, tuple) or kinds[x] == "const" or x in prog.pinned for x in other)
             if not merged:
                 nodes.append(v)
     for i in prog.in_ids[prog.n_params :]:  # an input returned as it is

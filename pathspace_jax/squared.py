@@ -4,7 +4,7 @@
 parameters arrive raised, fixed coefficients on a path (average pooling's 1/k, a constant scale) are raised
 here, ``sub``/``neg``/``abs`` become ``add``/identity, and ReLU, max pooling and the other primitives whose
 rule is ``as_is`` (`pathspace_jax.rules`) are applied as they are to the non-negative values; weights that are
-boundary values (attention's softmax, times its values) are 1. On an all-ones input its outputs (and, with
+boundary values (attention's softmax times its values, a gate) are 1. On an all-ones input its outputs (and, with
 boundaries, the sums at the sinks: `total`) sum to Σ_paths Π |p_e|^p. Values
 are carried as `V` (a mantissa and an optional int32 power-of-two exponent renormalised after every
 operation that can change magnitudes, so products neither overflow nor underflow). Hooks let the callers
@@ -173,7 +173,7 @@ def evaluate(
     boundary = prog.bnd | sink_set
     for idx, e in enumerate(prog.eqns):
         ks = [("const" if isinstance(x, tuple) else kinds[x]) for x in e.ins]
-        if e.prim.name == "dot_general" and ks == ["act", "act"] and len(set(e.ins) & boundary) == 1:
+        if e.prim.name in ("dot_general", "mul") and ks == ["act", "act"] and len(set(e.ins) & boundary) == 1:
             ks = ["const" if x in boundary else k for k, x in zip(ks, e.ins, strict=True)]  # attention's weights: 1
         vals = [rd(x) for x in e.ins]
         out_kind = kinds[e.outs[0]]

@@ -18,8 +18,8 @@ primitives that rearrange entries have theirs in `pathspace_jax.shape_rules`):
 * ``scan`` / ``while`` tie the carry to itself (recurrent kernels become edges from a group to itself);
   calls (``pjit``, ``custom_jvp_call``, ``custom_vjp_call``, ``checkpoint``) and ``cond`` are entered;
 * a per-unit scale (LayerScale, a normalisation's scale: `Interpreter.per_unit_scale`) is a diagonal edge, and
-  a sum weighted by fully pinned values (attention's weights times its values: `Interpreter.weighted_sum`)
-  keeps the other operand's atoms;
+  a product with a fully pinned factor (a gate: `Interpreter.gated`; attention's weights summed with its
+  values: `Interpreter.weighted_sum`) keeps the other operand's atoms;
 * anything that is not positively homogeneous per node (``tanh``, ``exp``, ``rsqrt``, another product of
   activations, adding a non-zero constant, a reduction over nodes, an unknown primitive) **pins** the atoms
   it touches.
@@ -340,6 +340,8 @@ class Interpreter(ShapeRules):
                 return [self.ew(ACT, ins, self.broadcast(eqn, ins, unify=False), factors=(acts[0], params[0]))]
             if scaled := self.per_unit_scale(eqn, ins, *acts, *params):
                 return scaled
+        if len(acts) == 2 and eqn.primitive.name == "mul" and (gated := self.gated(eqn, *acts)):
+            return [gated]
         if len(acts) > 1:
             for v in acts:
                 self.pin(v, "product of activations")
@@ -364,6 +366,18 @@ class Interpreter(ShapeRules):
         """Whether every atom of ``v`` is pinned (a normalised value, a softmax's output): no rescaling changes it,
         and the flat program has it among its boundary values."""
         return all(self.atoms.reasons[r] for r in self.atoms.factors(self.all_atoms(v)))
+
+    def gated(self, eqn, a: Val, b: Val) -> Val | None:
+        """``g * x`` with ``g`` fully pinned and ``x`` an activation that is not, of the result's shape (a gate:
+        SwiGLU's ``swish(x W) * (x V)``, a sigmoid gate on a ReLU layer): g's entries are coefficients that no
+        rescaling changes, so x's units go on, and the result scales with them. None otherwise."""
+        shape = eqn.outvars[0].aval.shape
+        if self.fully_pinned(a) == self.fully_pinned(b):
+            return None
+        x, g = (b, a) if self.fully_pinned(a) else (a, b)
+        if len(x.axes) != len(shape) or any(self.size(ax) != d for ax, d in zip(x.axes, shape, strict=True)):
+            return None  # x broadcast along an axis of g: its unit would feed g's pinned ones
+        return self.ew(ACT, [x, g], self.broadcast(eqn, [x, g], unify=False))
 
     def one_product(self, var) -> bool:
         """Whether the jaxpr variable ``var`` is read once, by a ``mul``."""

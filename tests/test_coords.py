@@ -417,6 +417,7 @@ _TXS = {
         ("mixer_input_residual_stream", "g_sgd_momentum"),
         ("plain_graph_scatter_add", "g_adam"),
         ("layernorm_scale_offset_mlp", "g_sgd_momentum"),
+        ("sigmoid_gated_mlp", "g_adam"),
     ],
 )
 def test_update_invariant_under_rescaling(name, tx_name, spaces):

@@ -391,8 +391,33 @@ def attention_gamma_net(p, x, alpha, moment):
     return jnp.sum(gq) + jnp.sum(gk) + jnp.sum(gz)
 
 
-def _attention_params(key):
+def gated_fn(p, x):
+    """A sigmoid gate on a linear branch (SwiGLU's form with a sigmoid): the gate's input is a pinned node, the
+    branch's units are hidden, gated."""
+    h = jax.nn.relu(x @ p["w0"] + p["b0"])
+    return (jax.nn.sigmoid(h @ p["wq"]) * (h @ p["wv"] + p["bv"])) @ p["wo"] + p["bo"]
+
+
+def gated_gamma_net(p, x, alpha, moment):
+    """The recursion written out for `gated_fn`: the gate's input is a pinned node (its γ² counts in γ²_net), the
+    gate a boundary value, 1 in the recursion and held fixed in the statistics; the node of a branch unit is its
+    gated value."""
+    sg = jax.lax.stop_gradient
+    z0 = x @ p["w0"] + p["b0"]
+    g0 = alpha * _stat(z0, moment) + (1 - alpha) * (jnp.ones(3) @ p["w0"] ** 2 + p["b0"] ** 2)
+    h = jax.nn.relu(z0)
+    zq = h @ p["wq"]
+    gq = alpha * _stat(zq, moment) + (1 - alpha) * (g0 @ p["wq"] ** 2)
+    y = sg(jax.nn.sigmoid(zq)) * (h @ p["wv"] + p["bv"])
+    gy = alpha * _stat(y, moment) + (1 - alpha) * (g0 @ p["wv"] ** 2 + p["bv"] ** 2)
+    z = y @ p["wo"] + p["bo"]
+    gz = alpha * _stat(z, moment) + (1 - alpha) * (gy @ p["wo"] ** 2 + p["bo"] ** 2)
+    return jnp.sum(gq) + jnp.sum(gz)
+
+
+def _attention_params(key, gated=False):  # the gate's kernel is the query's
     shapes = {"w0": (3, 5), "b0": (5,), "wq": (5, 4), "wk": (5, 4), "wv": (5, 4), "bv": (4,), "wo": (4, 2), "bo": (2,)}
+    shapes = {n: s for n, s in shapes.items() if not (gated and n == "wk")}
     ks = jax.random.split(key, len(shapes))
     return {n: 0.6 * jax.random.normal(k, s, jnp.float64) for k, (n, s) in zip(ks, shapes.items())}
 
@@ -441,6 +466,7 @@ CASES = {
     "layer_norm_flax_order": (ln_flax_fn, ln_gamma_net, lambda: _ln_params(jax.random.key(4)), (6, 3)),
     "graph_empty_segment": (graph_fn, graph_gamma_net, lambda: _graph_params(jax.random.key(5)), (6, 4, 3)),
     "attention": (attention_fn, attention_gamma_net, lambda: _attention_params(jax.random.key(6)), (6, 3, 3)),
+    "gated": (gated_fn, gated_gamma_net, lambda: _attention_params(jax.random.key(7), gated=True), (6, 3)),
 }
 
 
@@ -504,7 +530,7 @@ def test_alpha_one_is_the_fisher_diagonal_on_flax_models(name, moment):
     chex.assert_trees_all_close(got, expected, rtol=1e-10, atol=1e-12)
 
 
-_BOUNDARIES = ("layer_norm_tanh", "layer_norm_flax_order", "attention")
+_BOUNDARIES = ("layer_norm_tanh", "layer_norm_flax_order", "attention", "gated")
 
 
 @pytest.mark.parametrize("name", [n for n in CASES if n not in _BOUNDARIES])  # boundaries: not f's Fisher

@@ -407,6 +407,16 @@ def norm_scale(batch: bool) -> Case:
     return dataclasses.replace(case, name="batchnorm_batch_statistics_mlp", fn=fn, params=params, extra_symmetries=0)
 
 
+class GatedMLP(nn.Module):
+    """A sigmoid gate on a linear branch (SwiGLU's form): the gate's 4 units are pinned, and the branch's are
+    hidden (the gate a coefficient no rescaling changes): H = 5 + 4, and no other symmetry."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.relu(nn.Dense(5)(x))
+        return nn.Dense(2)(nn.sigmoid(nn.Dense(4)(h)) * nn.Dense(4)(h))
+
+
 class ConcatMLP(nn.Module):
     @nn.compact
     def __call__(self, x):
@@ -624,6 +634,7 @@ def _build() -> dict[str, Case]:
         _linen("tanh_mlp_partly_pinned", TanhMLP(), _normal(3), hidden=4, pinned=1),
         _linen("layernorm_mlp_partly_pinned", LayerNormMLP(), _normal(3), hidden=4, pinned=1, extra_symmetries=4),
         norm_scale(batch=False),
+        _linen("sigmoid_gated_mlp", GatedMLP(), _normal(3), hidden=9, pinned=1),
         _linen("concat_mlp", ConcatMLP(), _normal(3), hidden=7),
         _linen("fused_lstm_relu_head", FusedLSTMHead(), _normal(3, 2), hidden=5, pinned=1),
         _linen("unet_concat_skip", UNetSkip(), _normal(6, 6, 1), hidden=10),
