@@ -415,9 +415,11 @@ def gated_gamma_net(p, x, alpha, moment):
     return jnp.sum(gq) + jnp.sum(gz)
 
 
-def _attention_params(key, gated=False):  # the gate's kernel is the query's
+def _projection_params(key, keys=True):
+    """A ReLU layer's, query, key and value projections' and a readout's; without ``keys`` (the gate's kernel is
+    the query's)."""
     shapes = {"w0": (3, 5), "b0": (5,), "wq": (5, 4), "wk": (5, 4), "wv": (5, 4), "bv": (4,), "wo": (4, 2), "bo": (2,)}
-    shapes = {n: s for n, s in shapes.items() if not (gated and n == "wk")}
+    shapes = {n: s for n, s in shapes.items() if keys or n != "wk"}
     ks = jax.random.split(key, len(shapes))
     return {n: 0.6 * jax.random.normal(k, s, jnp.float64) for k, (n, s) in zip(ks, shapes.items())}
 
@@ -465,8 +467,8 @@ CASES = {
     "layer_norm_tanh": (ln_fn, ln_gamma_net, lambda: _ln_params(jax.random.key(4)), (6, 3)),
     "layer_norm_flax_order": (ln_flax_fn, ln_gamma_net, lambda: _ln_params(jax.random.key(4)), (6, 3)),
     "graph_empty_segment": (graph_fn, graph_gamma_net, lambda: _graph_params(jax.random.key(5)), (6, 4, 3)),
-    "attention": (attention_fn, attention_gamma_net, lambda: _attention_params(jax.random.key(6)), (6, 3, 3)),
-    "gated": (gated_fn, gated_gamma_net, lambda: _attention_params(jax.random.key(7), gated=True), (6, 3)),
+    "attention": (attention_fn, attention_gamma_net, lambda: _projection_params(jax.random.key(6)), (6, 3, 3)),
+    "gated": (gated_fn, gated_gamma_net, lambda: _projection_params(jax.random.key(7), keys=False), (6, 3)),
 }
 
 
