@@ -569,8 +569,8 @@ class Interpreter(ShapeRules):
             return [Val(ACT, out)]
         if kinds == (CONST, CONST):
             return [Val(CONST, out)]
-        if kinds == (ACT, ACT) and self.fully_pinned(lhs) != self.fully_pinned(rhs):
-            return [self.weighted_sum(ins, (lc, rc), (lb, rb), (lfree, rfree))]
+        if kinds == (ACT, ACT) and (summed := self.weighted_sum(ins, (lc, rc), (lb, rb), (lfree, rfree))):
+            return [summed]
         for v in ins:
             self.mark_other(v, "multiplied by a parameter")
         if ACT in kinds:
@@ -594,12 +594,14 @@ class Interpreter(ShapeRules):
             return [Val(ACT, out)]
         return [Val(CONST, out)]
 
-    def weighted_sum(self, ins, contracted, batch, free) -> Val:
+    def weighted_sum(self, ins, contracted, batch, free) -> Val | None:
         """A ``dot_general`` of a fully pinned ``a`` and an activation ``x`` that is not (attention's weights times its
         values): a's entries are coefficients that no rescaling changes, so x's units go on through the sum, along
         x's batch axes (the heads) and free axes, and the result scales with them. x's contracted axes (the keys)
         must be positions: where they turn out to be nodes, they are pinned (`settle`). a's free axes (the
-        queries) are its own."""
+        queries) are its own. None where neither or both are fully pinned (as `gated`)."""
+        if self.fully_pinned(ins[0]) == self.fully_pinned(ins[1]):
+            return None
         j = 0 if self.fully_pinned(ins[1]) else 1  # the activation's side
         x = ins[j]
         why = self.reason("sums nodes with coefficients computed from pinned values")
