@@ -120,9 +120,10 @@ def _moment(z, moment: str):
     return jnp.mean(z * z, axis=0) if moment == "second" else jnp.var(z, axis=0)
 
 
-def _ones(xs, dtype) -> list:
-    """The all-ones input of the γ² recursion (γ² = 1 on inputs); token ids stay integers, masks all True."""
-    return [jnp.ones((1, *jnp.shape(x)[1:]), flat.all_ones_dtype(x.dtype, dtype)) for x in xs]
+def _ones(xs) -> list:
+    """The all-ones input of the γ² recursion (γ² = 1 on inputs), in each input's dtype: the recursion runs the
+    program traced on the inputs, which casts them as the model does; token ids stay integers, masks all True."""
+    return [jnp.ones((1, *jnp.shape(x)[1:]), jnp.result_type(x)) for x in xs]
 
 
 def _mixer(alpha: float, stats: dict):
@@ -338,7 +339,9 @@ def ddp_kappa_canonical(
     computed inside a ``lax.cond`` (DDP-SGD at ``every > 1``; `conv`)."""
     param_key = tuple((tuple(p.shape), str(p.dtype)) for p in leaves)
     input_key = tuple(((1, *jnp.shape(x)[1:]), str(jnp.result_type(x))) for x in xs)
-    prog = flat.program(space, param_key, input_key, who="ddp_kappa", err=DDPUnsupportedError, allow_scan=True)
+    dt, out_dtypes = compute_dtype(leaves), [p.dtype for p in leaves]
+    prog = flat.program(space, param_key, input_key, dtype=dt, who="ddp_kappa", err=DDPUnsupportedError,
+                        allow_scan=True)  # fmt: skip
     flat.refuse_tying(prog, "ddp_kappa", "DDP-SGD's κ is not implemented for that (path_sgd with "
                       "second_order=False needs no such condition)")  # fmt: skip
     if alpha == 0.0:
@@ -350,8 +353,9 @@ def ddp_kappa_canonical(
     recurrent = stepwise and any(leaf.recurrent for leaf in space.leaves)  # the recurrent term below
     if recurrent and estimator == "probes":
         key, rec_key = jax.random.split(key)
-    frame, lg = to_canonical_frame(space, leaves, compute_dtype(leaves))
-    leaves = [c.astype(p.dtype) for c, p in zip(frame, leaves, strict=True)]
+    frame, lg = to_canonical_frame(space, leaves, dt)
+    leaves = [c.astype(jnp.promote_types(p.dtype, dt)) for c, p in zip(frame, leaves, strict=True)]
+    xs = flat.at_least(xs, dt)  # as the program computes (`flat.widen`: bfloat16 compute, float32 params)
     n = int(jnp.shape(xs[0])[0])
     b = n if probe_batch_size is None or alpha == 0.0 else min(probe_batch_size, n)  # checked: estimator="probes"
     if b < n and recurrent:
@@ -365,7 +369,7 @@ def ddp_kappa_canonical(
         pick = jax.random.choice(sub_key, n, (b,), replace=False)
         probe_xs = [x[pick] for x in xs]
     dtype = jnp.result_type(*leaves)
-    ones = _ones(xs, dtype)
+    ones = _ones(xs)
 
     # -- the real forward pass, per example, keeping every node's pre-activation
     # (the nodes inside a scan body: stacked over the steps)
@@ -422,7 +426,7 @@ def ddp_kappa_canonical(
         zero = [0.0] * len(prog.nodes)
         k_path = jax.grad(lambda w: _gamma_net(prog, w, ones, zero, 0.0))([p * p for p in leaves])
         kappa = [k + probe_damping * kp for k, kp in zip(kappa, k_path, strict=True)]
-    kappa = [k.astype(p.dtype) for k, p in zip(kappa, leaves, strict=False)]
+    kappa = [k.astype(d) for k, d in zip(kappa, out_dtypes, strict=False)]
     return kappa, lg
 
 

@@ -41,6 +41,7 @@ __all__ = [
     "call_body",
     "closed",
     "cond_branches",
+    "float_dtypes",
     "in_avals",
     "out_avals",
     "is_literal",
@@ -52,6 +53,7 @@ __all__ = [
     "varying_axes",
     "where",
     "while_loop",
+    "widened_params",
 ]
 
 Jaxpr = jcore.Jaxpr
@@ -187,6 +189,44 @@ def primitive_names(j) -> set[str]:
     for e in inner.eqns:
         sub = call_body(e)
         out |= primitive_names(sub) if sub is not None else {e.primitive.name}
+    return out
+
+
+def float_dtypes(j) -> set:
+    """The floating-point dtypes of the values a (closed or open) jaxpr holds: its inputs, constants, literals and
+    results, sub-jaxprs included (calls, scan and loop bodies, branches)."""
+    inner = j.jaxpr if isinstance(j, ClosedJaxpr) else j
+    out: set = set()
+    values = [*inner.invars, *inner.constvars, *inner.outvars]
+    for e in inner.eqns:
+        values += [*e.invars, *e.outvars]
+        for p in e.params.values():
+            for sub in p if isinstance(p, (tuple, list)) else (p,):
+                if isinstance(sub, (Jaxpr, ClosedJaxpr)):
+                    out |= float_dtypes(sub)
+    for v in values:
+        dtype = getattr(getattr(v, "aval", None), "dtype", None)
+        if dtype is not None and jax.dtypes.issubdtype(dtype, np.floating):
+            out.add(np.dtype(dtype))
+    return out
+
+
+# The params that name the floating-point type an equation computes in: a cast's target, a product's accumulation
+# type, the type ``iota`` makes.
+_DTYPE_KEYS = ("new_dtype", "preferred_element_type", "dtype")
+
+
+def widened_params(prim_name: str, params: dict, dtype, narrower) -> dict:
+    """``params`` with every floating-point type that ``narrower(t)`` says is narrower than ``dtype`` raised to
+    ``dtype``, and a ``reduce_precision`` to fewer bits than ``dtype``'s made to round to ``dtype``'s own: the
+    equation as it runs with its floating-point values in ``dtype`` (bfloat16 compute, float32 parameters)."""
+    out = dict(params)
+    for k in _DTYPE_KEYS:
+        if out.get(k) is not None and narrower(out[k]):
+            out[k] = np.dtype(dtype)
+    info = jax.numpy.finfo(dtype)
+    if prim_name == "reduce_precision" and out["mantissa_bits"] < info.nmant:
+        out.update(exponent_bits=max(out["exponent_bits"], int(info.nexp)), mantissa_bits=int(info.nmant))
     return out
 
 

@@ -168,9 +168,8 @@ def _setup(space, leaves):
     specs = jax.tree_util.tree_leaves(space.arg_specs)
     input_key = tuple(((1, *tuple(x.shape)[1:]), str(flat.all_ones_dtype(x.dtype, jnp.dtype(dt)))) for x in specs)
     param_key = tuple((tuple(p.shape), str(p.dtype)) for p in leaves)
-    prog = flat.program(
-        space, param_key, input_key, who=_WHO, err=PathKappaUnsupportedError, allow_scan=True, inline_custom=True
-    )
+    prog = flat.program(space, param_key, input_key, dtype=dt, who=_WHO, err=PathKappaUnsupportedError,
+                        allow_scan=True, inline_custom=True)  # fmt: skip
     ones = [jnp.ones(s, d) for s, d in input_key]  # token ids: 1 (any id; the |·|^p lookup sums the rows); masks: True
     return dt, leaves, lg, prog, ones
 

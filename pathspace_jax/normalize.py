@@ -156,19 +156,22 @@ def _run(space, prog, nodes, leaves, xs, alpha, moment, eps, center, record=None
     def normalize(o, z, e):
         if o not in nodes:
             return z
-        node, group = nodes[o], space.groups[nodes[o].group]
+        node, group, dtype = nodes[o], space.groups[nodes[o].group], jnp.result_type(z)
         if jnp.shape(z)[-1:] != (group.size,):
             raise DDPNormalizationError(
                 f"ddp_normalize: the pre-activation at {e.where} has shape {jnp.shape(z)}; its nodes (group "
                 f"{group.name}, size {group.size}) must be its last axis (Dense, NHWC convolutions)"
             )
+        z = z.astype(jnp.promote_types(dtype, jnp.float32))  # squares and sums of float16 values overflow
         gamma = jnp.sqrt(alpha * _stat(z, moment) + (1.0 - alpha) * _incoming(space, node, leaves) + eps)
         mean = jnp.mean(z, axis=tuple(range(z.ndim - 1)))
         if record is not None:
             record[o] = (gamma, mean)
         if center:
-            return (z - mean) / gamma + (0.0 if node.bias is None else leaves[node.bias])
-        return z / gamma
+            z = (z - mean) / gamma + (0.0 if node.bias is None else leaves[node.bias])
+        else:
+            z = z / gamma
+        return z.astype(dtype)  # the network's own type there (bfloat16 compute with float32 weights)
 
     return run_program(prog, list(leaves) + list(xs), [], post=normalize)[0]
 

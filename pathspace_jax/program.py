@@ -286,18 +286,58 @@ def _find_boundary(prog: Program, fresh: set[int]) -> None:
     prog.outputs = [v for v in prog.outputs if v not in bnd]
 
 
-def program(space: PathSpace, param_key: tuple, input_key: tuple, **options) -> Program:
+def program(space: PathSpace, param_key: tuple, input_key: tuple, *, dtype=None, **options) -> Program:
     """The flat program of ``space.fn`` at these (shape, dtype) keys, for the abstract mesh in context.
 
     Cached per space, keys and mesh: under a mesh (``jax.set_mesh``) JAX records shardings in the equations'
     params, and a program traced under one mesh (or none) does not run under another. ``options``: ``who`` and
     ``err`` (the public function and the error it raises), ``allow_scan``, ``inline_custom`` (see `_finish`).
+
+    ``dtype``: the floating-point type to compute in at least (`widen`), where the function computes in a
+    narrower one (a model with ``dtype=jnp.bfloat16`` and float32 parameters): κ and DDP's statistics are
+    the network's, not its rounding's (in float16, squares and sums of paths overflow). Its floating-point
+    inputs are then to be given in ``dtype`` at least (`at_least`).
     """
-    return _program(space, param_key, input_key, jax.sharding.get_abstract_mesh(), **options)
+    return _program(space, param_key, input_key, jax.sharding.get_abstract_mesh(), dtype=dtype, **options)
+
+
+def narrower(t, dtype) -> bool:
+    """Whether ``t`` is a floating-point type narrower than ``dtype`` (bfloat16 or float16 than float32)."""
+    return jnp.issubdtype(t, jnp.floating) and np.dtype(t) != np.dtype(dtype) and jnp.promote_types(t, dtype) == dtype
+
+
+def at_least(values: Sequence, dtype) -> list:
+    """``values`` with floating-point arrays narrower than ``dtype`` cast to ``dtype`` (a widened program's inputs)."""
+    return [v.astype(dtype) if narrower(jnp.result_type(v), dtype) else v for v in values]
+
+
+def widen(prog: Program, dtype) -> Program:
+    """``prog`` computing in ``dtype`` wherever it computed in a narrower floating-point type: casts to a narrower
+    type, products accumulating in one, and literals and constants of one, raised to ``dtype``, scan bodies
+    included. Run on inputs cast up (`at_least`), every floating-point value is at least ``dtype``."""
+    up = functools.partial(narrower, dtype=dtype)
+
+    def value(v):
+        return v.astype(dtype) if up(jnp.result_type(v)) else v
+
+    def operand(x):
+        return ("lit", np.asarray(value(np.asarray(x[1])))) if isinstance(x, tuple) else x
+
+    eqns = [
+        dataclasses.replace(
+            e,
+            params=jx.widened_params(e.prim.name, e.params, dtype, up),
+            ins=[operand(x) for x in e.ins],
+            body=None if e.body is None else widen(e.body, dtype),
+        )
+        for e in prog.eqns
+    ]
+    consts = {i: value(v) for i, v in prog.consts.items()}
+    return dataclasses.replace(prog, eqns=eqns, consts=consts, out_ids=[operand(x) for x in prog.out_ids])
 
 
 @functools.lru_cache(maxsize=64)
-def _program(space: PathSpace, param_key: tuple, input_key: tuple, mesh, **options) -> Program:
+def _program(space: PathSpace, param_key: tuple, input_key: tuple, mesh, dtype=None, **options) -> Program:
     param_specs = [jax.ShapeDtypeStruct(s, d) for s, d in param_key]
     input_specs = [jax.ShapeDtypeStruct(s, d) for s, d in input_key]
     args_def = jax.tree_util.tree_structure(space.arg_specs)
@@ -320,7 +360,11 @@ def _program(space: PathSpace, param_key: tuple, input_key: tuple, mesh, **optio
     frame, flags = record(closed, len(param_specs), [leaf.path for leaf in space.leaves])
     int_inputs = [not jnp.issubdtype(s.dtype, jnp.floating) for s in input_specs]  # token ids and masks
     numbers = [jnp.issubdtype(s.dtype, jnp.integer) for s in input_specs]  # not masks: a mask cast to floats stays one
-    return _finish(frame, flags, len(param_specs), int_inputs=int_inputs, numbers=numbers, **options)
+    narrow = dtype is not None and any(narrower(t, dtype) for t in jx.float_dtypes(closed))
+    if narrow:  # a custom call kept whole would run its own jaxpr, typed in the narrow type: entered instead
+        options["inline_custom"] = True
+    prog = _finish(frame, flags, len(param_specs), int_inputs=int_inputs, numbers=numbers, **options)
+    return widen(prog, dtype) if narrow else prog
 
 
 def supported_input(dtype) -> bool:

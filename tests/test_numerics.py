@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 
+import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -253,6 +254,98 @@ def test_large_power_of_two_rescalings_are_bit_for_bit():
     frames = [pj.frames.to_canonical_frame(space, space.leaves_of(p), F64)[0] for p in (params, scaled)]
     for a, b in zip(*frames):
         np.testing.assert_array_equal(a, b)
+
+
+# ----------------------------------------------------------------------------- mixed precision
+
+
+class _Mixed(nn.Module):
+    """Flax's mixed precision: float32 params, every layer computing in ``dtype`` (None: float32). A convolution,
+    a dense layer and a recurrence (``nn.scan`` over the sequence axis of the convolution's output rows)."""
+
+    dtype: jnp.dtype | None = None
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.relu(nn.Conv(4, (3, 3), dtype=self.dtype)(x))  # [batch, 6, 6, 4]
+        h = nn.relu(nn.Dense(8, dtype=self.dtype)(h.reshape(h.shape[0], 6, 24)))  # rows as steps
+        cell = nn.Dense(8, use_bias=False, dtype=self.dtype)
+        scan = nn.scan(lambda mdl, c, xt: (nn.relu(xt + cell(c)), None), variable_broadcast="params",
+                       split_rngs={"params": False}, in_axes=1)  # fmt: skip
+        c, _ = scan(self, jnp.zeros_like(h[:, 0]), h)
+        return nn.Dense(3, dtype=self.dtype)(c)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_kappa_of_a_mixed_precision_model_is_its_networks(dtype):
+    """κ is a function of the weights and the data, not of the rounding the model computes in: with every layer
+    in bfloat16 or float16 (float32 params), Path-SGD's and DDP-SGD's κ and updates are those of the same model
+    in float32. Before, DDP-SGD raised dtype errors here; on a CNN without the recurrence float16's path sums
+    overflowed to NaN and Path-SGD's update was silently 0 on every weight, and bfloat16's κ was 3-10 % off."""
+    x = 4.0 * jax.random.normal(jax.random.key(1), (16, 6, 6, 1), F32)
+    params = _Mixed().init(jax.random.key(0), x)["params"]
+    models = [_Mixed(), _Mixed(dtype)]
+    spaces = [pj.trace(lambda p, x, m=m: m.apply({"params": p}, x), params, x) for m in models]
+    assert spaces[1].num_hidden == spaces[0].num_hidden == 4 + 8  # the dense units are the recurrence's (added)
+    g = jax.grad(lambda p: jnp.sum(spaces[0].fn(p, x) ** 2))(params)
+
+    def results(space):
+        yield pj.path_kappa(space, params)
+        for alpha in (0.0, 0.5, 1.0):
+            yield pj.ddp_kappa(space, params, x, alpha=alpha)
+        yield pj.ddp_kappa(space, params, x, alpha=0.5, estimator="probes", key=jax.random.key(2))
+        for tx, kw in ((pj.path_sgd(space, 0.1), {}), (pj.ddp_sgd(space, 0.1, alpha=0.5), {"inputs": x})):
+            yield tx.update(g, tx.init(params), params, **kw)[0]
+
+    for want, got in zip(results(spaces[0]), results(spaces[1]), strict=True):
+        assert all(a.dtype == F32 for a in jax.tree_util.tree_leaves(got))
+        assert any(np.any(np.asarray(a) != 0) for a in jax.tree_util.tree_leaves(want["Conv_0"]))
+        chex.assert_trees_all_close(got, want, rtol=1e-5, atol=0.0)
+
+
+@pytest.mark.parametrize("params_dtype, x_dtype", [(F32, F64), (jnp.bfloat16, F32)])
+def test_ddp_kappa_with_params_narrower_than_the_inputs(params_dtype, x_dtype):
+    """Params narrower than the inputs: Flax computes in the wider type, and so does DDP's γ² recursion (it
+    raised a dtype mismatch at the first convolution). κ is the one of the same weights held in the wider type,
+    in the params' dtype."""
+    fn, params, x, y, _ = _setup("cnn")
+    x = x.astype(x_dtype)
+    narrow = jax.tree_util.tree_map(lambda a: a.astype(params_dtype), params)
+    wide = jax.tree_util.tree_map(lambda a: a.astype(x_dtype), narrow)  # the same values
+    for alpha in (0.0, 0.5, 1.0):
+        got = pj.ddp_kappa(pj.trace(fn, narrow, x), narrow, x, alpha=alpha)
+        want = pj.ddp_kappa(pj.trace(fn, wide, x), wide, x, alpha=alpha)
+        assert all(a.dtype == params_dtype for a in jax.tree_util.tree_leaves(got))
+        want = jax.tree_util.tree_map(lambda a: a.astype(params_dtype).astype(F32), want)
+        chex.assert_trees_all_close(jax.tree_util.tree_map(lambda a: a.astype(F32), got), want, rtol=1e-5)
+
+
+def test_ddp_normalize_in_float16_takes_its_statistics_in_float32():
+    """A float16 network normalised by DDP-Normalization: its pre-activations' squares (here up to ~10⁶) overflow
+    float16, so the statistics are taken in float32 and the normalised values given back in float16: the
+    network's output is the float32 network's to float16's precision (it ran a float32 value into the float16
+    program, an XLA error)."""
+    x = 300.0 * jax.random.normal(jax.random.key(1), (64, 8), F32)
+    params = _MLP().init(jax.random.key(0), x)["params"]
+
+    class Half(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.relu(nn.Dense(32, dtype=jnp.float16)(x))
+            x = nn.relu(nn.Dense(32, dtype=jnp.float16)(x))
+            return nn.Dense(4, dtype=jnp.float16)(x)
+
+    outs = []
+    for model in (_MLP(), Half()):
+        space = pj.trace(lambda p, x, m=model: m.apply({"params": p}, x), params, x)
+        for center in (False, True):
+            outs.append(pj.ddp_normalize(space, alpha=0.5, center=center)(params, x))
+        w = pj.ddp_normalized_weights(space, params, x, alpha=0.5)
+        outs.append(model.apply({"params": w}, x))
+    assert [o.dtype for o in outs] == [F32] * 3 + [jnp.float16] * 3
+    for half, full in zip(outs[3:], outs[:3], strict=True):
+        scale = float(jnp.max(jnp.abs(full)))
+        np.testing.assert_allclose(np.asarray(half, np.float32), full, rtol=0, atol=2e-2 * scale)
 
 
 # ----------------------------------------------------------------------------- bad input
