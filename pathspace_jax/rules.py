@@ -124,7 +124,7 @@ _group(Rule("method", merges_node=True), "sub")
 _group(Rule("method", merges_node=True, multiplicative=True), "mul", "div")
 _group(Rule("method", multiplicative=True), "dot_general", "conv_general_dilated")
 _group(Rule("method", as_is=True, sums=True), "reduce_sum", "reduce_window_sum", "scatter-add")
-_group(Rule("method", as_is=True), "concatenate", "dynamic_slice", "gather", "pad", "rev", "slice")
+_group(Rule("method", as_is=True), "concatenate", "dynamic_slice", "gather", "pad", "rev", "slice", "split")
 
 _group(
     Rule("method", as_is=True, breaks_linearity=True),
@@ -135,7 +135,7 @@ _group(Rule(None, breaks_linearity=True), "sort")
 _group(
     Rule("method"),
     "abs", "argmin", "clamp", "cummax", "cummin", "cumsum", "dynamic_update_slice", "reduce_prod",
-    "reduce_window_min", "split", "scan", "while", "cond",
+    "reduce_window_min", "scan", "while", "cond",
 )  # fmt: skip
 
 _group(Rule("compare", as_is=True), "eq", "ne", "lt", "le", "gt", "ge")

@@ -115,9 +115,23 @@ class ShapeRules:
                 self.defer(out[-1], v.axes[k], self.reason(why))
         return dataclasses.replace(v, axes=out)
 
+    def _layer(self, v: Val, in_shape, out_shape, axis: int, start: int) -> Val | None:
+        """Entry ``start`` of the first axis of a whole params leaf, sliced out statically (layers stacked in one
+        leaf and read in a loop: ``ws[i]``, ``for w in ws``, ``jnp.split(ws, n)``): that layer's slice as a leaf of
+        its own (`Interpreter.layer_slice`), as ``nn.scan`` over the layers reads it; else None."""
+        whole = v.kind == PARAM and not v.scaled and v.axes == self.leaf_axes[v.leaf]
+        if not whole or axis != 0 or in_shape[0] == 1 or out_shape != (1, *in_shape[1:]):
+            return None
+        leaf = self.layer_slice(v.leaf, int(start))
+        return Val(PARAM, [[self.atoms.new(1)], *[list(ax) for ax in self.leaf_axes[leaf]]], leaf=leaf)
+
     def rule_slice(self, eqn, ins):
         v = ins[0]
         in_shape, out_shape = eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
+        start = jx.param(eqn, "start_indices", None)  # a dynamic_slice's are operands
+        layer = None if start is None else self._layer(v, in_shape, out_shape, 0, start[0])
+        if layer is not None:
+            return [layer]
         keep = [a == b for a, b in zip(in_shape, out_shape)]
         return [self._reslice(eqn, v, keep, out_shape, "slices part of an axis")]
 
@@ -192,11 +206,13 @@ class ShapeRules:
     def rule_split(self, eqn, ins):
         v = ins[0]
         axis = jx.param(eqn, "axis")
-        outs = []
+        in_shape, outs, start = eqn.invars[0].aval.shape, [], 0
         for var in eqn.outvars:
             shape = var.aval.shape
             keep = [k != axis for k in range(len(shape))]
-            outs.append(self._reslice(eqn, v, keep, shape, "splits an axis"))
+            layer = self._layer(v, in_shape, shape, axis, start)
+            outs.append(layer if layer is not None else self._reslice(eqn, v, keep, shape, "splits an axis"))
+            start += shape[axis]
         return outs
 
     def rule_scatter_add(self, eqn, ins):

@@ -334,9 +334,9 @@ def _stack_layers(interp: Interpreter, edge_leaves: list[EdgeLeaf]) -> list[Edge
     for leaf in sorted(children, reverse=True):
         parts = [edge_leaves[j] for j in children[leaf]]
         old, kinds = edge_leaves[leaf], {p.kind for p in parts}
-        if kinds == {"other"} or len(kinds) > 1:
+        if kinds == {"other"}:  # `_unstackable`
             neg = node_view(-1, old.shape, old.shape)
-            note = "; ".join(dict.fromkeys(p.note for p in parts if p.note)) or "its layers have different roles"
+            note = "; ".join(dict.fromkeys(p.note for p in parts if p.note))
             edge_leaves[leaf] = EdgeLeaf(old.path, old.shape, old.dtype, "other", (), (), neg, neg, note)
             continue
         src, dst = (_stack_nodes([getattr(p, side) for p in parts], old.shape) for side in ("src", "dst"))
@@ -403,7 +403,30 @@ def _leaf_roles(interp: Interpreter, leaves, paths) -> list[tuple]:
             leaf_info.append(("other", roots, None, None, note, first_step, ends))
         else:
             leaf_info.append((kind, roots, node_in, node_out, "", first_step, ends))
+    for leaf in sorted(stacked):
+        _unstackable(interp, leaves, paths, leaf, leaf_info)
     return leaf_info
+
+
+def _unstackable(interp: Interpreter, leaves, paths, leaf: int, leaf_info: list) -> None:
+    """A stacked leaf is one edge bundle per layer only where every layer is read, each in the same role, and the
+    leaf is not also read whole: otherwise its layers' slices are "other" too (their units pinned), and so is the
+    leaf (`_stack_layers`)."""
+    layers = {layer: j for (parent, layer), j in interp.slices.items() if parent == leaf}
+    kinds = {leaf_info[j][0] for j in layers.values()}
+    if len(layers) < leaves[leaf].shape[0]:
+        note = f"reads {len(layers)} of its {leaves[leaf].shape[0]} layers"
+    elif interp.uses[leaf] or interp.other[leaf]:
+        note = "read whole as well as layer by layer"
+    elif "other" in kinds and len(kinds) > 1:
+        note = "its layers have different roles"
+    else:
+        return
+    for j in layers.values():
+        kind, roots, _, _, own, first_step, ends = leaf_info[j]
+        if kind != "other":
+            interp.atoms.pin(roots + ends, f"{paths[leaf]} is not an edge tensor ({note})")
+            leaf_info[j] = ("other", roots, None, None, note, first_step, ends)
 
 
 def _bias_positions(atoms: Atoms, leaf_info: list[tuple]) -> list[tuple]:

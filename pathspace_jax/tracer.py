@@ -776,7 +776,9 @@ class Interpreter(ShapeRules):
         ys = []
         for j, a in enumerate(y_avals):
             vals = [per_layer[layer][j] for layer in range(sc.length)]
-            for v in vals[1:]:
+            # the layers' params given back stacked (nnx.scan returns the modules it scanned over; under nnx.remat
+            # JAX cannot see that they are its inputs) are the leaf again, not a value the layers share: untied
+            for v in vals[1:] if vals[0].kind != PARAM else ():
                 for a0, b in zip(vals[0].axes, v.axes, strict=True):
                     self.atoms.unify(a0, b, self.reason("stacked over the layers of a scan"))
             ys.append(dataclasses.replace(vals[0], id=self.rec.stack([v.id for v in vals], a.shape, a.dtype)))

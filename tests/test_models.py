@@ -1,17 +1,20 @@
 """Models written the ordinary way in flax.linen: a Transformer, layers stacked with nn.scan (± nn.remat), Flax's
-fast LSTM. Layers stacked with nn.scan are the network written as a loop; every optimiser trains each model through
-the README's partition recipe and follows the same trajectory from a rescaled start."""
+fast LSTM; and layers stacked the nnx way (nnx.vmap, nnx.scan ± nnx.remat). Stacked layers are the network written
+as a loop; every optimiser trains each model through the README's partition recipe and follows the same trajectory
+from a rescaled start."""
 
 from __future__ import annotations
 
 import functools
 
+import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 import pathspace_jax as pj
 
@@ -110,6 +113,52 @@ def test_layers_stacked_with_scan_are_the_network_written_as_a_loop(kind, remat)
         kw = {"inputs": batch} if isinstance(batch, jax.Array) else {}
         step = lambda t, f, kw=kw: jax.jit(lambda p: t.update(grad(f, p), t.init(p), p, **kw)[0])  # noqa: E731
         close(step(make(ss), fs)(params), step(make(sl), fl)(_unstack(params)))
+
+
+class _NnxStack(nnx.Module):
+    """Three ReLU layers stacked the nnx way (made under ``nnx.vmap``, applied with ``nnx.scan``, ± ``nnx.remat``),
+    or (``loop``) applied in a Python loop that reads each layer's slice of the same stacked params."""
+
+    def __init__(self, rngs, *, loop=False, remat=False):
+        @nnx.split_rngs(splits=3)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def layers(rngs):
+            return nnx.Linear(8, 8, rngs=rngs)
+
+        self.inp, self.layers, self.out = nnx.Linear(5, 8, rngs=rngs), layers(rngs), nnx.Linear(8, 2, rngs=rngs)
+        self.loop, self.remat = loop, remat
+
+    def __call__(self, x):
+        x = nnx.relu(self.inp(x))
+        if self.loop:
+            for i in range(3):
+                x = nnx.relu(x @ self.layers.kernel[...][i] + self.layers.bias[...][i])
+            return self.out(x)
+        body = (
+            (lambda x, layer: nnx.relu(layer(x))) if not self.remat else nnx.remat(lambda x, layer: nnx.relu(layer(x)))
+        )
+        return self.out(nnx.scan(body, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(x, self.layers))
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_nnx_layers_stacked_with_scan_are_the_network_written_as_a_loop(remat):
+    """The nnx way to stack layers: H, the path norm, Path-SGD's κ and one step of Path-SGD equal the loop's. With
+    ``nnx.remat``, the layers' params that nnx.scan gives back stacked had tied the three layers' units into one
+    group (H 8, the kernel read as recurrent)."""
+    x = _inputs("mlp", F32)
+    spaces, fns = [], []
+    for loop in (False, True):
+        graphdef, params = nnx.split(_NnxStack(nnx.Rngs(0), loop=loop, remat=remat), nnx.Param)
+        fns.append(lambda p, x, g=graphdef: nnx.merge(g, p)(x))
+        spaces.append(pj.trace(fns[-1], params, x))
+    np.testing.assert_allclose(fns[0](params, x), fns[1](params, x), rtol=1e-6)
+    assert spaces[0].num_hidden == spaces[1].num_hidden == 8 + 3 * 8
+    assert not any(leaf.recurrent for leaf in spaces[0].leaves)
+    np.testing.assert_allclose(pj.path_norm(spaces[0], params), pj.path_norm(spaces[1], params), rtol=1e-5)
+    g = jax.grad(lambda p: jnp.mean(fns[1](p, x) ** 2))(params)
+    results = [(pj.path_kappa(s, params), pj.path_sgd(s, 0.1).update(g, pj.path_sgd(s, 0.1).init(params), params)[0])
+               for s in spaces]  # fmt: skip
+    chex.assert_trees_all_close(*results, rtol=1e-5, atol=1e-7)
 
 
 # ----------------------------------------------------------------------------- training, every optimiser

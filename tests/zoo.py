@@ -484,6 +484,21 @@ def _scan_stacked(name: str, module: ScanStackedMLP) -> Case:
     return Case(name, lambda p, x: module.apply({"params": p}, x), params, _normal(8), hidden=20)
 
 
+def _stacked_loop() -> Case:
+    """`ScanStackedMLP`'s params applied by plain JAX code in a Python loop over the stacked leaves (``for w, b in
+    zip(ws, bs)``: a static slice of each layer): each layer its own edge bundle, as under ``nn.scan``."""
+    case = _scan_stacked("plain_stacked_loop_mlp", ScanStackedMLP())
+    stack = next(k for k in case.params if k.startswith("Scan"))
+
+    def fn(p, x):
+        x = jax.nn.relu(x @ p["Dense_0"]["kernel"] + p["Dense_0"]["bias"])
+        for w, b in zip(p[stack]["Dense_0"]["kernel"], p[stack]["Dense_0"]["bias"], strict=True):
+            x = jax.nn.relu(x @ w + b)
+        return x @ p["Dense_1"]["kernel"] + p["Dense_1"]["bias"]
+
+    return dataclasses.replace(case, fn=fn)
+
+
 # ---------------------------------------------------------------------------- plain JAX
 
 
@@ -640,6 +655,7 @@ def _build() -> dict[str, Case]:
         _linen("unet_concat_skip", UNetSkip(), _normal(6, 6, 1), hidden=10),
         _scan_stacked("scan_stacked_mlp", ScanStackedMLP()),
         _scan_stacked("scan_stacked_mlp_remat", ScanStackedMLP(remat=True)),
+        _stacked_loop(),
         _nnx("nnx_mlp", NnxMLP(nnx.Rngs(0)), _normal(4), hidden=11),
         _nnx("nnx_rnn", NnxRNN(nnx.Rngs(1)), _normal(4, 3), hidden=4, recurrent=True),
         _plain_transpose_slice(),
