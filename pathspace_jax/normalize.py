@@ -123,6 +123,12 @@ def _nodes(space: PathSpace, prog: flat.Program) -> dict[int, _Node]:
             continue
         leaves = sorted(chain[v])
         groups = {g for j in leaves for g in space.leaves[j].dst_groups}
+        if stacked := [space.leaves[j].path for j in leaves if space.leaves[j].stacked is not None]:
+            raise DDPNormalizationError(
+                f"ddp_normalize: {stacked} hold several layers stacked along their first axis (nn.scan over layers, "
+                "or a loop over a stacked leaf); DDP-Normalization divides each leaf's weights by the statistics of "
+                "one node group: it is implemented for layers whose params are leaves of their own"
+            )
         if len(groups) != 1:
             raise DDPNormalizationError(
                 f"ddp_normalize: a pre-activation is computed from edges into several node groups "

@@ -258,3 +258,13 @@ def test_errors():
     xs = jnp.stack([x, x], axis=1)  # examples first, two steps
     with pytest.raises(pj.DDPNormalizationError, match=r"scan at .*test_normalize.py.*feed-forward networks"):
         pj.ddp_normalize(pj.trace(rnn_fn, qp, xs), alpha=0.5)(qp, xs)
+
+    def stacked_fn(q, x):  # two layers in one leaf, read in a loop: their nodes are two groups
+        h = jax.nn.relu(x @ q["w0"] + q["b0"])
+        for w in q["ws"]:
+            h = jax.nn.relu(h @ w)
+        return h @ q["w2"]
+
+    sp = {"w0": p["w0"], "b0": p["b0"], "ws": jnp.stack([jnp.eye(5, dtype=F64)] * 2), "w2": jnp.ones((5, 2), F64)}
+    with pytest.raises(pj.DDPNormalizationError, match=r"\['ws'\] hold several layers stacked"):
+        pj.ddp_normalize(pj.trace(stacked_fn, sp, x), alpha=0.5)(sp, x)
