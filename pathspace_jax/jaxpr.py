@@ -224,8 +224,7 @@ def widened_params(prim_name: str, params: dict, dtype, narrower) -> dict:
     for k in _DTYPE_KEYS:
         if out.get(k) is not None and narrower(out[k]):
             out[k] = np.dtype(dtype)
-    info = jax.numpy.finfo(dtype)
-    if prim_name == "reduce_precision" and out["mantissa_bits"] < info.nmant:
+    if prim_name == "reduce_precision" and out["mantissa_bits"] < (info := jax.numpy.finfo(dtype)).nmant:
         out.update(exponent_bits=max(out["exponent_bits"], int(info.nexp)), mantissa_bits=int(info.nmant))
     return out
 

@@ -215,6 +215,20 @@ class ShapeRules:
             start += shape[axis]
         return outs
 
+    def rule_unstack(self, eqn, ins):
+        """``unstack`` (JAX 0.12+ iterates over an array with it: ``for w in ws``): a split into entries of one
+        along the axis, each squeezed."""
+        v, in_shape = ins[0], eqn.invars[0].aval.shape
+        axis = jx.param(eqn, "axis") % len(in_shape)
+        one = tuple(1 if k == axis else d for k, d in enumerate(in_shape))
+        keep = [k != axis for k in range(len(in_shape))]
+        outs = []
+        for i in range(len(eqn.outvars)):
+            part = self._layer(v, in_shape, one, axis, i) or self._reslice(eqn, v, keep, one, "splits an axis")
+            axes = [ax for k, ax in enumerate(part.axes) if k != axis]
+            outs.append(dataclasses.replace(part, axes=axes, scalars=part.scalars + part.axes[axis]))
+        return outs
+
     def rule_scatter_add(self, eqn, ins):
         """``operand.at[ids].add(updates)`` with constant ``ids``: a segment sum (a graph network's messages summed
         into its nodes). The window axes of the updates are the operand's (same nodes); the axes the ids index

@@ -403,7 +403,7 @@ def _leaf_roles(interp: Interpreter, leaves, paths) -> list[tuple]:
             leaf_info.append(("other", roots, None, None, note, first_step, ends))
         else:
             leaf_info.append((kind, roots, node_in, node_out, "", first_step, ends))
-    for leaf in sorted(stacked):
+    for leaf in sorted(stacked, reverse=True):  # deepest stacks first: a layer's slice may itself be stacked
         _unstackable(interp, leaves, paths, leaf, leaf_info)
     return leaf_info
 
@@ -412,8 +412,13 @@ def _unstackable(interp: Interpreter, leaves, paths, leaf: int, leaf_info: list)
     """A stacked leaf is one edge bundle per layer only where every layer is read, each in the same role, and the
     leaf is not also read whole: otherwise its layers' slices are "other" too (their units pinned), and so is the
     leaf (`_stack_layers`)."""
+
+    def slices(parent):  # the leaves that hold the parent's entries: its layers' slices, theirs if stacked again
+        kids = [j for (p, _), j in interp.slices.items() if p == parent]
+        return [k for j in kids for k in slices(j)] if kids else [parent]
+
     layers = {layer: j for (parent, layer), j in interp.slices.items() if parent == leaf}
-    kinds = {leaf_info[j][0] for j in layers.values()}
+    kinds = {leaf_info[j][0] for j in slices(leaf)}
     if len(layers) < leaves[leaf].shape[0]:
         note = f"reads {len(layers)} of its {leaves[leaf].shape[0]} layers"
     elif interp.uses[leaf] or interp.other[leaf]:
@@ -422,8 +427,8 @@ def _unstackable(interp: Interpreter, leaves, paths, leaf: int, leaf_info: list)
         note = "its layers have different roles"
     else:
         return
-    for j in layers.values():
-        kind, roots, _, _, own, first_step, ends = leaf_info[j]
+    for j in slices(leaf):
+        kind, roots, _, _, _, first_step, ends = leaf_info[j]
         if kind != "other":
             interp.atoms.pin(roots + ends, f"{paths[leaf]} is not an edge tensor ({note})")
             leaf_info[j] = ("other", roots, None, None, note, first_step, ends)

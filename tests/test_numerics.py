@@ -259,6 +259,14 @@ def test_large_power_of_two_rescalings_are_bit_for_bit():
 # ----------------------------------------------------------------------------- mixed precision
 
 
+class _Cell(nn.Module):
+    dtype: jnp.dtype | None = None
+
+    @nn.compact
+    def __call__(self, c, xt):
+        return nn.relu(xt + nn.Dense(8, use_bias=False, dtype=self.dtype)(c)), None
+
+
 class _Mixed(nn.Module):
     """Flax's mixed precision: float32 params, every layer computing in ``dtype`` (None: float32). A convolution,
     a dense layer and a recurrence (``nn.scan`` over the sequence axis of the convolution's output rows)."""
@@ -269,10 +277,8 @@ class _Mixed(nn.Module):
     def __call__(self, x):
         h = nn.relu(nn.Conv(4, (3, 3), dtype=self.dtype)(x))  # [batch, 6, 6, 4]
         h = nn.relu(nn.Dense(8, dtype=self.dtype)(h.reshape(h.shape[0], 6, 24)))  # rows as steps
-        cell = nn.Dense(8, use_bias=False, dtype=self.dtype)
-        scan = nn.scan(lambda mdl, c, xt: (nn.relu(xt + cell(c)), None), variable_broadcast="params",
-                       split_rngs={"params": False}, in_axes=1)  # fmt: skip
-        c, _ = scan(self, jnp.zeros_like(h[:, 0]), h)
+        scan = nn.scan(_Cell, variable_broadcast="params", split_rngs={"params": False}, in_axes=1)
+        c, _ = scan(self.dtype)(jnp.zeros_like(h[:, 0]), h)
         return nn.Dense(3, dtype=self.dtype)(c)
 
 

@@ -477,10 +477,10 @@ def test_batch_size_does_not_change_structure():
     assert a.num_hidden == b.num_hidden
 
 
-@pytest.mark.parametrize("read", ["split", "some layers", "whole too"])
+@pytest.mark.parametrize("read", ["iterate", "split", "some layers", "whole too"])
 def test_layers_stacked_in_one_leaf_and_read_one_by_one(read):
-    """Layers stacked in one leaf and read one by one by static slices (``ws[i]``, ``for w in ws``: the zoo's
-    plain_stacked_loop_mlp; ``jnp.split``) are edge bundles of their own, as under nn.scan. A leaf of which some
+    """Layers stacked in one leaf and read one by one (``ws[i]``, ``for w in ws``: static slices or, on JAX 0.12+,
+    an unstack; ``jnp.split``) are edge bundles of their own, as under nn.scan. A leaf of which some
     layers are never read, or that is also read whole, is "other" and its layers' units are pinned: the function
     stays invariant under the rescalings that are left."""
     rng = np.random.default_rng(0)
@@ -489,7 +489,9 @@ def test_layers_stacked_in_one_leaf_and_read_one_by_one(read):
 
     def fn(p, x):
         x = jax.nn.relu(jax.nn.relu(x @ p["w0"]) @ p["w1"])
-        if read == "split":
+        if read == "iterate":  # slices, or (JAX 0.12+) an unstack
+            layers = zip(p["ws"], p["bs"], strict=True)
+        elif read == "split":
             layers = [(w[0], b[0]) for w, b in zip(jnp.split(p["ws"], 3), jnp.split(p["bs"], 3), strict=True)]
         else:
             layers = [(p["ws"][i], p["bs"][i]) for i in range(2 if read == "some layers" else 3)]
@@ -502,7 +504,7 @@ def test_layers_stacked_in_one_leaf_and_read_one_by_one(read):
     x = jnp.asarray(rng.standard_normal((5, 3)))
     space = pj.trace(fn, params, x)
     kinds = {leaf.path: leaf.kind for leaf in space.leaves}
-    if read == "split":
+    if read in ("iterate", "split"):
         assert space.num_hidden == 4 + 4 + 3 * 4
         assert kinds == {"w0": "weight", "w1": "weight", "ws": "weight", "bs": "bias", "out": "weight"}
     else:
@@ -511,7 +513,7 @@ def test_layers_stacked_in_one_leaf_and_read_one_by_one(read):
         note = "reads 2 of its 3 layers" if read == "some layers" else "read whole as well as layer by layer"
         assert note in pj.describe(space)
     pj.testing.assert_function_invariant(fn, space, params, x)
-    if read == "split":  # Path-SGD's κ: the one of the same network with each layer a leaf of its own
+    if read in ("iterate", "split"):  # Path-SGD's κ: the one of the same network with each layer a leaf of its own
         unstacked = {**params, "ws": list(params["ws"]), "bs": list(params["bs"])}
 
         def fn_list(p, x):
