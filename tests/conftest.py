@@ -32,7 +32,9 @@ jax.config.update("jax_enable_x64", True)
 # on 2026-11-27 (twenty-second session), then 12.4 (554 tests, user 23.4) with TEST_XLA_FLAGS below; 12.4 (590
 # tests, user 23.4) and 8.9 (user 16.4) with XLA:CPU's older fusion emitters (LEGACY_FUSION_EMITTERS below); 9.8
 # (655 tests, user 18.0) at the end of that session; 9.1 (657 tests) on 2026-11-28; 9.25 (702 tests) that
-# day after the normalisation, attention and gate rules (their zoo and by-hand cases).
+# day after the normalisation, attention and gate rules (their zoo and by-hand cases); 9.97 (720 tests) after the
+# mixed-precision and stacked-leaf tests of the next session, 9.6 (719 tests) once the mixed-precision test
+# computed its float32 reference once.
 # PJ_TEST_CACHE=0 turns it off.
 if os.environ.get("PJ_TEST_CACHE", "1") != "0":
     _CACHE = {
