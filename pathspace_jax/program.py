@@ -321,7 +321,7 @@ def widen(prog: Program, dtype) -> Program:
         return v.astype(dtype) if up(jnp.result_type(v)) else v
 
     def operand(x):
-        return ("lit", np.asarray(value(np.asarray(x[1])))) if isinstance(x, tuple) else x
+        return ("lit", value(np.asarray(x[1]))) if isinstance(x, tuple) else x
 
     eqns = [
         dataclasses.replace(

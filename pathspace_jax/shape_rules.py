@@ -203,31 +203,34 @@ class ShapeRules:
         zero = kind == CONST and all(v.zero for v in ins)
         return [Val(kind, out, zero=zero)]
 
-    def rule_split(self, eqn, ins):
-        v = ins[0]
-        axis = jx.param(eqn, "axis")
-        in_shape, outs, start = eqn.invars[0].aval.shape, [], 0
-        for var in eqn.outvars:
-            shape = var.aval.shape
-            keep = [k != axis for k in range(len(shape))]
-            layer = self._layer(v, in_shape, shape, axis, start)
-            outs.append(layer if layer is not None else self._reslice(eqn, v, keep, shape, "splits an axis"))
+    def _pieces(self, eqn, v: Val, axis: int, shapes) -> list[Val]:
+        """``v`` cut along ``axis`` into consecutive pieces of ``shapes``: a stacked leaf's layers (`_layer`), else
+        resliced (the cut axis pinned unless it is positions)."""
+        in_shape, start, out = eqn.invars[0].aval.shape, 0, []
+        keep = [k != axis for k in range(len(in_shape))]
+        for shape in shapes:
+            out.append(
+                self._layer(v, in_shape, shape, axis, start) or self._reslice(eqn, v, keep, shape, "splits an axis")
+            )
             start += shape[axis]
-        return outs
+        return out
+
+    def rule_split(self, eqn, ins):
+        return self._pieces(eqn, ins[0], jx.param(eqn, "axis"), [var.aval.shape for var in eqn.outvars])
 
     def rule_unstack(self, eqn, ins):
         """``unstack`` (JAX 0.12+ iterates over an array with it: ``for w in ws``): a split into entries of one
         along the axis, each squeezed."""
-        v, in_shape = ins[0], eqn.invars[0].aval.shape
+        in_shape = eqn.invars[0].aval.shape
         axis = jx.param(eqn, "axis") % len(in_shape)
         one = tuple(1 if k == axis else d for k, d in enumerate(in_shape))
-        keep = [k != axis for k in range(len(in_shape))]
-        outs = []
-        for i in range(len(eqn.outvars)):
-            part = self._layer(v, in_shape, one, axis, i) or self._reslice(eqn, v, keep, one, "splits an axis")
-            axes = [ax for k, ax in enumerate(part.axes) if k != axis]
-            outs.append(dataclasses.replace(part, axes=axes, scalars=part.scalars + part.axes[axis]))
-        return outs
+        parts = self._pieces(eqn, ins[0], axis, [one] * len(eqn.outvars))
+        return [
+            dataclasses.replace(
+                p, axes=[ax for k, ax in enumerate(p.axes) if k != axis], scalars=p.scalars + p.axes[axis]
+            )
+            for p in parts
+        ]
 
     def rule_scatter_add(self, eqn, ins):
         """``operand.at[ids].add(updates)`` with constant ``ids``: a segment sum (a graph network's messages summed

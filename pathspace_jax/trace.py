@@ -417,17 +417,17 @@ def _unstackable(interp: Interpreter, leaves, paths, leaf: int, leaf_info: list)
         kids = [j for (p, _), j in interp.slices.items() if p == parent]
         return [k for j in kids for k in slices(j)] if kids else [parent]
 
-    layers = {layer: j for (parent, layer), j in interp.slices.items() if parent == leaf}
-    kinds = {leaf_info[j][0] for j in slices(leaf)}
-    if len(layers) < leaves[leaf].shape[0]:
-        note = f"reads {len(layers)} of its {leaves[leaf].shape[0]} layers"
+    read, parts = sum(parent == leaf for parent, _ in interp.slices), slices(leaf)
+    kinds = {leaf_info[j][0] for j in parts}
+    if read < leaves[leaf].shape[0]:
+        note = f"reads {read} of its {leaves[leaf].shape[0]} layers"
     elif interp.uses[leaf] or interp.other[leaf]:
         note = "read whole as well as layer by layer"
     elif "other" in kinds and len(kinds) > 1:
         note = "its layers have different roles"
     else:
         return
-    for j in slices(leaf):
+    for j in parts:
         kind, roots, _, _, _, first_step, ends = leaf_info[j]
         if kind != "other":
             interp.atoms.pin(roots + ends, f"{paths[leaf]} is not an edge tensor ({note})")

@@ -371,10 +371,10 @@ class Interpreter(ShapeRules):
         """``g * x`` with ``g`` fully pinned and ``x`` an activation that is not, of the result's shape (a gate:
         SwiGLU's ``swish(x W) * (x V)``, a sigmoid gate on a ReLU layer): g's entries are coefficients that no
         rescaling changes, so x's units go on, and the result scales with them. None otherwise."""
-        shape = eqn.outvars[0].aval.shape
-        if self.fully_pinned(a) == self.fully_pinned(b):
+        shape, pinned_a = eqn.outvars[0].aval.shape, self.fully_pinned(a)
+        if pinned_a == self.fully_pinned(b):
             return None
-        x, g = (b, a) if self.fully_pinned(a) else (a, b)
+        x, g = (b, a) if pinned_a else (a, b)
         if len(x.axes) != len(shape) or any(self.size(ax) != d for ax, d in zip(x.axes, shape, strict=True)):
             return None  # x broadcast along an axis of g: its unit would feed g's pinned ones
         return self.ew(ACT, [x, g], self.broadcast(eqn, [x, g], unify=False))
@@ -600,9 +600,10 @@ class Interpreter(ShapeRules):
         x's batch axes (the heads) and free axes, and the result scales with them. x's contracted axes (the keys)
         must be positions: where they turn out to be nodes, they are pinned (`settle`). a's free axes (the
         queries) are its own. None where neither or both are fully pinned (as `gated`)."""
-        if self.fully_pinned(ins[0]) == self.fully_pinned(ins[1]):
+        pinned_rhs = self.fully_pinned(ins[1])
+        if self.fully_pinned(ins[0]) == pinned_rhs:
             return None
-        j = 0 if self.fully_pinned(ins[1]) else 1  # the activation's side
+        j = 0 if pinned_rhs else 1  # the activation's side
         x = ins[j]
         why = self.reason("sums nodes with coefficients computed from pinned values")
         for k in contracted[j]:
@@ -778,7 +779,8 @@ class Interpreter(ShapeRules):
             vals = [per_layer[layer][j] for layer in range(sc.length)]
             # the layers' params given back stacked (nnx.scan returns the modules it scanned over; under nnx.remat
             # JAX cannot see that they are its inputs) are the leaf again, not a value the layers share: untied
-            for v in vals[1:] if vals[0].kind != PARAM else ():
+            tied = vals[1:] if vals[0].kind != PARAM else []
+            for v in tied:
                 for a0, b in zip(vals[0].axes, v.axes, strict=True):
                     self.atoms.unify(a0, b, self.reason("stacked over the layers of a scan"))
             ys.append(dataclasses.replace(vals[0], id=self.rec.stack([v.id for v in vals], a.shape, a.dtype)))
