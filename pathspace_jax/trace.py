@@ -423,7 +423,7 @@ def _unstackable(interp: Interpreter, leaves, paths, leaf: int, leaf_info: list)
         note = f"reads {read} of its {leaves[leaf].shape[0]} layers"
     elif interp.uses[leaf] or interp.other[leaf]:
         note = "read whole as well as layer by layer"
-    elif "other" in kinds and len(kinds) > 1:
+    elif len(kinds) > 1:  # a weight and a bias, or an edge and "other"
         note = "its layers have different roles"
     else:
         return

@@ -477,12 +477,12 @@ def test_batch_size_does_not_change_structure():
     assert a.num_hidden == b.num_hidden
 
 
-@pytest.mark.parametrize("read", ["iterate", "split", "some layers", "whole too"])
+@pytest.mark.parametrize("read", ["iterate", "split", "some layers", "whole too", "mixed roles"])
 def test_layers_stacked_in_one_leaf_and_read_one_by_one(read):
     """Layers stacked in one leaf and read one by one (``ws[i]``, ``for w in ws``: static slices or, on JAX 0.12+,
     an unstack; ``jnp.split``) are edge bundles of their own, as under nn.scan. A leaf of which some
-    layers are never read, or that is also read whole, is "other" and its layers' units are pinned: the function
-    stays invariant under the rescalings that are left."""
+    layers are never read, that is also read whole, or whose layers have different roles (biases and a scale) is
+    "other" and its layers' units are pinned: the function stays invariant under the rescalings that are left."""
     rng = np.random.default_rng(0)
     shapes = {"w0": (3, 4), "w1": (4, 4), "ws": (3, 4, 4), "bs": (3, 4), "out": (4, 2)}
     params = {k: rng.standard_normal(shape) for k, shape in shapes.items()}
@@ -494,9 +494,11 @@ def test_layers_stacked_in_one_leaf_and_read_one_by_one(read):
         elif read == "split":
             layers = [(w[0], b[0]) for w, b in zip(jnp.split(p["ws"], 3), jnp.split(p["bs"], 3), strict=True)]
         else:
-            layers = [(p["ws"][i], p["bs"][i]) for i in range(2 if read == "some layers" else 3)]
+            layers = [(p["ws"][i], p["bs"][i]) for i in range(3 if read == "whole too" else 2)]
         for w, b in layers:
             x = jax.nn.relu(x @ w + b)
+        if read == "mixed roles":  # the last layer's "bias" read as a per-unit scale
+            x = jax.nn.relu(x @ p["ws"][2]) * p["bs"][2]
         if read == "whole too":
             x = x + x @ p["ws"].sum(0)
         return x @ p["out"]
@@ -507,6 +509,9 @@ def test_layers_stacked_in_one_leaf_and_read_one_by_one(read):
     if read in ("iterate", "split"):
         assert space.num_hidden == 4 + 4 + 3 * 4
         assert kinds == {"w0": "weight", "w1": "weight", "ws": "weight", "bs": "bias", "out": "weight"}
+    elif read == "mixed roles":  # bs's layers are biases and a scale: bs is "other", the units it touches pinned
+        assert space.num_hidden == 4 + 4 and kinds["bs"] == "other" and kinds["ws"] == "weight"
+        assert "its layers have different roles" in pj.describe(space)
     else:
         assert space.num_hidden == 4  # the first layer's: the stack's inputs and outputs are pinned
         assert kinds["ws"] == "other"
