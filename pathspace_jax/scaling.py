@@ -267,7 +267,8 @@ def divide_by_kappa(space, updates, kept: KeptKappa, normalize, damping, floor, 
     (`pathspace_jax.frames.edge_factors`), κ = κ_c / s², so the update is ``g m s² / (max(κ_c + damping · m f²,
     floor · m f²) + eps s²)`` (f: `pathspace_jax.frames.frame_factors` of α): the gradient taken to the canonical
     frame, divided there, and brought back, so nothing overflows where the update itself is representable. 0 where
-    the denominator is 0 (never NaN); leaves of kind "other" pass through.
+    the denominator is 0 (never NaN from finite params); a non-finite κ or gradient gives a non-finite step, as
+    SGD's, which ``optax.apply_if_finite`` sees; leaves of kind "other" pass through.
     """
 
     out = []
@@ -288,5 +289,5 @@ def divide_by_kappa(space, updates, kept: KeptKappa, normalize, damping, floor, 
         if is_traced(eps) or eps > 0:
             den = den + eps * s * s
         num = jnp.asarray(g, ct) * (s * s * m if normalize else s * s)  # (g s): to the canonical frame; (g s) s: back
-        out.append(jnp.where(den > 0, num / jnp.where(den > 0, den, 1), 0).astype(leaf_dtype))
+        out.append(jnp.where(den == 0, 0, num / jnp.where(den == 0, 1, den)).astype(leaf_dtype))
     return space.unflatten_like(updates, out)

@@ -683,6 +683,23 @@ def test_dead_unit_gives_no_nan():
     assert float(u["w2"][0, 0]) == 0.0
 
 
+def test_non_finite_params_are_not_hidden_by_a_zero_step():
+    """A NaN weight makes κ NaN on its paths: the step is NaN there, as SGD's is, never a silent 0 that
+    `optax.apply_if_finite` could not see (the denominator's guard once read ``den > 0``)."""
+    fn, params, x = _model("mlp")
+    space = pj.trace(fn, params, x)
+    bad = dict(params, w1=params["w1"].at[0, 0].set(jnp.nan))
+    g = jax.grad(_loss(fn))(bad, (x, jnp.ones((5, 2), F64)))
+    sgd_nan = [~np.isfinite(np.asarray(a)) for a in jax.tree_util.tree_leaves(g)]
+    for tx in (pj.path_sgd(space, 0.1), pj.path_sgd(space, 0.1, every=3)):
+        u, _ = tx.update(g, tx.init(params), bad)
+        for s, a in zip(sgd_nan, jax.tree_util.tree_leaves(u)):
+            assert np.all(~np.isfinite(np.asarray(a))[s])
+        guarded = optax.apply_if_finite(tx, max_consecutive_errors=3)
+        u, state = guarded.update(g, guarded.init(params), bad)
+        assert int(state.notfinite_count) == 1 and all(np.all(np.asarray(a) == 0) for a in jax.tree_util.tree_leaves(u))
+
+
 def test_errors():
     fn, params, x = _model("mlp")
     space = pj.trace(fn, params, x)
