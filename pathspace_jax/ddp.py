@@ -342,7 +342,7 @@ def ddp_kappa_canonical(
     dt, out_dtypes = compute_dtype(leaves), [p.dtype for p in leaves]
     prog = flat.program(space, param_key, input_key, dtype=dt, who="ddp_kappa", err=DDPUnsupportedError,
                         allow_scan=True)  # fmt: skip
-    flat.refuse_tying(prog, "ddp_kappa", "DDP-SGD's κ is not implemented for that (path_sgd with "
+    flat.refuse_tying(prog, space, "ddp_kappa", "DDP-SGD's κ is not implemented for that (path_sgd with "
                       "second_order=False needs no such condition)")  # fmt: skip
     if alpha == 0.0:
         flat.refuse_exclusive_branches(prog, space, "Take alpha > 0, or G-SGD")

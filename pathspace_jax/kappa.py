@@ -310,7 +310,7 @@ def kappa_canonical(space, leaves, second_order, factored=False):
     dt, ps, lg, prog, ones = _setup(space, leaves)
     flat.refuse_exclusive_branches(prog, space, "Train this model with G-SGD, or DDP-SGD at alpha > 0")
     if second_order:
-        flat.refuse_tying(prog, f"{_WHO}(second_order=True)", "the exact κ⁽²⁾ is not implemented for that (use "
+        flat.refuse_tying(prog, space, f"{_WHO}(second_order=True)", "the exact κ⁽²⁾ is not implemented for that (use "
                           "second_order=False for κ⁽¹⁾)")  # fmt: skip
     perts = {}
     if second_order:

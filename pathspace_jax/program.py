@@ -412,17 +412,21 @@ def live(eqns, out_ids) -> list:
     return kept[::-1]
 
 
-def refuse_tying(prog: Program, who: str, what: str) -> None:
+def refuse_tying(prog: Program, space: PathSpace, who: str, what: str) -> None:
     """Weight tying (one parameter used by several operations) puts it twice on a path where one use is
     downstream of another: raise ``prog.err`` for that (``who`` the function refusing, ``what`` why and what
     to do), and for a parameter used twice in a recurrence's body. Uses that no path joins (a tied embedding
     whose table is looked up into a pinned group and read again as the decoder: the paths end at the
-    boundary) are no tying for path sums: no path crosses the table twice."""
-    todo = [(set(prog.in_ids[: prog.n_params]), prog, "")]
+    boundary) are no tying for path sums: no path crosses the table twice. Nor are the uses of a leaf of kind
+    "other" (weight normalisation's kernel, read by its norm and by the product): it is no edge, so no path
+    crosses it, and κ is not computed for it."""
+    other = {i for i, leaf in zip(prog.in_ids[: prog.n_params], space.leaves, strict=True) if leaf.kind == "other"}
+    todo = [(set(prog.in_ids[: prog.n_params]) - other, prog, "")]
     for e in prog.eqns:
         if e.prim.name == "scan":
             bp = e.body
-            todo.append(({i for i in bp.in_ids if bp.kinds[i] == "param"}, bp, f" (scan body at {e.where})"))
+            p_ids = {i for i, x in zip(bp.in_ids, e.ins, strict=True) if bp.kinds[i] == "param" and x not in other}
+            todo.append((p_ids, bp, f" (scan body at {e.where})"))
     for p_ids, pr, where in todo:
         uses: dict[int, list] = {}
         for e in live(pr.eqns, pr.out_ids):

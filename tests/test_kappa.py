@@ -839,6 +839,37 @@ def test_path_kappa_compiles_once_per_shape():
     assert kappa_mod.kappa_canonical._cache_size() == before
 
 
+class _PReLUNet(nn.Module):
+    shared: bool
+
+    @nn.compact
+    def __call__(self, x):
+        acts = [nn.PReLU()] * 2 if self.shared else [nn.PReLU(), nn.PReLU()]
+        x = acts[0](nn.Dense(7)(x))
+        x = acts[1](nn.Dense(5)(x))
+        return nn.Dense(3)(x)
+
+
+def test_a_shared_prelu_slope_is_no_weight_tying():
+    """One ``nn.PReLU`` applied after two layers reads its slope twice on a path. The slope is a coefficient (a
+    leaf of kind "other"), not an edge: no path crosses an edge twice, so the exact κ⁽²⁾ and DDP-SGD's κ are
+    defined (they refused it as weight tying) and equal those of the same network with two slopes of that value."""
+    x = jax.random.normal(jax.random.key(0), (8, 6), F64)
+    shared, twice = _PReLUNet(shared=True), _PReLUNet(shared=False)
+    p = jax.tree_util.tree_map(lambda a: a.astype(F64), shared.init(jax.random.key(1), x)["params"])
+    p = {**p, "PReLU_0": {"negative_slope": jnp.asarray(0.25, F64)}}  # a slope of 0.25: leaky on every unit
+    q = {**p, "PReLU_1": p["PReLU_0"]}
+    s_shared = pj.trace(lambda p, x: shared.apply({"params": p}, x), p, x)
+    s_twice = pj.trace(lambda p, x: twice.apply({"params": p}, x), q, x)
+    dense = lambda k: {n: v for n, v in k.items() if n.startswith("Dense")}  # noqa: E731
+    got, want = [pj.path_kappa(s_shared, p)], [pj.path_kappa(s_twice, q)]
+    for alpha in (0.5, 1.0):
+        got.append(pj.ddp_kappa(s_shared, p, x, alpha=alpha))
+        want.append(pj.ddp_kappa(s_twice, q, x, alpha=alpha))
+    for g, w in zip(got, want):
+        chex.assert_trees_all_close(dense(g), dense(w), rtol=1e-12)
+
+
 def test_weight_tying_refused_for_second_order_only():
     def tied_fn(p, x):  # the same W on two layers: a path crosses it twice outside any recurrence
         h = jax.nn.relu(x @ p["w"])
