@@ -400,7 +400,16 @@ def _eval_scan(e: Eqn, vals, power, pert, record, idx, sinks=None, body_post=Non
             sinks.append(renorm(V(jnp.sum(ldexp(s_m, s_e - top)), top)))
     if pert is not None:
         cin = ys.pop()[0]
-        cv = list(init)
+        # the constant carries as the probes of `_recurrent_entries` need them, known: a literal start (a loop
+        # counter, `lax.fori_loop`'s) as its value (under jit, ``jnp.asarray`` of it is traced)
+        cv = [np.asarray(x[1]) if isinstance(x, tuple) else v for x, v in zip(e.ins[nc : nc + ncar], init, strict=True)]
+        for j, v in enumerate(cv):
+            if j not in act_carry and isinstance(v, jax.core.Tracer):
+                raise bp.err(
+                    f"{bp.who}(second_order=True): the scan at {e.where} carries a value computed at run time besides "
+                    f"its activations (carry #{j}); the exact κ⁽²⁾ probes the recurrence with that value known (use "
+                    "second_order=False)"
+                )
         x0 = [jax.lax.stop_gradient(m[0]) for m in xs_m]
 
         def carry_map(vec, cs, xv):
