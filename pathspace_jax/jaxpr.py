@@ -41,15 +41,19 @@ __all__ = [
     "call_body",
     "closed",
     "cond_branches",
+    "dynamically_sliced",
     "float_dtypes",
+    "fold_scalar",
     "in_avals",
     "out_avals",
     "is_literal",
     "literal_value",
+    "loop_counter",
     "param",
     "primitive_names",
     "scan",
     "scan_split",
+    "static_slice",
     "varying_axes",
     "where",
     "while_loop",
@@ -327,6 +331,61 @@ def bind(prim, params: dict, vals: Sequence) -> list:
     subfuns, kw = bp if isinstance(bp, tuple) else ((), bp)
     out = prim.bind(*subfuns, *vals, **kw)
     return list(out) if prim.multiple_results else [out]
+
+
+_FOLD = {  # integer and boolean scalar arithmetic, as lax defines it (``rem``: the sign of the dividend)
+    "add": np.add, "sub": np.subtract, "mul": np.multiply, "neg": np.negative, "max": np.maximum,
+    "min": np.minimum, "rem": np.fmod, "lt": np.less, "le": np.less_equal, "gt": np.greater,
+    "ge": np.greater_equal, "eq": np.equal, "ne": np.not_equal, "and": np.bitwise_and, "or": np.bitwise_or,
+    "not": np.invert, "convert_element_type": lambda x: x, "copy": lambda x: x,
+}  # fmt: skip
+
+
+def fold_scalar(eqn, values: Sequence) -> np.ndarray | None:
+    """The result of ``eqn`` on known values, for integer and boolean scalars (a loop counter and the index
+    arithmetic JAX writes around ``ws[i]``: ``i < 0``, ``i + n``, ``select_n``), else None."""
+    if len(eqn.outvars) != 1 or any(np.shape(v) != () for v in values):
+        return None
+    aval = eqn.outvars[0].aval
+    if getattr(aval, "shape", None) != () or not (jax.numpy.issubdtype(aval.dtype, np.integer) or aval.dtype == bool):
+        return None
+    name = eqn.primitive.name
+    if name == "select_n":
+        return np.asarray(values[1 + int(values[0])], aval.dtype)
+    fold = _FOLD.get(name)
+    return None if fold is None else np.asarray(fold(*values)).astype(aval.dtype)
+
+
+def loop_counter(sc: Scan) -> int | None:
+    """The carry index of a loop counter, an integer scalar that the body gives back plus 1 (``lax.fori_loop``'s
+    ``i``), else None."""
+    j = sc.body.jaxpr
+    made = {o: e for e in j.eqns for o in e.outvars}
+    for k, (v, o) in enumerate(zip(j.invars[sc.num_consts : sc.num_consts + sc.num_carry], j.outvars, strict=False)):
+        e = made.get(o)
+        if e is None or e.primitive.name != "add" or getattr(v.aval, "shape", None) != ():
+            continue
+        a, b = e.invars
+        if jax.numpy.issubdtype(v.aval.dtype, np.integer) and {a is v, b is v} == {True, False}:
+            one = b if a is v else a
+            if is_literal(one) and literal_value(one) == 1:
+                return k
+    return None
+
+
+def dynamically_sliced(sc: Scan, k: int) -> bool:
+    """Whether the body of scan ``sc`` reads its operand ``k`` with a ``dynamic_slice`` (``ws[i]``)."""
+    v = sc.body.jaxpr.invars[k]
+    return any(e.primitive.name == "dynamic_slice" and e.invars[0] is v for e in sc.body.jaxpr.eqns)
+
+
+def static_slice(in_shape: Sequence[int], starts: Sequence, eqn) -> tuple[Any, dict]:
+    """``(primitive, params)`` of the static ``slice`` that a ``dynamic_slice`` equation is at known ``starts``
+    (clamped, as ``dynamic_slice`` clamps them, so that the slice fits)."""
+    sizes = param(eqn, "slice_sizes")
+    lo = [min(max(int(s), 0), d - z) for s, d, z in zip(starts, in_shape, sizes, strict=True)]
+    limits = tuple(a + z for a, z in zip(lo, sizes, strict=True))
+    return jax.lax.slice_p, {"start_indices": tuple(lo), "limit_indices": limits, "strides": None}
 
 
 def varying_axes(x) -> frozenset:

@@ -126,14 +126,15 @@ class ShapeRules:
         return Val(PARAM, [[self.atoms.new(1)], *[list(ax) for ax in self.leaf_axes[leaf]]], leaf=leaf)
 
     def rule_slice(self, eqn, ins):
-        v = ins[0]
+        return [self._slice(eqn, ins[0], jx.param(eqn, "start_indices"))]
+
+    def _slice(self, eqn, v: Val, start) -> Val:
         in_shape, out_shape = eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
-        start = jx.param(eqn, "start_indices", None)  # a dynamic_slice's are operands
         layer = None if start is None else self._layer(v, in_shape, out_shape, 0, start[0])
         if layer is not None:
-            return [layer]
+            return layer
         keep = [a == b for a, b in zip(in_shape, out_shape)]
-        return [self._reslice(eqn, v, keep, out_shape, "slices part of an axis")]
+        return self._reslice(eqn, v, keep, out_shape, "slices part of an axis")
 
     def rule_rev(self, eqn, ins):
         v = ins[0]
@@ -141,7 +142,13 @@ class ShapeRules:
         return [self._reslice(eqn, v, keep, eqn.outvars[0].aval.shape, "reverses the nodes of a group")]
 
     def rule_dynamic_slice(self, eqn, ins):
-        return self.rule_slice(eqn, ins[:1])
+        """A dynamic slice at starts that are all known (``ws[i]`` in a loop over layers unrolled by its counter,
+        `Interpreter.rule_scan`) is recorded as the static slice it is there; else its starts are unknown."""
+        starts = [v.id[1] if isinstance(v.id, tuple) else None for v in ins[1:]]
+        if None in starts:
+            return [self._slice(eqn, ins[0], None)]
+        as_ = jx.static_slice(eqn.invars[0].aval.shape, starts, eqn)
+        return self.record(eqn, ins[:1], [self._slice(eqn, ins[0], as_[1]["start_indices"])], as_=as_)
 
     def rule_pad(self, eqn, ins):
         v, pad = ins

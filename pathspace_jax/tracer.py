@@ -156,6 +156,11 @@ class Interpreter(ShapeRules):
             self.eqn = eqn
             self.step += 1
             ins = [self.read(env, x) for x in eqn.invars]
+            known = [v.id[1] for v in ins if isinstance(v.id, tuple)]
+            folded = jx.fold_scalar(eqn, known) if ins and len(known) == len(ins) else None
+            if folded is not None:  # integer arithmetic on known scalars (an unrolled loop's counter): a literal
+                env[eqn.outvars[0]] = Val(CONST, [], zero=not folded, id=("lit", folded))
+                continue
             outs = self.apply(eqn, ins)
             if any(v.random for v in ins):
                 self.randomness(ins, outs)
@@ -168,14 +173,16 @@ class Interpreter(ShapeRules):
         self.consumers.pop()
         return [self.read(env, x) for x in jaxpr.outvars]
 
-    def record(self, eqn, ins: Sequence[Val], outs: Sequence[Val], **extra) -> Recorded:
+    def record(self, eqn, ins: Sequence[Val], outs: Sequence[Val], *, as_=None, **extra) -> Recorded:
         """Record ``eqn`` in the flat program (`pathspace_jax.ir`): its results get fresh ids, and their atoms
-        are noted for the flags that `pathspace_jax.trace.record` derives."""
+        are noted for the flags that `pathspace_jax.trace.record` derives. ``as_``: ``(primitive, params)`` that
+        the program runs instead of the equation's own (a dynamic slice at known starts: a static one)."""
         outs = [v.with_id(self.rec.new()) for v in outs]
         for v in outs:
             self.rec.notes[v.id] = self.all_atoms(v) if v.kind == ACT else "const" if v.kind == CONST else None
         ids = [v.id for v in ins], [v.id for v in outs]
-        self.rec.emit(Eqn(eqn.primitive, dict(eqn.params), *ids, eqn, callers=tuple(self.callers), **extra))
+        prim, params = as_ or (eqn.primitive, dict(eqn.params))
+        self.rec.emit(Eqn(prim, params, *ids, eqn, callers=tuple(self.callers), **extra))
         return Recorded(outs)
 
     def run_closed(self, cj: jx.ClosedJaxpr, args: Sequence[Val]) -> list[Val]:
@@ -753,15 +760,26 @@ class Interpreter(ShapeRules):
             self.leaf_paths.append(f"{self.leaf_paths[leaf]}[{layer}]")
         return self.slices[(leaf, layer)]
 
-    def _layer_stack(self, sc, consts, init, xs):
+    def _layer_counter(self, sc, consts, init) -> int | None:
+        """The carry index of the counter of a loop over layers stacked in a params leaf that reads them by it
+        (``lax.fori_loop(0, n, lambda i, h: relu(h @ ws[i]), x)``): a counter from a known start, and a whole
+        params leaf among the consts that the body slices dynamically. Else None."""
+        k = jx.loop_counter(sc)
+        if k is None or sc.reverse or not isinstance(init[k].id, tuple):
+            return None
+        whole = [j for j, v in enumerate(consts) if v.kind == PARAM and v.axes == self.leaf_axes[v.leaf]]
+        return k if any(jx.dynamically_sliced(sc, j) for j in whole) else None
+
+    def _layer_stack(self, sc, consts, init, xs, counter: int | None = None):
         """A scan that slices params leaves along its axis (``nn.scan`` over layers, with or without remat) is a
         stack of distinct layers, not a recurrence: the body runs (and is recorded) once per layer, with layer
         i's slices as leaves of their own, and each layer's carry feeds the next (their groups are not tied).
-        Returns the last carry and the per-step outputs (``ys``, recorded stacked), their atoms tied across the
-        layers."""
+        With ``counter`` (`_layer_counter`), that carry is a literal at each step, so the body's ``ws[i]`` is a
+        static slice: layer i's. Returns the last carry and the per-step outputs (``ys``, recorded stacked), their
+        atoms tied across the layers."""
         nk = len(init)
         x_avals, y_avals = jx.in_avals(sc.body)[len(consts) + nk :], jx.out_avals(sc.body)[nk:]
-        carry, per_layer = [self._carry_in(v) for v in init], {}
+        carry, per_layer = [v if k == counter else self._carry_in(v) for k, v in enumerate(init)], {}
         slices = [self.rec.layers(v.id, (sc.length, *a.shape), a.dtype) for v, a in zip(xs, x_avals, strict=True)]
         for layer in reversed(range(sc.length)) if sc.reverse else range(sc.length):
             body_xs = []
@@ -773,7 +791,10 @@ class Interpreter(ShapeRules):
                 else:
                     body_xs.append(dataclasses.replace(v, axes=[list(ax) for ax in v.axes[1:]], id=i))
             outs = self.run_closed(sc.body, list(consts) + carry + body_xs)
-            carry, per_layer[layer] = [self._carry_in(v) for v in outs[:nk]], outs[nk:]
+            carry, per_layer[layer] = (
+                [v if k == counter else self._carry_in(v) for k, v in enumerate(outs[:nk])],
+                outs[nk:],
+            )
         ys = []
         for j, a in enumerate(y_avals):
             vals = [per_layer[layer][j] for layer in range(sc.length)]
@@ -794,9 +815,10 @@ class Interpreter(ShapeRules):
             if v.axes:
                 self.atoms.make_positions(v.axes[0])
         sliced = [v for v in xs if v.kind == PARAM]
-        layers = sliced and all(v.axes == self.leaf_axes[v.leaf] for v in sliced)
+        counter = None if sliced else self._layer_counter(sc, consts, init)
+        layers = sliced and all(v.axes == self.leaf_axes[v.leaf] for v in sliced) or counter is not None
         if layers:
-            carry, ys = self._layer_stack(sc, consts, init, xs)
+            carry, ys = self._layer_stack(sc, consts, init, xs, counter)
         else:  # a recurrence: its body recorded as a program of its own
             carry = [self._carry_in(v) for v in init]
             body_xs = []

@@ -839,6 +839,33 @@ def test_path_kappa_compiles_once_per_shape():
     assert kappa_mod.kappa_canonical._cache_size() == before
 
 
+def test_rnn_written_with_fori_loop_is_the_scanned_rnn():
+    """A ReLU RNN written with ``lax.fori_loop`` (the body reads step t of the inputs it closes over, ``xs[:, t]``,
+    by the loop's counter) is the RNN that ``lax.scan`` runs over the same steps: the same κ⁽¹⁾ + κ⁽²⁾ (its
+    probes of the recurrence once met the counter traced and raised a JAX error), path norm and DDP-SGD κ."""
+    k = jax.random.split(jax.random.key(0), 5)
+    q = {"wx": jax.random.normal(k[0], (4, 5), F64), "wh": 0.3 * jax.random.normal(k[1], (5, 5), F64),
+         "b": jax.random.normal(k[2], (5,), F64), "wo": jax.random.normal(k[3], (5, 2), F64)}  # fmt: skip
+    xs = jax.random.normal(k[4], (6, 7, 4), F64)
+
+    def by_fori(q, xs):
+        step = lambda t, h: jax.nn.relu(xs[:, t] @ q["wx"] + h @ q["wh"] + q["b"])  # noqa: E731
+        return jax.lax.fori_loop(0, 7, step, jnp.zeros((xs.shape[0], 5), F64)) @ q["wo"]
+
+    def by_scan(q, xs):
+        step = lambda h, x: (jax.nn.relu(x @ q["wx"] + h @ q["wh"] + q["b"]), None)  # noqa: E731
+        return jax.lax.scan(step, jnp.zeros((xs.shape[0], 5), F64), jnp.swapaxes(xs, 0, 1))[0] @ q["wo"]
+
+    fori, scanned = pj.trace(by_fori, q, xs), pj.trace(by_scan, q, xs)
+    assert fori.num_hidden == scanned.num_hidden == 5
+    for what in (
+        lambda s: pj.path_kappa(s, q),
+        lambda s: pj.path_norm(s, q),
+        lambda s: pj.ddp_kappa(s, q, xs, alpha=0.5),
+    ):
+        chex.assert_trees_all_close(what(fori), what(scanned), rtol=1e-12)
+
+
 class _PReLUNet(nn.Module):
     shared: bool
 

@@ -477,15 +477,18 @@ def test_batch_size_does_not_change_structure():
     assert a.num_hidden == b.num_hidden
 
 
-@pytest.mark.parametrize("read", ["iterate", "split", "some layers", "whole too", "mixed roles"])
+@pytest.mark.parametrize(
+    "read", ["iterate", "split", "fori_loop", "some layers", "fori_loop from 1", "whole too", "mixed roles"]
+)
 def test_layers_stacked_in_one_leaf_and_read_one_by_one(read):
     """Layers stacked in one leaf and read one by one (``ws[i]``, ``for w in ws``: static slices or, on JAX 0.12+,
-    an unstack; ``jnp.split``) are edge bundles of their own, as under nn.scan. A leaf of which some
-    layers are never read, that is also read whole, or whose layers have different roles (biases and a scale) is
-    "other" and its layers' units are pinned: the function stays invariant under the rescalings that are left."""
+    an unstack; ``jnp.split``; ``lax.fori_loop`` reading ``ws[i]`` by its counter, a dynamic slice the trace
+    unrolls) are edge bundles of their own, as under nn.scan. A leaf of which some layers are never read, that is
+    also read whole, or whose layers have different roles (biases and a scale) is "other" and its layers' units
+    are pinned: the function stays invariant under the rescalings that are left."""
     rng = np.random.default_rng(0)
     shapes = {"w0": (3, 4), "w1": (4, 4), "ws": (3, 4, 4), "bs": (3, 4), "out": (4, 2)}
-    params = {k: rng.standard_normal(shape) for k, shape in shapes.items()}
+    params = {k: jnp.asarray(rng.standard_normal(shape)) for k, shape in shapes.items()}
 
     def fn(p, x):
         x = jax.nn.relu(jax.nn.relu(x @ p["w0"]) @ p["w1"])
@@ -493,6 +496,11 @@ def test_layers_stacked_in_one_leaf_and_read_one_by_one(read):
             layers = zip(p["ws"], p["bs"], strict=True)
         elif read == "split":
             layers = [(w[0], b[0]) for w, b in zip(jnp.split(p["ws"], 3), jnp.split(p["bs"], 3), strict=True)]
+        elif read.startswith("fori_loop"):
+            layers = []
+            x = jax.lax.fori_loop(
+                int(read == "fori_loop from 1"), 3, lambda i, h: jax.nn.relu(h @ p["ws"][i] + p["bs"][i]), x
+            )
         else:
             layers = [(p["ws"][i], p["bs"][i]) for i in range(3 if read == "whole too" else 2)]
         for w, b in layers:
@@ -506,7 +514,7 @@ def test_layers_stacked_in_one_leaf_and_read_one_by_one(read):
     x = jnp.asarray(rng.standard_normal((5, 3)))
     space = pj.trace(fn, params, x)
     kinds = {leaf.path: leaf.kind for leaf in space.leaves}
-    if read in ("iterate", "split"):
+    if read in ("iterate", "split", "fori_loop"):
         assert space.num_hidden == 4 + 4 + 3 * 4
         assert kinds == {"w0": "weight", "w1": "weight", "ws": "weight", "bs": "bias", "out": "weight"}
     elif read == "mixed roles":  # bs's layers are biases and a scale: bs is "other", the units it touches pinned
@@ -515,10 +523,14 @@ def test_layers_stacked_in_one_leaf_and_read_one_by_one(read):
     else:
         assert space.num_hidden == 4  # the first layer's: the stack's inputs and outputs are pinned
         assert kinds["ws"] == "other"
-        note = "reads 2 of its 3 layers" if read == "some layers" else "read whole as well as layer by layer"
+        note = "read whole as well as layer by layer" if read == "whole too" else "reads 2 of its 3 layers"
         assert note in pj.describe(space)
     pj.testing.assert_function_invariant(fn, space, params, x)
-    if read in ("iterate", "split"):  # Path-SGD's κ: the one of the same network with each layer a leaf of its own
+    if read in (
+        "iterate",
+        "split",
+        "fori_loop",
+    ):  # Path-SGD's κ: the one of the same network with each layer a leaf of its own
         unstacked = {**params, "ws": list(params["ws"]), "bs": list(params["bs"])}
 
         def fn_list(p, x):
