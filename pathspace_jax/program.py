@@ -418,8 +418,8 @@ def refuse_tying(prog: Program, space: PathSpace, who: str, what: str) -> None:
     to do), and for a parameter used twice in a recurrence's body. Uses that no path joins (a tied embedding
     whose table is looked up into a pinned group and read again as the decoder: the paths end at the
     boundary) are no tying for path sums: no path crosses the table twice. Nor are the uses of a leaf of kind
-    "other" (weight normalisation's kernel, read by its norm and by the product): it is no edge, so no path
-    crosses it, and κ is not computed for it."""
+    "other" (the slope of one ``nn.PReLU`` applied after two layers): it is no edge, so κ is not computed for it
+    and no edge is crossed twice."""
     other = {i for i, leaf in zip(prog.in_ids[: prog.n_params], space.leaves, strict=True) if leaf.kind == "other"}
     todo = [(set(prog.in_ids[: prog.n_params]) - other, prog, "")]
     for e in prog.eqns:

@@ -816,7 +816,7 @@ class Interpreter(ShapeRules):
                 self.atoms.make_positions(v.axes[0])
         sliced = [v for v in xs if v.kind == PARAM]
         counter = None if sliced else self._layer_counter(sc, consts, init)
-        layers = sliced and all(v.axes == self.leaf_axes[v.leaf] for v in sliced) or counter is not None
+        layers = (sliced and all(v.axes == self.leaf_axes[v.leaf] for v in sliced)) or counter is not None
         if layers:
             carry, ys = self._layer_stack(sc, consts, init, xs, counter)
         else:  # a recurrence: its body recorded as a program of its own
