@@ -64,6 +64,7 @@ class Interpreter(ShapeRules):
         # network and DDP treat those values as boundaries (`pathspace_jax.trace.record`)
         self.fixed: list[int] = []
         self.deferred: list[tuple[list[int], list[int], str, bool]] = []  # `defer`, settled by `settle`
+        self.shared_inputs: set[int] = set()  # input atoms that a layer shares its weights along (`shared_along`)
         # layer i's slice of a params leaf that a scan slices (`layer_slice`): a leaf of its own, after the real ones
         self.slices: dict[tuple[int, int], int] = {}  # (stacked leaf, layer) -> slice leaf
         # a params leaf's batch axis in a dot_general or a grouped convolution's groups (its atoms, the input side)
@@ -122,7 +123,9 @@ class Interpreter(ShapeRules):
         self.deferred.append((new, source, why, fixed))
 
     def settle(self) -> None:
-        """Decide the `defer`red atoms, in order (a later one's source may be an earlier one's result)."""
+        """Decide the input positions (`input_positions`), then the `defer`red atoms, in order (a later one's
+        source may be an earlier one's result)."""
+        self.input_positions()
         for new, source, why, fixed in self.deferred:
             if all(self.atoms.position[f] for f in self.atoms.factors(source)):
                 self.atoms.make_positions(new)
@@ -619,12 +622,37 @@ class Interpreter(ShapeRules):
         out += [list(v.axes[k]) for v, fr in zip(ins, free, strict=True) for k in fr]
         return Val(ACT, out)
 
+    def input_positions(self) -> None:
+        """An input axis that a layer shares its weights along (``nn.Dense`` applied to every row of a ``(B, T, F)``
+        input) and that kernels read only together with nodes (a head over the flattened ``T × units``) is a
+        position, as an image's rows are for a convolution: the units rescale alike at every entry, and the head
+        has one edge per position and unit. One that a kernel reads on its own (a token-mixing layer) stays an
+        input axis, and so does the examples' axis, which no kernel reads."""
+        atoms, reads = self.atoms, {}
+        for uses in self.uses:
+            by_use: dict[int, list[int]] = {}  # the factors that one use of a kernel reads, over all its read axes
+            for a, role, step, _ in uses:
+                if role == "in":
+                    by_use.setdefault(step, []).extend(atoms.factors([a]))
+            for fs in by_use.values():
+                for f in fs:
+                    reads.setdefault(f, []).append(fs)
+        for r in {atoms.find(a) for a in self.shared_inputs}:
+            if atoms.position[r] or r not in reads:
+                continue
+            if all(len(fs) > 1 and not all(atoms.input[f] for f in fs) for fs in reads[r]):
+                atoms.make_positions([r])
+
     def shared_along(self, x: Val, read: Sequence[int], free: Sequence[int]) -> None:
         """A layer reads the axes ``read`` of ``x`` with weights shared along its ``free`` axes. Where a free axis
         and a read one were written by one kernel (its output axes: ``nn.DenseGeneral`` with two feature axes, an
         ``nn.vmap``'d layer's members), the free axis is a position: the nodes are shared along it, as the
         weights are (the units of the read axis rescale alike at every entry of the free one)."""
         atoms = self.atoms
+        for k in free:
+            fs = atoms.factors(x.axes[k])
+            if self.size(x.axes[k]) > 1 and all(atoms.input[f] and not atoms.position[f] for f in fs):
+                self.shared_inputs.update(fs)  # perhaps a position (`input_positions`)
         free = [  # the examples' axis and other input axes are not a kernel's (and the common case: no search)
             k for k in free if self.size(x.axes[k]) > 1
             and not all(atoms.input[f] or atoms.position[f] for f in atoms.factors(x.axes[k]))

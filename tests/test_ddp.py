@@ -137,6 +137,7 @@ _FROM_ZOO = {  # models of tests/zoo.py
     "layer_scale": "layer_scale_mlp",  # learned per-unit scales
     "prelu": "prelu_mlp_scalar_gain",  # learned scalar coefficients
     "shared_head": "vmap_members_shared_head",  # nn.vmap'd members read by one head
+    "positionwise": "positionwise_dense_flatten_head",  # a Dense at every position, a head over them all
     "plain_graph_max": "plain_graph_segment_max",  # jax.ops.segment_max
 }
 
@@ -522,7 +523,7 @@ def test_kappa_is_half_hessian_diagonal_of_the_recursion(name, alpha, moment):
      ("linen_separable", "second"), ("plain_graph", "second"), ("plain_graph", "variance"), ("linen_local", "second"),
      ("linen_local", "variance"), ("plain_graph_max", "second"), ("plain_graph_max", "variance"),
      ("layer_scale", "second"), ("layer_scale", "variance"), ("prelu", "second"), ("shared_head", "second"),
-     ("shared_head", "variance")],
+     ("shared_head", "variance"), ("positionwise", "second")],
 )  # fmt: skip
 def test_alpha_one_is_the_fisher_diagonal_on_flax_models(name, moment):
     fn, params, x = _flax_model(name)

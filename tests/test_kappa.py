@@ -171,6 +171,7 @@ ZOO_NAMES = {
     "prelu": "prelu_mlp_scalar_gain",
     "dense_general": "dense_general_shared_readout",
     "shared_head": "vmap_members_shared_head",
+    "positionwise": "positionwise_dense_flatten_head",
 }
 
 
@@ -224,6 +225,7 @@ FEEDFORWARD = [
     "prelu",
     "dense_general",
     "shared_head",
+    "positionwise",
 ]
 RECURRENT = ["rnn_last", "rnn_stacked_every", "rnn_reverse_every"]  # single/stacked, last/every step, reverse
 

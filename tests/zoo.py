@@ -220,6 +220,23 @@ class SharedReadout(nn.Module):
         return nn.Dense(2)(h).sum(1)
 
 
+class PositionwiseHead(nn.Module):
+    """``nn.Dense`` applied at every position of a ``(batch, 4, 3)`` input (its kernel shared along the positions),
+    then a head over positions and units: the flattened ``4 × 6`` (``joint=False``) or ``nn.DenseGeneral`` over both
+    axes. The input's position axis is a position, as an image's rows are for a convolution: the 6 units rescale
+    alike at every position and the head has an edge per position and unit, H = 6 (it pinned them all: the head
+    read the units' group together with an input axis)."""
+
+    joint: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.relu(nn.Dense(6)(x))  # [batch, 4, 6]
+        if self.joint:
+            return nn.DenseGeneral(2, axis=(-2, -1))(h)
+        return nn.Dense(2)(h.reshape(h.shape[0], -1))
+
+
 class PReLUMLP(nn.Module):
     """Learned scalar coefficients: PReLU's negative slope (``where(z >= 0, z, slope * z)``) and a gain after a
     ReLU. Each multiplies every unit alike, so the units stay hidden and the scalars are not edges (kind
@@ -625,6 +642,8 @@ def _build() -> dict[str, Case]:
         _prelu_mlp(),
         _linen("dense_general_shared_readout", SharedReadout(), _normal(3), hidden=4),
         _linen("vmap_members_shared_head", SharedReadout(members=True), _normal(3), hidden=4),
+        _linen("positionwise_dense_flatten_head", PositionwiseHead(), _normal(4, 3), hidden=6),
+        _linen("positionwise_dense_joint_head", PositionwiseHead(joint=True), _normal(4, 3), hidden=6),
         _linen("mixer_input_residual_stream", Mixer(), _normal(4, 3), hidden=11, extra_symmetries=1),
         _linen("rnn_last_step", RNNLast(), _normal(6, 3), hidden=5, recurrent=True),
         _linen("stacked_rnn_every_step", StackedRNNEvery(), _normal(5, 2), hidden=7, recurrent=True),
