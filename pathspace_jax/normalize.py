@@ -24,7 +24,8 @@ scaling the incoming weights of a node, not to node-wise rebalancing (§6).
 **Nodes from tracing.** The internal nodes are the hidden node groups that `pathspace_jax.trace`
 finds; a node of a convolution is a channel (its statistics are taken over the batch and every
 position, as batch normalisation does), and the incoming weights of a node are every entry of the
-edge leaves whose destination it is (taps and input channels of a kernel, its bias). The node axis of
+edge leaves whose destination it is (taps and input channels of a kernel, its bias; of a leaf of stacked
+layers, ``nn.scan`` over layers, the entries of the layer that enters it). The node axis of
 a pre-activation must be its last axis (Dense, NHWC convolutions). Recurrences, residual connections
 (a node that an activation enters without a parameter edge), pinned groups feeding hidden nodes of
 their own and token ids (embedding lookups) are refused with an error that says why; integer inputs cast to
@@ -46,12 +47,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pathspace_jax import jaxpr as jx
 from pathspace_jax import program as flat
 from pathspace_jax.ddp import refuse_local_batch
 from pathspace_jax.errors import DDPNormalizationError
 from pathspace_jax.forward import run_program
 from pathspace_jax.frames import node_sum, take
-from pathspace_jax.graph import PathSpace, check_path_space
+from pathspace_jax.graph import PathSpace, check_path_space, reduced
 from pathspace_jax.rules import rule
 from pathspace_jax.skeleton import skeleton
 
@@ -59,11 +61,23 @@ __all__ = ["ddp_normalize", "ddp_normalized_weights", "DDPNormalizationError"]
 
 
 class _Node(NamedTuple):
-    """A hidden node group's pre-activation in the forward program."""
+    """A hidden node group's pre-activation in the forward program. A leaf is ``(index, layer)``: ``layer`` the
+    entry of a leaf of stacked layers (``nn.scan`` over layers, a loop over a stacked leaf) whose slice enters
+    the group, None for a leaf of its own."""
 
     group: int  # index into space.groups
-    leaves: tuple[int, ...]  # the edge leaves entering it (kernels and bias)
-    bias: int | None  # the bias leaf among them (the shift with center=True)
+    leaves: tuple[tuple[int, int | None], ...]  # the edge leaves entering it (kernels and bias)
+    bias: tuple[int, int | None] | None  # the bias leaf among them (the shift with center=True)
+
+
+def _at(a, layer):
+    """A leaf's entries (or node array's) for one `_Node` leaf: the layer's slice of a stacked leaf."""
+    return a if layer is None else a[layer]
+
+
+def _put(a, layer, value):
+    """``a`` with `_at` ``(a, layer)`` replaced by ``value``."""
+    return value if layer is None else a.at[layer].set(value)
 
 
 def _check(space: PathSpace, alpha, moment, eps) -> float:
@@ -85,19 +99,32 @@ def _check(space: PathSpace, alpha, moment, eps) -> float:
     return alpha
 
 
-def _param_leaf(prog: flat.Program) -> dict[int, int]:
-    """For every var of kind param that is a view of one params leaf (a reshape of a bias), that leaf."""
-    leaf = {v: j for j, v in enumerate(prog.in_ids[: prog.n_params])}
+def _param_leaf(space: PathSpace, prog: flat.Program) -> dict[int, tuple[int, int | None]]:
+    """For every var of kind param that is a view of one params leaf (a reshape of a bias), that leaf and, for a
+    view of one layer's slice of a stacked leaf, the layer (`_Node`)."""
+    leaf = {v: (j, None) for j, v in enumerate(prog.in_ids[: prog.n_params])}
     for e in prog.eqns:
         srcs = {leaf[x] for x in e.ins if not isinstance(x, tuple) and x in leaf}
         if len(srcs) == 1 and all(prog.kinds[o] == "param" for o in e.outs):
-            leaf.update((o, next(iter(srcs))) for o in e.outs)
+            ((j, layer),) = srcs
+            box = jx.slice_box(e.prim.name, e.params)
+            if layer is None and space.leaves[j].stacked is not None and box and box[0][1] - box[0][0] == 1:
+                layer = box[0][0]  # layer i's slice, as the trace read it (`pathspace_jax.shape_rules`)
+            leaf.update((o, (j, layer)) for o in e.outs)
     return leaf
+
+
+def _dst_groups(space: PathSpace, j: int, layer: int | None):
+    """The node groups that leaf ``j`` (its layer's slice, for a stacked leaf) enters."""
+    if layer is None:
+        return set(space.leaves[j].dst_groups)
+    offsets = np.array([g.offset for g in space.groups])
+    return set(np.searchsorted(offsets, np.unique(reduced(space.leaves[j].dst)[0][layer]), side="right") - 1)
 
 
 def _nodes(space: PathSpace, prog: flat.Program) -> dict[int, _Node]:
     """The pre-activation var of every hidden node group, with the edge leaves that enter it."""
-    leaf_of = _param_leaf(prog)
+    leaf_of = _param_leaf(space, prog)
     kinds = prog.kinds
     chain: dict[int, set[int]] = {}  # var -> edge leaves accumulated into it (a linear map, then biases)
     for e in prog.eqns:
@@ -121,23 +148,17 @@ def _nodes(space: PathSpace, prog: flat.Program) -> dict[int, _Node]:
     for v in prog.nodes:
         if v not in chain:
             continue
-        leaves = sorted(chain[v])
-        groups = {g for j in leaves for g in space.leaves[j].dst_groups}
-        if stacked := [space.leaves[j].path for j in leaves if space.leaves[j].stacked is not None]:
-            raise DDPNormalizationError(
-                f"ddp_normalize: {stacked} hold several layers stacked along their first axis (nn.scan over layers, "
-                "or a loop over a stacked leaf); DDP-Normalization divides each leaf's weights by the statistics of "
-                "one node group: it is implemented for layers whose params are leaves of their own"
-            )
+        leaves = sorted(chain[v], key=lambda jl: (jl[0], -1 if jl[1] is None else jl[1]))
+        groups = set().union(*(_dst_groups(space, j, layer) for j, layer in leaves))
         if len(groups) != 1:
             raise DDPNormalizationError(
                 f"ddp_normalize: a pre-activation is computed from edges into several node groups "
-                f"({[space.leaves[j].path for j in leaves]})"
+                f"({[space.leaves[j].path for j, _ in leaves]})"
             )
         g = groups.pop()
         if space.groups[g].kind != "hidden":
             continue  # output (and pinned) nodes are not normalised
-        bias = [j for j in leaves if space.leaves[j].kind == "bias"]
+        bias = [(j, layer) for j, layer in leaves if space.leaves[j].kind == "bias"]
         out[v] = _Node(g, tuple(leaves), bias[0] if len(bias) == 1 else None)
     return out
 
@@ -145,8 +166,9 @@ def _nodes(space: PathSpace, prog: flat.Program) -> dict[int, _Node]:
 def _incoming(space: PathSpace, node: _Node, leaves) -> jax.Array:
     """Σ_{u→v} w̃²_{u→v} for every node of the group (kernel taps, input channels, bias)."""
     g, idx = space.groups[node.group], skeleton(space).leaves
-    parts = [(idx[j].dst_r, jnp.sum(leaves[j] ** 2, axis=idx[j].dst_sum_axes, keepdims=True)) for j in node.leaves]
-    dtype = jnp.result_type(*[leaves[j] for j in node.leaves])
+    js = sorted({j for j, _ in node.leaves})  # a stacked leaf whole: its other layers' entries enter other groups
+    parts = [(idx[j].dst_r, jnp.sum(leaves[j] ** 2, axis=idx[j].dst_sum_axes, keepdims=True)) for j in js]
+    dtype = jnp.result_type(*[leaves[j] for j in js])
     return take(node_sum(space.num_nodes, parts, dtype), np.arange(g.offset, g.offset + g.size))
 
 
@@ -174,7 +196,7 @@ def _run(space, prog, nodes, leaves, xs, alpha, moment, eps, center, record=None
         if record is not None:
             record[o] = (gamma, mean)
         if center:
-            z = (z - mean) / gamma + (0.0 if node.bias is None else leaves[node.bias])
+            z = (z - mean) / gamma + (0.0 if node.bias is None else _at(leaves[node.bias[0]], node.bias[1]))
         else:
             z = z / gamma
         return z.astype(dtype)  # the network's own type there (bfloat16 compute with float32 weights)
@@ -237,7 +259,7 @@ def _check_zero(space, nodes, leaves, alpha, eps):
             g = space.groups[node.group]
             raise DDPNormalizationError(
                 f"ddp_normalize: node(s) {np.flatnonzero(inc == 0).tolist()} of group {g.name} have all-zero "
-                f"incoming weights ({[space.leaves[j].path for j in node.leaves]}): γ̃ = 0 and w̃ / γ̃ is undefined. "
+                f"incoming weights ({[space.leaves[j].path for j, _ in node.leaves]}): γ̃ = 0 and w̃ / γ̃ is undefined. "
                 "Initialise them to non-zero values or pass eps > 0."
             )
 
@@ -344,14 +366,16 @@ def ddp_normalized_weights(
     for v, node in nodes.items():
         gamma, mean = record[v]
         g = space.groups[node.group]
-        for j in node.leaves:
-            out[j] = (out[j] / take(gamma, idx[j].dst_r - g.offset)).astype(leaves[j].dtype)
+        for j, layer in node.leaves:
+            scaled = _at(out[j], layer) / take(gamma, _at(idx[j].dst_r, layer) - g.offset)
+            out[j] = _put(out[j], layer, scaled.astype(leaves[j].dtype))
         if center:
             if node.bias is None:
                 raise DDPNormalizationError(
                     f"ddp_normalized_weights(center=True): group {g.name} has no bias edge to hold the shift"
                 )
-            b = leaves[node.bias]
+            j, layer = node.bias
+            b = _at(leaves[j], layer)
             shift = (mean - b) / gamma  # mean of the pre-activation without its bias, normalised
-            out[node.bias] = (b - take(shift, idx[node.bias].dst_r - g.offset)).astype(b.dtype)
+            out[j] = _put(out[j], layer, (b - take(shift, _at(idx[j].dst_r, layer) - g.offset)).astype(b.dtype))
     return space.unflatten_like(w_tilde, out)

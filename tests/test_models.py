@@ -83,10 +83,10 @@ def _inputs(kind, dtype, batch=6):
 
 @pytest.mark.parametrize("kind, remat", [("mlp", False), ("mlp", True), ("transformer", False), ("transformer", True)])
 def test_layers_stacked_with_scan_are_the_network_written_as_a_loop(kind, remat):
-    """H, the path norm, Path-SGD's κ and (without remat: with it, the same programs) one step of Path-SGD and of
-    DDP-SGD (exact, α = 1 and, on the MLP, 0.5) of the scan-stacked model equal the loop-written model's with the
-    same weights (float32). Before, every scanned weight was "other" (sliced by a scan), H was 0 and Path-SGD and
-    DDP-SGD raised at the first update."""
+    """H, the path norm, Path-SGD's κ, DDP-Normalization (MLP) and (without remat: with it, the same programs) one
+    step of Path-SGD and of DDP-SGD (exact, α = 1 and, on the MLP, 0.5) of the scan-stacked model equal the
+    loop-written model's with the same weights (float32). Before, every scanned weight was "other" (sliced by a
+    scan), H was 0 and Path-SGD and DDP-SGD raised at the first update."""
     x = _inputs(kind, F32)
     stacked = _Stack(kind, scan=True, remat=remat)
     loop = _Stack(kind, scan=False, remat=remat)
@@ -105,6 +105,9 @@ def test_layers_stacked_with_scan_are_the_network_written_as_a_loop(kind, remat)
 
     kappa = lambda s: jax.jit(functools.partial(pj.path_kappa, s))  # noqa: E731  (jitted, as in training: faster)
     close(kappa(ss)(params), kappa(sl)(_unstack(params)))
+    if kind == "mlp":  # DDP-Normalization: each layer's slice divided by its own nodes' statistics
+        norm = lambda s, p: pj.ddp_normalize(s, alpha=1.0, moment="variance", center=True)(p, x)  # noqa: E731
+        np.testing.assert_allclose(norm(ss, params), norm(sl, _unstack(params)), rtol=1e-5, atol=1e-6)
     if remat:  # the trace enters nn.remat: the optimisers run the programs just compared (their steps: below)
         return
     y = jnp.ones((x.shape[0], 2), F32)

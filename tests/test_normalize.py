@@ -259,12 +259,42 @@ def test_errors():
     with pytest.raises(pj.DDPNormalizationError, match=r"scan at .*test_normalize.py.*feed-forward networks"):
         pj.ddp_normalize(pj.trace(rnn_fn, qp, xs), alpha=0.5)(qp, xs)
 
-    def stacked_fn(q, x):  # two layers in one leaf, read in a loop: their nodes are two groups
-        h = jax.nn.relu(x @ q["w0"] + q["b0"])
-        for w in q["ws"]:
-            h = jax.nn.relu(h @ w)
+
+@pytest.mark.parametrize("read", ["loop", "fori_loop"])
+def test_layers_stacked_in_one_leaf_are_normalised_layer_by_layer(read):
+    """Three layers stacked in one leaf (``ws``, ``bs``), read one by one in a loop or by ``lax.fori_loop``'s
+    counter: each layer's slice is normalised by its own nodes' statistics, so the normalised network and the
+    plain weights for inference equal those of the same network with one leaf per layer (it was refused)."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((16, 4)))
+    p = {"w0": rng.standard_normal((4, 5)), "b0": 0.3 * rng.standard_normal(5), "ws": rng.standard_normal((3, 5, 5)),
+         "bs": 0.3 * rng.standard_normal((3, 5)), "w2": rng.standard_normal((5, 2))}  # fmt: skip
+    p = jax.tree_util.tree_map(jnp.asarray, p)
+
+    def layer(h, w, b):
+        return jax.nn.relu(h @ w + b)
+
+    def stacked(q, x):
+        h = layer(x, q["w0"], q["b0"])
+        if read == "loop":
+            for w, b in zip(q["ws"], q["bs"], strict=True):
+                h = layer(h, w, b)
+        else:
+            h = jax.lax.fori_loop(0, 3, lambda i, h: layer(h, q["ws"][i], q["bs"][i]), h)
         return h @ q["w2"]
 
-    sp = {"w0": p["w0"], "b0": p["b0"], "ws": jnp.stack([jnp.eye(5, dtype=F64)] * 2), "w2": jnp.ones((5, 2), F64)}
-    with pytest.raises(pj.DDPNormalizationError, match=r"\['ws'\] hold several layers stacked"):
-        pj.ddp_normalize(pj.trace(stacked_fn, sp, x), alpha=0.5)(sp, x)
+    def one_leaf_each(q, x):
+        h = layer(x, q["w0"], q["b0"])
+        for w, b in zip(q["ws"], q["bs"], strict=True):
+            h = layer(h, w, b)
+        return h @ q["w2"]
+
+    unstack = lambda q: {**q, "ws": list(q["ws"]), "bs": list(q["bs"])}  # noqa: E731
+    s_stacked, s_each = pj.trace(stacked, p, x), pj.trace(one_leaf_each, unstack(p), x)
+    for alpha, moment, center in ((0.5, "second", False), (1.0, "variance", True), (0.0, "second", False)):
+        kw = dict(alpha=alpha, moment=moment, center=center)
+        got = pj.ddp_normalize(s_stacked, **kw)(p, x)
+        chex.assert_trees_all_close(got, pj.ddp_normalize(s_each, **kw)(unstack(p), x), rtol=1e-12)
+        w = pj.ddp_normalized_weights(s_stacked, p, x, **kw)
+        chex.assert_trees_all_close(unstack(w), pj.ddp_normalized_weights(s_each, unstack(p), x, **kw), rtol=1e-12)
+        chex.assert_trees_all_close(stacked(w, x), got, rtol=1e-10)
