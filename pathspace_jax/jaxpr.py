@@ -42,6 +42,7 @@ __all__ = [
     "closed",
     "cond_branches",
     "dynamically_sliced",
+    "first_axis_entries",
     "float_dtypes",
     "fold_scalar",
     "in_avals",
@@ -426,6 +427,19 @@ def slice_box(prim_name: str, params: dict) -> tuple[tuple[int, int], ...] | Non
     if prim_name != "slice" or any(s not in (None, 1) for s in params.get("strides") or ()):
         return None
     return tuple(zip(params["start_indices"], params["limit_indices"], strict=True))
+
+
+def first_axis_entries(prim_name: str, params: dict, n_outs: int) -> list[int | None]:
+    """For each result of an equation that cuts its operand along the first axis, the one entry of that axis it
+    holds (a layer of a leaf of stacked layers: ``ws[i]``, ``jnp.split(ws, n)``, ``for w in ws`` on JAX 0.12+);
+    None where it holds none or several."""
+    if prim_name == "slice":
+        box = slice_box(prim_name, params)
+        return [box[0][0] if box and box[0][1] - box[0][0] == 1 else None]
+    if prim_name in ("split", "unstack") and params.get("axis") == 0:
+        if all(size == 1 for size in params.get("sizes", (1,) * n_outs)):
+            return list(range(n_outs))
+    return [None] * n_outs
 
 
 def contracts_last_with_first(params: dict, lhs_ndim: int) -> bool:

@@ -107,10 +107,10 @@ def _param_leaf(space: PathSpace, prog: flat.Program) -> dict[int, tuple[int, in
         srcs = {leaf[x] for x in e.ins if not isinstance(x, tuple) and x in leaf}
         if len(srcs) == 1 and all(prog.kinds[o] == "param" for o in e.outs):
             ((j, layer),) = srcs
-            box = jx.slice_box(e.prim.name, e.params)
-            if layer is None and space.leaves[j].stacked is not None and box and box[0][1] - box[0][0] == 1:
-                layer = box[0][0]  # layer i's slice, as the trace read it (`pathspace_jax.shape_rules`)
-            leaf.update((o, (j, layer)) for o in e.outs)
+            layers = [layer] * len(e.outs)
+            if layer is None and space.leaves[j].stacked is not None:  # layer i's slice, as the trace read it
+                layers = jx.first_axis_entries(e.prim.name, e.params, len(e.outs))
+            leaf.update((o, (j, i)) for o, i in zip(e.outs, layers, strict=True))
     return leaf
 
 
