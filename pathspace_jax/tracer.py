@@ -637,7 +637,7 @@ class Interpreter(ShapeRules):
             for fs in by_use.values():
                 for f in fs:
                     reads.setdefault(f, []).append(fs)
-        for r in {atoms.find(a) for a in self.shared_inputs}:
+        for r in set(atoms.factors(list(self.shared_inputs))):
             if atoms.position[r] or r not in reads:
                 continue
             if all(len(fs) > 1 and not all(atoms.input[f] for f in fs) for fs in reads[r]):
