@@ -35,7 +35,8 @@ jax.config.update("jax_enable_x64", True)
 # day after the normalisation, attention and gate rules (their zoo and by-hand cases); 9.97 (720 tests) after the
 # mixed-precision and stacked-leaf tests of the next session, 9.6 (719 tests) once the mixed-precision test
 # computed its float32 reference once; 10.6 (725 tests, user 19.8) on another machine on 2026-11-28, its slowest
-# tests the stacked-Transformer comparisons (31 s, 24 s), the FSDP RNN (25 s) and the examples' quick runs.
+# tests the stacked-Transformer comparisons (31 s, 24 s), the FSDP RNN (25 s) and the examples' quick runs; 10.0
+# (743 tests, user 18.6) later that day, once the nn.remat variants of the stacked comparison stopped after κ.
 # PJ_TEST_CACHE=0 turns it off.
 if os.environ.get("PJ_TEST_CACHE", "1") != "0":
     _CACHE = {
