@@ -367,8 +367,8 @@ def loop_counter(sc: Scan) -> int | None:
         if e is None or e.primitive.name != "add" or getattr(v.aval, "shape", None) != ():
             continue
         a, b = e.invars
-        if jax.numpy.issubdtype(v.aval.dtype, np.integer) and {a is v, b is v} == {True, False}:
-            one = b if a is v else a
+        if jax.numpy.issubdtype(v.aval.dtype, np.integer) and (a is v) != (b is v):
+            one = b if a is v else a  # the counter plus a literal 1
             if is_literal(one) and literal_value(one) == 1:
                 return k
     return None
@@ -380,10 +380,10 @@ def dynamically_sliced(sc: Scan, k: int) -> bool:
     return any(e.primitive.name == "dynamic_slice" and e.invars[0] is v for e in sc.body.jaxpr.eqns)
 
 
-def static_slice(in_shape: Sequence[int], starts: Sequence, eqn) -> tuple[Any, dict]:
+def static_slice(eqn, starts: Sequence) -> tuple[Any, dict]:
     """``(primitive, params)`` of the static ``slice`` that a ``dynamic_slice`` equation is at known ``starts``
     (clamped, as ``dynamic_slice`` clamps them, so that the slice fits)."""
-    sizes = param(eqn, "slice_sizes")
+    sizes, in_shape = param(eqn, "slice_sizes"), eqn.invars[0].aval.shape
     lo = [min(max(int(s), 0), d - z) for s, d, z in zip(starts, in_shape, sizes, strict=True)]
     limits = tuple(a + z for a, z in zip(lo, sizes, strict=True))
     return jax.lax.slice_p, {"start_indices": tuple(lo), "limit_indices": limits, "strides": None}

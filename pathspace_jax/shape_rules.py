@@ -147,7 +147,7 @@ class ShapeRules:
         starts = [v.id[1] if isinstance(v.id, tuple) else None for v in ins[1:]]
         if None in starts:
             return [self._slice(eqn, ins[0], None)]
-        as_ = jx.static_slice(eqn.invars[0].aval.shape, starts, eqn)
+        as_ = jx.static_slice(eqn, starts)
         return self.record(eqn, ins[:1], [self._slice(eqn, ins[0], as_[1]["start_indices"])], as_=as_)
 
     def rule_pad(self, eqn, ins):
