@@ -136,14 +136,15 @@ def _mixer(alpha: float, stats: dict):
 
 
 def _gamma_net(prog: flat.Program, sq_params: Sequence, ones: Sequence, stats: Sequence, alpha: float,
-               scan_stats: dict | None = None):  # fmt: skip
+               scan_stats: dict | None = None, raw: Sequence | None = None):  # fmt: skip
     """γ²_net: the squared network with the node statistics ``stats`` mixed in at every node (eq. 4), and
-    ``scan_stats[i][v]`` (stacked over the steps) at the node v of the body of scan equation i."""
+    ``scan_stats[i][v]`` (stacked over the steps) at the node v of the body of scan equation i. ``raw``: the
+    parameters themselves, for coefficients computed from them (`pathspace_jax.squared.evaluate`)."""
     posts = {i: (d, functools.partial(_mixer, alpha)) for i, d in (scan_stats or {}).items()}
     vals = [V(x, None) for x in list(sq_params) + list(ones)]
     sinks: list = []
     mix = _mixer(alpha, dict(zip(prog.nodes, stats, strict=True)))
-    outs = squared.evaluate(prog, vals, 2.0, post=mix, sinks=sinks, scan_posts=posts, unroll=fw.unrolled())
+    outs = squared.evaluate(prog, vals, 2.0, post=mix, sinks=sinks, scan_posts=posts, unroll=fw.unrolled(), raw=raw)
     return squared.total(prog, outs, sinks).m
 
 
@@ -370,6 +371,7 @@ def ddp_kappa_canonical(
         probe_xs = [x[pick] for x in xs]
     dtype = jnp.result_type(*leaves)
     ones = _ones(xs)
+    raw = [jax.lax.stop_gradient(p) for p in leaves]  # coefficients computed from parameters: not differentiated
 
     # -- the real forward pass, per example, keeping every node's pre-activation
     # (the nodes inside a scan body: stacked over the steps)
@@ -386,7 +388,7 @@ def ddp_kappa_canonical(
         scan_stats: dict = {}
         for (i, v), st in zip(inner, stats[len(prog.nodes) :], strict=True):
             scan_stats.setdefault(i, {})[v] = st
-        return _gamma_net(prog, sq, ones, stats[: len(prog.nodes)], alpha, scan_stats)
+        return _gamma_net(prog, sq, ones, stats[: len(prog.nodes)], alpha, scan_stats, raw)
 
     kappa = [jnp.zeros_like(p) for p in leaves]
     zs, vjp, lin = [], None, None
@@ -424,7 +426,7 @@ def ddp_kappa_canonical(
     if estimator == "probes" and alpha > 0.0:
         # δ · κ_path (the exact α = 0 κ⁽¹⁾, one VJP of the squared network): see `ddp_kappa`'s probe_damping
         zero = [0.0] * len(prog.nodes)
-        k_path = jax.grad(lambda w: _gamma_net(prog, w, ones, zero, 0.0))([p * p for p in leaves])
+        k_path = jax.grad(lambda w: _gamma_net(prog, w, ones, zero, 0.0, raw=raw))([p * p for p in leaves])
         kappa = [k + probe_damping * kp for k, kp in zip(kappa, k_path, strict=True)]
     kappa = [k.astype(d) for k, d in zip(kappa, out_dtypes, strict=False)]
     return kappa, lg

@@ -84,3 +84,19 @@ def align(vals: list) -> tuple[list, Any]:
         else:
             out.append(v)
     return out, top
+
+
+def raise_power(v, power: float):
+    """|v|^power of a coefficient (``v * v`` for power 2, exact)."""
+    return v * v if power == 2.0 else jnp.abs(v) ** power
+
+
+def power_v(w, p: float) -> V:
+    """|w|^p as a mantissa and exponent, formed after factoring out the array's largest power of two (the
+    mantissa's largest entry lies in [2^-p, 2): normalised enough, and no second reduction)."""
+    if jnp.size(w) == 0:
+        return V(w, jnp.zeros((), jnp.int32))
+    _, k = jnp.frexp(jnp.max(jnp.abs(w)))
+    pk = p * k.astype(w.dtype)
+    e = jnp.floor(pk)
+    return V(raise_power(ldexp(w, -k), p) * jnp.exp2(pk - e), e.astype(jnp.int32))

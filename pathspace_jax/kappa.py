@@ -107,10 +107,10 @@ from pathspace_jax import jaxpr as jx
 from pathspace_jax import program as flat
 from pathspace_jax import squared
 from pathspace_jax.errors import PathKappaUnsupportedError
-from pathspace_jax.exact import V, ldexp
+from pathspace_jax.exact import V, ldexp, power_v
 from pathspace_jax.frames import jit_when_eager, kappa_from_frame, on_params_mesh, replicated, to_canonical_frame
 from pathspace_jax.graph import PathSpace, check_path_space, compute_dtype
-from pathspace_jax.squared import evaluate, raise_power
+from pathspace_jax.squared import evaluate
 
 __all__ = ["path_norm", "path_kappa", "PathKappaUnsupportedError"]
 
@@ -342,7 +342,8 @@ def kappa_canonical(space, leaves, second_order, factored=False):
         }  # fmt: skip
         top = {idx: squared.Tap(jp, ja, None if dense_perts is None else dense_perts[idx], [], dense_shapes)
                for idx, (jp, ja, _) in dense.items()}  # fmt: skip
-        outs = evaluate(prog, vals, 2.0, hooks=perts, record=rec, sinks=sinks, taps={**taps, **top}, ones=True)
+        outs = evaluate(prog, vals, 2.0, hooks=perts, record=rec, sinks=sinks, taps={**taps, **top}, ones=True,
+                        raw=ps)  # fmt: skip
         total = squared.total(prog, outs, sinks).m
         static.update({k: v for k, v in rec.items() if isinstance(k, tuple)})
         scans = {k: v for k, v in rec.items() if not isinstance(k, tuple)}
@@ -434,24 +435,13 @@ def path_norm(space: PathSpace, params, p: float = 2.0):
     return _norm_jit(space, leaves, p).astype(out_dtype)
 
 
-def _power_v(w, p: float) -> V:
-    """|w|^p as a mantissa and exponent, formed after factoring out the leaf's largest power of two (the
-    mantissa's largest entry lies in [2^-p, 2): normalised enough, and no second reduction)."""
-    if jnp.size(w) == 0:
-        return V(w, jnp.zeros((), jnp.int32))
-    _, k = jnp.frexp(jnp.max(jnp.abs(w)))
-    pk = p * k.astype(w.dtype)
-    e = jnp.floor(pk)
-    return V(raise_power(ldexp(w, -k), p) * jnp.exp2(pk - e), e.astype(jnp.int32))
-
-
 @functools.partial(jax.jit, static_argnums=(0, 2))
 def _norm_jit(space, leaves, p):
     dt, ps, _, prog, ones = _setup(space, leaves)
     zero = jnp.zeros((), jnp.int32)
-    vals = [_power_v(w, p) for w in ps] + [V(o, zero) for o in ones]
+    vals = [power_v(w, p) for w in ps] + [V(o, zero) for o in ones]
     sinks: list = []
-    outs = evaluate(prog, vals, p, sinks=sinks, ones=True)
+    outs = evaluate(prog, vals, p, sinks=sinks, ones=True, raw=ps)
     total, top = squared.total(prog, outs, sinks)
     total = total.astype(dt)
     top = zero if top is None else top

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pathspace_jax import jaxpr as jx
-from pathspace_jax.exact import V, align, is_float, ldexp, renorm
+from pathspace_jax.exact import V, align, is_float, ldexp, power_v, raise_power, renorm
 from pathspace_jax.program import Eqn, Program, bind, nbytes, scan_unroll
 from pathspace_jax.rules import rule
 
@@ -37,25 +37,21 @@ def _nonzero(v) -> bool:
     return bool(np.any(np.asarray(v)))
 
 
-def raise_power(v, power: float):
-    """|v|^power of a constant coefficient (``v * v`` for power 2, exact)."""
-    return v * v if power == 2.0 else jnp.abs(v) ** power
-
-
 def _squared_op(e: Eqn, ks: Sequence[str], vals: list, out_kind: str, power: float, who: str, err: type) -> list:
     """One equation of the |·|^power ("squared" for power 2) network, on non-negative activation values.
 
     Linear coefficients that are constants (average pooling's 1/k, a fixed scale) are raised to ``power``
-    (parameters arrive already raised); ``sub``/``neg``/``abs`` become ``add``/identity; ReLU, max pooling
-    and the other ops whose rule is ``as_is`` (`pathspace_jax.rules`) are applied as they are. Anything else raises
-    ``err``.
+    (parameters arrive already raised, and so do coefficients computed from them: kind ``"raised"``);
+    ``sub``/``neg``/``abs`` become ``add``/identity; ReLU, max pooling and the other ops whose rule is ``as_is``
+    (`pathspace_jax.rules`) are applied as they are. Anything else raises ``err``.
     """
     name = e.prim.name
     if out_kind == "const":
         return bind(e, vals)
-    if name in ("mul", "div") and sum(k != "const" for k in ks) == 1:
+    if name in ("mul", "div") and sum(k not in ("const", "raised") for k in ks) == 1:
         vals = [v if k != "const" else raise_power(v, power) for v, k in zip(vals, ks, strict=False)]
         return bind(e, vals)
+    ks = ["param" if k == "raised" else k for k in ks]  # a coefficient computed from parameters, raised already
     if e.edge or e.coefficient:  # a per-unit scale or a learned scalar, as the trace recorded it: raised already
         return bind(e, vals)
     if name in ("dot_general", "conv_general_dilated"):
@@ -82,6 +78,28 @@ def _squared_op(e: Eqn, ks: Sequence[str], vals: list, out_kind: str, power: flo
         f"{who}: primitive {name!r} at {e.where} is not positively homogeneous (or not supported by "
         "the γ² recursion); it is defined here for ReLU networks only."
     )
+
+
+# Primitives that move, copy or negate a parameter's entries without combining them: |·|^p of the result is the
+# same operation on the raised operands (constant operands zero: a zero padding). Anything else computed from
+# parameters alone (weight normalisation's g·v/‖v‖, a merged low-rank update w + a·b) is evaluated on the raw
+# parameters and raised where the |·|^p network reads it (`evaluate`'s ``raw``).
+_VIEWS = frozenset({
+    "reshape", "squeeze", "broadcast_in_dim", "expand_dims", "convert_element_type", "copy", "copy_p",
+    "reduce_precision", "transpose", "neg", "abs", "concatenate", "dynamic_slice", "gather", "pad", "rev", "slice",
+    "split", "unstack", "select_n", "device_put", "optimization_barrier", "pvary", "sharding_constraint",
+})  # fmt: skip
+
+
+def _raised_view(e: Eqn, ks: Sequence[str], vals: list) -> bool:
+    """Whether an equation computing from parameters gives its |·|^p from its operands' |·|^p: a view (`_VIEWS`)
+    whose floating-point constant operands are zero, or a product of one parameter and constants (raised by
+    `_squared_op`; a quotient with the parameter in the numerator)."""
+    name = e.prim.name
+    if name in ("mul", "div"):
+        return ks.count("param") == 1 and (name == "mul" or ks[0] == "param")
+    consts = [v for v, k in zip(vals, ks, strict=True) if k == "const" and is_float(v)]
+    return name in _VIEWS and not any(isinstance(v, jax.core.Tracer) or _nonzero(v) for v in consts)
 
 
 def _is_relu(e, ks, vals) -> int | None:
@@ -134,6 +152,7 @@ def evaluate(
     taps: dict | None = None,
     unroll: bool = True,
     ones: bool = False,
+    raw: Sequence | None = None,
 ):
     """Evaluate the |·|^power network on ``invals`` (params raised to ``power``, then inputs, as `V`s).
 
@@ -156,9 +175,17 @@ def evaluate(
 
     ``ones=True`` says that the floating-point inputs are all ones (κ's and the path norm's evaluation): a dense
     layer applied to them (through reshapes and casts) is then the column sums of its kernel (`_dense_of_ones`).
+
+    ``raw``: the parameters as they are (in ``invals``' order). A coefficient computed from parameters other than
+    as a view of one (`_raised_view`: weight normalisation's g·v/‖v‖, a merged low-rank update) is computed from
+    them and raised to ``power`` where the network reads it; no gradient reaches ``invals`` through it (its leaves
+    are no edges: "other"). Without ``raw`` (inside a scan body) such a coefficient raises ``prog.err``.
     """
     kinds = prog.kinds
     env: dict[int, Any] = dict(prog.consts)
+    raw_env: dict[int, Any] = {} if raw is None else dict(zip(prog.in_ids[: prog.n_params], raw, strict=True))
+    raw_only: set[int] = set()  # parameter-kind values known only raw (`_raised_view`)
+    tracked = any(isinstance(v, V) and v.e is not None for v in invals[: prog.n_params])
     inputs = zip(prog.in_ids[prog.n_params :], invals[prog.n_params :], strict=True)
     ones_ids = {i for i, v in inputs if kinds[i] == "act" and is_float(v.m)} if ones else set()
     for i, v in zip(prog.in_ids, invals, strict=True):
@@ -167,16 +194,43 @@ def evaluate(
             env[i] = post(i, env[i])
 
     def rd(x):
-        return jnp.asarray(x[1]) if isinstance(x, tuple) else env[x]
+        if isinstance(x, tuple):
+            return jnp.asarray(x[1])
+        if x in raw_only and x not in env:  # a coefficient computed from parameters, raised where it is read
+            env[x] = power_v(raw_env[x], power) if tracked else V(raise_power(raw_env[x], power), None)
+        return env[x]
+
+    def coefficient(e: Eqn, ks: list) -> bool:
+        """Compute a parameter-kind equation's raw results; True where its results are known only raw."""
+        if raw is not None:
+            ins = [raw_env[x] if k in ("param", "raised") else rd(x) for x, k in zip(e.ins, ks, strict=True)]
+            raw_env.update(zip(e.outs, bind(e, ins), strict=True))
+        derived = any(x in raw_only for x in e.ins if not isinstance(x, tuple))
+        if derived or not _raised_view(e, ks, [rd(x) for x in e.ins]):
+            if raw is None:
+                raise prog.err(
+                    f"{prog.who}: {e.prim.name} at {e.where} computes a coefficient from parameters other than as a "
+                    "view of one (weight normalisation, a merged low-rank update) inside a recurrence; compute it "
+                    "outside the scan"
+                )
+            raw_only.update(e.outs)
+            return True
+        return False
 
     sink_set = set(prog.sinks)
     boundary = prog.bnd | sink_set
     for idx, e in enumerate(prog.eqns):
         ks = [("const" if isinstance(x, tuple) else kinds[x]) for x in e.ins]
+        ks = ["raised" if k == "param" and x in raw_only else k for k, x in zip(ks, e.ins, strict=True)]
         if e.prim.name in ("dot_general", "mul") and ks == ["act", "act"] and len(set(e.ins) & boundary) == 1:
             ks = ["const" if x in boundary else k for k, x in zip(ks, e.ins, strict=True)]  # attention's weights: 1
-        vals = [rd(x) for x in e.ins]
         out_kind = kinds[e.outs[0]]
+        if out_kind == "param" and e.prim.name != "scan" and coefficient(e, ks):
+            continue
+        if any(prog.edge_param(x) and x in raw_only for x in e.ins) and prog.is_edge(e):
+            raise prog.err(f"{prog.who}: the edge parameter of {e.prim.name} at {e.where} is computed from parameters "
+                           "other than as a view of one; its κ is not defined")  # fmt: skip
+        vals = [rd(x) for x in e.ins]
         if e.outs[0] in sink_set:  # only the paths of the homogeneous part end at a sink
             vals = [V(jnp.zeros_like(v.m), v.e) if x in boundary else v for x, v in zip(e.ins, vals, strict=True)]
         if e.prim.name == "scan":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+from typing import Any
 
 import chex
 import flax.linen as nn
@@ -897,6 +898,75 @@ def test_a_shared_prelu_slope_is_no_weight_tying():
         want.append(pj.ddp_kappa(s_twice, q, x, alpha=alpha))
     for g, w in zip(got, want):
         chex.assert_trees_all_close(dense(g), dense(w), rtol=1e-12)
+
+
+class _ComputedCoefficient(nn.Module):
+    """Three ReLU layers with a coefficient computed from parameters: a learned gain ``exp(s)`` (a scalar) or
+    ``softplus(s)`` (one per unit) after the first layer, or the second layer weight-normalised (``nn.WeightNorm``:
+    its kernel g·v/‖v‖). ``const``: the same network with the coefficient's value (the gain, or the normalised
+    kernel) as a constant."""
+
+    kind: str
+    const: Any = None
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.relu(nn.Dense(6, param_dtype=F64)(x))
+        if self.kind == "weight_norm":
+            if self.const is None:
+                h = nn.relu(nn.WeightNorm(nn.Dense(5, param_dtype=F64))(h))
+            else:
+                h = nn.relu(h @ self.const + self.param("Dense_1_bias", nn.initializers.zeros, (5,), F64))
+        else:
+            if self.const is not None:
+                h = h * self.const
+            else:
+                s = self.param("s", nn.initializers.normal(1.0), (6,) if self.kind == "softplus" else (), F64)
+                h = h * (jnp.exp(s) if self.kind == "exp" else jax.nn.softplus(s))
+            h = nn.relu(nn.Dense(5, param_dtype=F64, name="Dense_1")(h))
+        return nn.Dense(3, param_dtype=F64, name="Dense_2")(h)
+
+
+@pytest.mark.parametrize("kind", ["exp", "softplus", "weight_norm"])
+def test_coefficients_computed_from_parameters_are_raised_where_they_are_read(kind):
+    """A coefficient computed from parameters (a gain exp(s) or softplus(s), weight normalisation's g·v/‖v‖) is
+    computed from the parameters as they are and raised to p where the |·|^p network reads it: the path norm, κ
+    (both orders) and DDP-SGD's κ (α 0.5 and 1) equal those of the same network with the coefficient's value as a
+    constant. Before, the |·|^p network raised the parameters first and refused ``exp``, or the product g·v, as
+    "not positively homogeneous"."""
+    x = jax.random.normal(jax.random.key(0), (8, 4), F64)
+    model = _ComputedCoefficient(kind)
+    p = model.init(jax.random.key(1), x)["params"]
+    if kind == "weight_norm":
+        v, g = p["Dense_1"]["kernel"], p["WeightNorm_0"]["Dense_1/kernel/scale"]
+        value = v * jax.lax.rsqrt(jnp.sum(v * v, axis=0) + 1e-12) * g  # flax's normalisation, written out
+        q = {"Dense_0": p["Dense_0"], "Dense_1_bias": p["Dense_1"]["bias"], "Dense_2": p["Dense_2"]}
+        shared = lambda k: {"Dense_0": k["Dense_0"], "Dense_1/bias": k["Dense_1"]["bias"], "Dense_2": k["Dense_2"]}  # noqa: E731
+        shared_ref = lambda k: {"Dense_0": k["Dense_0"], "Dense_1/bias": k["Dense_1_bias"], "Dense_2": k["Dense_2"]}  # noqa: E731
+    else:
+        value = jnp.exp(p["s"]) if kind == "exp" else jax.nn.softplus(p["s"])
+        q = {k: v for k, v in p.items() if k != "s"}
+        shared = shared_ref = lambda k: {n: v for n, v in k.items() if n != "s"}  # noqa: E731
+    ref = _ComputedCoefficient(kind, const=value)
+    fn, fn_ref = (lambda p, x: model.apply({"params": p}, x)), (lambda q, x: ref.apply({"params": q}, x))
+    np.testing.assert_allclose(fn(p, x), fn_ref(q, x), rtol=1e-12)
+    space, space_ref = pj.trace(fn, p, x), pj.trace(fn_ref, q, x)
+    assert space.num_hidden == space_ref.num_hidden == (0 if kind == "weight_norm" else 11)
+    np.testing.assert_allclose(pj.path_norm(space, p), pj.path_norm(space_ref, q), rtol=1e-12)
+    for second_order in (True, False):
+        k, k_ref = (
+            pj.path_kappa(space, p, second_order=second_order),
+            pj.path_kappa(space_ref, q, second_order=second_order),
+        )
+        chex.assert_trees_all_close(shared(k), shared_ref(k_ref), rtol=1e-12)
+    for alpha in (0.5, 1.0):
+        k, k_ref = pj.ddp_kappa(space, p, x, alpha=alpha), pj.ddp_kappa(space_ref, q, x, alpha=alpha)
+        chex.assert_trees_all_close(shared(k), shared_ref(k_ref), rtol=1e-12)
+    if space.num_hidden:  # the gain's parameter is an "other" leaf: the updates stay invariant
+        y = jnp.zeros((8, 3), F64)
+        for tx, kw in ((pj.path_sgd(space, 0.05), {}), (pj.ddp_sgd(space, 0.05, alpha=0.5), {"inputs": x})):
+            assert_update_invariant(tx, jax.jit(_loss(fn)), space, p, (x, y), update_kwargs=kw, num_steps=2,
+                                    rtol=1e-8, atol=1e-10)  # fmt: skip
 
 
 def test_weight_tying_refused_for_second_order_only():
