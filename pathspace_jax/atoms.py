@@ -156,6 +156,9 @@ class Val:
     scaled: bool = False  # a parameter's view times fixed coefficients (BatchNorm's scale over its running deviation)
     # a fully pinned value times a per-unit parameter, (value, parameter), read once, by a product (`rule_mul`)
     factors: tuple | None = None
+    # a constant computed from parameters (weight normalisation's v/‖v‖, a power iteration's vectors): a coefficient,
+    # not a fixed input of the network
+    from_params: bool = False
     id: Any = None  # the value's id in the recorded program (`pathspace_jax.ir`), or ("lit", value)
 
     def with_id(self, i) -> Val:

@@ -133,8 +133,10 @@ def _finish(
                 kinds[i] = k
                 if flags.get(i) is True and k == "act":
                     pinned.add(i)
-                elif flags.get(i) == "const" and k == "param":
-                    fixed.add(i)  # parameters combined into fixed coefficients (not an edge)
+                elif flags.get(i) in ("const", True) and k == "param":
+                    # parameters combined into fixed coefficients (not an edge), or into values the trace read as
+                    # activations of pinned groups (a power iteration from a constant vector: spectral normalisation)
+                    fixed.add(i)
                 if lookup:
                     lookups.add(i)
                 elif from_tokens and k == "const":
@@ -332,7 +334,8 @@ def widen(prog: Program, dtype) -> Program:
         )
         for e in prog.eqns
     ]
-    consts = {i: value(v) for i, v in prog.consts.items()}
+    with jax.ensure_compile_time_eval():  # the cached program outlives the trace that builds it: no tracers in it
+        consts = {i: value(v) for i, v in prog.consts.items()}
     return dataclasses.replace(prog, eqns=eqns, consts=consts, out_ids=[operand(x) for x in prog.out_ids])
 
 

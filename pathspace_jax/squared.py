@@ -94,10 +94,12 @@ _VIEWS = frozenset({
 def _raised_view(e: Eqn, ks: Sequence[str], vals: list) -> bool:
     """Whether an equation computing from parameters gives its |·|^p from its operands' |·|^p: a view (`_VIEWS`)
     whose floating-point constant operands are zero, or a product of one parameter and constants (raised by
-    `_squared_op`; a quotient with the parameter in the numerator)."""
+    `_squared_op`; a quotient with the parameter in the numerator; a kernel applied to a constant input)."""
     name = e.prim.name
     if name in ("mul", "div"):
         return ks.count("param") == 1 and (name == "mul" or ks[0] == "param")
+    if name in ("dot_general", "conv_general_dilated"):  # a layer with a constant input: paths from that input
+        return sorted(ks) == ["const", "param"]
     consts = [v for v, k in zip(vals, ks, strict=True) if k == "const" and is_float(v)]
     return name in _VIEWS and not any(isinstance(v, jax.core.Tracer) or _nonzero(v) for v in consts)
 
@@ -227,9 +229,9 @@ def evaluate(
         out_kind = kinds[e.outs[0]]
         if out_kind == "param" and e.prim.name != "scan" and coefficient(e, ks):
             continue
-        if any(prog.edge_param(x) and x in raw_only for x in e.ins) and prog.is_edge(e):
+        if any(prog.edge_param(x) and x in raw_only for x in e.ins) and prog.is_edge(e):  # the trace disagrees
             raise prog.err(f"{prog.who}: the edge parameter of {e.prim.name} at {e.where} is computed from parameters "
-                           "other than as a view of one; its κ is not defined")  # fmt: skip
+                           "other than as a view of one; path sums are not defined for it")  # fmt: skip
         vals = [rd(x) for x in e.ins]
         if e.outs[0] in sink_set:  # only the paths of the homogeneous part end at a sink
             vals = [V(jnp.zeros_like(v.m), v.e) if x in boundary else v for x, v in zip(e.ins, vals, strict=True)]

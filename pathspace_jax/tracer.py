@@ -167,6 +167,9 @@ class Interpreter(ShapeRules):
             outs = self.apply(eqn, ins)
             if any(v.random for v in ins):
                 self.randomness(ins, outs)
+            if any(v.kind == PARAM or v.from_params for v in ins):
+                made = [dataclasses.replace(v, from_params=True) if v.kind == CONST else v for v in outs]
+                outs = Recorded(made) if isinstance(outs, Recorded) else made
             if not isinstance(outs, Recorded):
                 outs = self.record(eqn, ins, outs)
             for var, val in zip(eqn.outvars, outs):
@@ -362,7 +365,7 @@ class Interpreter(ShapeRules):
                 self.pin(v, "elementwise product with a parameter")
         if acts:
             return [self.ew(ACT, ins, self.broadcast(eqn, acts + params + consts, unify=len(acts) > 1))]
-        if len(params) == 1 and eqn.primitive.name == "mul":
+        if len(params) == 1 and eqn.primitive.name == "mul" and not any(c.from_params for c in consts):
             # a parameter times a fixed coefficient is still a view of that parameter
             axes = self.broadcast(eqn, params + consts, unify=False)
             return [self.ew(PARAM, ins, axes, leaf=params[0].leaf, scaled=params[0].scaled or bool(consts))]
@@ -440,7 +443,7 @@ class Interpreter(ShapeRules):
 
     def rule_div(self, eqn, ins):
         num, den = ins
-        if den.kind == CONST and num.kind in (ACT, PARAM):
+        if den.kind == CONST and (num.kind == ACT or num.kind == PARAM and not den.from_params):
             if num.kind == PARAM:
                 return [self.ew(PARAM, ins, self.broadcast(eqn, [num, den], unify=False), leaf=num.leaf, scaled=True)]
             return [self.ew(ACT, ins, self.broadcast(eqn, [num, den], unify=False))]
@@ -557,6 +560,8 @@ class Interpreter(ShapeRules):
         rfree = [k for k in range(len(rhs.axes)) if k not in rc and k not in rb]
         out = [list(lhs.axes[k]) for k in lb] + [list(lhs.axes[k]) for k in lfree] + [list(rhs.axes[k]) for k in rfree]
         kinds = (lhs.kind, rhs.kind)
+        if self.coefficient_product(ins):
+            return [Val(CONST, out)]
         if PARAM in kinds and (ACT in kinds or CONST in kinds):
             p, x, pc, xc, pb, xb, pfree = (
                 (rhs, lhs, rc, lc, rb, lb, rfree) if rhs.kind == PARAM else (lhs, rhs, lc, rc, lb, rb, lfree)
@@ -603,6 +608,17 @@ class Interpreter(ShapeRules):
                 self.atoms.unify(lhs.axes[a], rhs.axes[b], self.reason())
             return [Val(ACT, out)]
         return [Val(CONST, out)]
+
+    def coefficient_product(self, ins: Sequence[Val]) -> bool:
+        """Whether a product of a parameter and a constant computed from parameters (a power iteration's vector
+        times the kernel): a coefficient computed from parameters, not a layer with a fixed input (the parameter is
+        no edge)."""
+        params = [v for v in ins if v.kind == PARAM]
+        if not params or not any(v.kind == CONST and v.from_params for v in ins):
+            return False
+        for v in params:
+            self.mark_other(v, "multiplied by a coefficient computed from parameters")
+        return True
 
     def weighted_sum(self, ins, contracted, batch, free) -> Val | None:
         """A ``dot_general`` of a fully pinned ``a`` and an activation ``x`` that is not (attention's weights times its
@@ -681,6 +697,8 @@ class Interpreter(ShapeRules):
             out[k] = [self.atoms.new(out_shape[k], position=True)]
         groups = jx.param(eqn, "feature_group_count")
         grouped = jx.param(eqn, "batch_group_count") != 1
+        if self.coefficient_product(ins):
+            return [Val(CONST, out)]
         if rhs.kind == PARAM and lhs.kind in (ACT, CONST) and not grouped:
             # G groups: input channel (g, i) feeds output channel (g, o) only, through kernel entry (i, g·O/G + o);
             # g is a batch axis of the channels (depthwise convolutions, an ensemble's under nn.vmap), as in

@@ -912,9 +912,15 @@ class _ComputedCoefficient(nn.Module):
     @nn.compact
     def __call__(self, x):
         h = nn.relu(nn.Dense(6, param_dtype=F64)(x))
-        if self.kind == "weight_norm":
-            if self.const is None:
+        if self.kind in ("weight_norm", "spectral_norm", "unit_columns"):
+            if self.const is None and self.kind == "weight_norm":
                 h = nn.relu(nn.WeightNorm(nn.Dense(5, param_dtype=F64))(h))
+            elif self.const is None and self.kind == "unit_columns":  # a kernel of unit columns, no gain
+                v = self.param("Dense_1_kernel", nn.initializers.lecun_normal(), (6, 5), F64)
+                bias = self.param("Dense_1_bias", nn.initializers.normal(0.1), (5,), F64)
+                h = nn.relu(h @ (v / jnp.linalg.norm(v, axis=0)) + bias)
+            elif self.const is None:
+                h = nn.relu(nn.SpectralNorm(nn.Dense(5, param_dtype=F64))(h, update_stats=False))
             else:
                 h = nn.relu(h @ self.const + self.param("Dense_1_bias", nn.initializers.zeros, (5,), F64))
         else:
@@ -927,19 +933,34 @@ class _ComputedCoefficient(nn.Module):
         return nn.Dense(3, param_dtype=F64, name="Dense_2")(h)
 
 
-@pytest.mark.parametrize("kind", ["exp", "softplus", "weight_norm"])
+@pytest.mark.parametrize("kind", ["exp", "softplus", "weight_norm", "spectral_norm", "unit_columns"])
 def test_coefficients_computed_from_parameters_are_raised_where_they_are_read(kind):
-    """A coefficient computed from parameters (a gain exp(s) or softplus(s), weight normalisation's g·v/‖v‖) is
-    computed from the parameters as they are and raised to p where the |·|^p network reads it: the path norm, κ
-    (both orders) and DDP-SGD's κ (α 0.5 and 1) equal those of the same network with the coefficient's value as a
-    constant. Before, the |·|^p network raised the parameters first and refused ``exp``, or the product g·v, as
-    "not positively homogeneous"."""
+    """A coefficient computed from parameters (a gain exp(s) or softplus(s), weight normalisation's g·v/‖v‖,
+    spectral normalisation's W/σ(W), a kernel of unit columns v/‖v‖) is computed from the parameters as they are and
+    raised to p where the |·|^p network reads it: the path norm, κ (both orders) and DDP-SGD's κ (α 0.5 and 1)
+    equal those of the same network with the coefficient's value as a constant. Before, the |·|^p network raised
+    the parameters first and refused ``exp``, or the product g·v, as "not positively homogeneous"; the trace read
+    v/‖v‖ as a view of v (an edge), and spectral normalisation's power iteration (from the float32 vector u) left a
+    tracer in the cached program."""
     x = jax.random.normal(jax.random.key(0), (8, 4), F64)
     model = _ComputedCoefficient(kind)
-    p = model.init(jax.random.key(1), x)["params"]
+    variables = model.init(jax.random.key(1), x)
+    p, stats = variables["params"], {k: v for k, v in variables.items() if k != "params"}  # (the power iteration's u)
     if kind == "weight_norm":
         v, g = p["Dense_1"]["kernel"], p["WeightNorm_0"]["Dense_1/kernel/scale"]
         value = v * jax.lax.rsqrt(jnp.sum(v * v, axis=0) + 1e-12) * g  # flax's normalisation, written out
+    if kind == "spectral_norm":  # one step of power iteration from u (float32), written out
+        w, u = p["Dense_1"]["kernel"], stats["batch_stats"]["SpectralNorm_0"]["Dense_1/kernel/u"].astype(F64)
+        v = u @ w.T
+        v = v * jax.lax.rsqrt(jnp.sum(v * v) + 1e-12)
+        u = v @ w
+        u = u * jax.lax.rsqrt(jnp.sum(u * u) + 1e-12)
+        value = w / (v @ w @ u.T)[0, 0]
+    if kind == "unit_columns":
+        value = p["Dense_1_kernel"] / jnp.linalg.norm(p["Dense_1_kernel"], axis=0)
+        q = {k: v for k, v in p.items() if k != "Dense_1_kernel"}
+        shared = shared_ref = lambda k: {n: v for n, v in k.items() if n != "Dense_1_kernel"}  # noqa: E731
+    elif kind in ("weight_norm", "spectral_norm"):
         q = {"Dense_0": p["Dense_0"], "Dense_1_bias": p["Dense_1"]["bias"], "Dense_2": p["Dense_2"]}
         shared = lambda k: {"Dense_0": k["Dense_0"], "Dense_1/bias": k["Dense_1"]["bias"], "Dense_2": k["Dense_2"]}  # noqa: E731
         shared_ref = lambda k: {"Dense_0": k["Dense_0"], "Dense_1/bias": k["Dense_1_bias"], "Dense_2": k["Dense_2"]}  # noqa: E731
@@ -948,10 +969,10 @@ def test_coefficients_computed_from_parameters_are_raised_where_they_are_read(ki
         q = {k: v for k, v in p.items() if k != "s"}
         shared = shared_ref = lambda k: {n: v for n, v in k.items() if n != "s"}  # noqa: E731
     ref = _ComputedCoefficient(kind, const=value)
-    fn, fn_ref = (lambda p, x: model.apply({"params": p}, x)), (lambda q, x: ref.apply({"params": q}, x))
+    fn, fn_ref = (lambda p, x: model.apply({"params": p, **stats}, x)), (lambda q, x: ref.apply({"params": q}, x))
     np.testing.assert_allclose(fn(p, x), fn_ref(q, x), rtol=1e-12)
     space, space_ref = pj.trace(fn, p, x), pj.trace(fn_ref, q, x)
-    assert space.num_hidden == space_ref.num_hidden == (0 if kind == "weight_norm" else 11)
+    assert space.num_hidden == space_ref.num_hidden == (11 if kind in ("exp", "softplus") else 0)
     np.testing.assert_allclose(pj.path_norm(space, p), pj.path_norm(space_ref, q), rtol=1e-12)
     for second_order in (True, False):
         k, k_ref = (

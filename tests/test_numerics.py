@@ -324,6 +324,26 @@ def test_ddp_kappa_with_params_narrower_than_the_inputs(params_dtype, x_dtype):
         chex.assert_trees_all_close(jax.tree_util.tree_map(lambda a: a.astype(F32), got), want, rtol=1e-5)
 
 
+def test_a_narrower_constant_is_widened_once_for_every_function():
+    """A float32 constant in a float64 network (a fixed per-unit scale, a buffer): the |·|^p program widens it to
+    float64, and the cached program is shared by the path norm, κ and DDP's κ, each traced under a jit of its own.
+    The widened constant was a tracer of the first of them, which the next one met (``UnexpectedTracerError``).
+    Each result equals the one of the same network with the constant in float64."""
+    scale32 = jnp.asarray(np.linspace(0.5, 2.0, 4), jnp.float32)
+
+    def fn(p, x, scale=scale32):
+        return jax.nn.relu(x @ p["w1"] + p["b1"]) * scale @ p["w2"]
+
+    k = jax.random.split(jax.random.key(0), 3)
+    p = {"w1": jax.random.normal(k[0], (3, 4), F64), "b1": jnp.full(4, 0.1, F64),
+         "w2": jax.random.normal(k[1], (4, 2), F64)}  # fmt: skip
+    x = jax.random.normal(k[2], (5, 3), F64)
+    fn64 = functools.partial(fn, scale=scale32.astype(F64))
+    s, s64 = pj.trace(fn, p, x), pj.trace(fn64, p, x)
+    for f in (pj.path_norm, pj.path_kappa, functools.partial(pj.ddp_kappa, inputs=x, alpha=0.5)):
+        chex.assert_trees_all_close(f(s, p), f(s64, p), rtol=1e-12)
+
+
 def test_ddp_normalize_in_float16_takes_its_statistics_in_float32():
     """A float16 network normalised by DDP-Normalization: its pre-activations' squares (here up to ~10⁶) overflow
     float16, so the statistics are taken in float32 and the normalised values given back in float16: the
