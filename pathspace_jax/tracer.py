@@ -632,7 +632,10 @@ class Interpreter(ShapeRules):
         j = 0 if pinned_rhs else 1  # the activation's side
         x = ins[j]
         why = self.reason("sums nodes with coefficients computed from pinned values")
+        kept = [x.axes[k] for k in (*batch[j], *free[j])]
         for k in contracted[j]:
+            if self.written_with(x.axes[k], kept):  # a mixture's experts (nn.vmap'd): their units shared, as positions
+                self.atoms.make_positions(x.axes[k])
             self.defer(list(x.axes[k]), list(x.axes[k]), why)
         out = [list(x.axes[k]) for k in batch[j]]
         out += [list(v.axes[k]) for v, fr in zip(ins, free, strict=True) for k in fr]
@@ -675,16 +678,24 @@ class Interpreter(ShapeRules):
         ]  # fmt: skip
         if not free:
             return
-        outs: dict[int, set[int]] = {}
+        for k in free:
+            if self.written_with(x.axes[k], [x.axes[j] for j in read]):
+                atoms.make_positions(x.axes[k])
+
+    def written_with(self, axis: Sequence[int], others: Sequence[Sequence[int]]) -> bool:
+        """Whether ``axis`` and one of ``others`` (atom lists) were written by one kernel, as two of its output
+        axes (``nn.DenseGeneral`` with two feature axes, an ``nn.vmap``'d layer's members and units). Axes of one
+        entry say nothing (a batch of one example, a power iteration's row vector)."""
+        others = [o for o in others if self.size(o) > 1]
+        if self.size(axis) == 1 or not others:
+            return False
+        atoms, outs = self.atoms, {}
         for leaf, uses in enumerate(self.uses):
             for a, role, _, _ in uses:
                 if role == "out":
                     outs.setdefault(leaf, set()).update(atoms.factors([a]))
-        read_f = [set(atoms.factors(x.axes[k])) for k in read]
-        for k in free:
-            f = set(atoms.factors(x.axes[k]))
-            if any(f <= own and any(r and r <= own for r in read_f) for own in outs.values()):
-                atoms.make_positions(x.axes[k])
+        f, fs = set(atoms.factors(axis)), [set(atoms.factors(o)) for o in others]
+        return any(f <= own and any(r and r <= own for r in fs) for own in outs.values())
 
     def rule_conv_general_dilated(self, eqn, ins):
         lhs, rhs = ins

@@ -173,6 +173,7 @@ ZOO_NAMES = {
     "dense_general": "dense_general_shared_readout",
     "shared_head": "vmap_members_shared_head",
     "positionwise": "positionwise_dense_flatten_head",
+    "soft_moe": "soft_mixture_of_experts",
 }
 
 
@@ -540,7 +541,8 @@ def _loss(fn):
 
 
 @pytest.mark.parametrize(
-    "name, second_order", [("mlp", True), ("cnn", False), ("rnn_stacked_every", True), ("rnn_stacked_every", False)]
+    "name, second_order",
+    [("mlp", True), ("cnn", False), ("rnn_stacked_every", True), ("rnn_stacked_every", False), ("soft_moe", True)],
 )
 def test_update_is_rescaling_invariant(name, second_order):
     fn, params, x = _model(name)

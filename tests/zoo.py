@@ -455,6 +455,23 @@ class Ensemble(nn.Module):
         return members(widths=(4,), out=2)(x).mean(0)
 
 
+class SoftMoE(nn.Module):
+    """A soft mixture of three experts (``nn.vmap``'d Dense layers on the shared hidden units) weighted by a softmax
+    gate: the gate's 3 logits are pinned; the mixture sums the experts' units with the gate's weights, so unit d
+    is one node shared by the experts (their axis a position, as for attention's keys), 6 + 4 hidden. Adding one
+    vector to every column of the gate's kernel, or one number to every entry of its bias, shifts all logits alike
+    and leaves the softmax unchanged: 6 + 1 symmetries beyond rescaling."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.relu(nn.Dense(6)(x))
+        gate = jax.nn.softmax(nn.Dense(3)(h))
+        experts = nn.vmap(nn.Dense, variable_axes={"params": 0}, split_rngs={"params": True}, in_axes=None,
+                          out_axes=1, axis_size=3)  # fmt: skip
+        e = nn.relu(experts(4)(h))  # (batch, expert, unit)
+        return nn.Dense(2)(jnp.einsum("be,bed->bd", gate, e))
+
+
 # ---------------------------------------------------------------------------- nnx models
 
 
@@ -681,6 +698,9 @@ def _build() -> dict[str, Case]:
         _plain_multihead_einsum(),
         _plain_nested(),
         _linen("vmap_ensemble_mean", Ensemble(), _normal(4), hidden=12, extra_symmetries=4),
+        _linen(
+            "soft_mixture_of_experts", SoftMoE(), _normal(3), hidden=10, pinned=1, extra_symmetries=7, flax_init=True
+        ),
         _plain_experts(),
         _plain_graph(),
         _plain_graph("max"),
