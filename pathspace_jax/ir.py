@@ -71,6 +71,7 @@ class Program:
     pinned: set[int] = dataclasses.field(default_factory=set)  # act vars in a boundary group (from trace)
     sinks: list[int] = dataclasses.field(default_factory=list)  # pinned nodes: paths end here
     bnd: set[int] = dataclasses.field(default_factory=set)  # other boundary values: 1 in the |·|^p network
+    gates: set[int] = dataclasses.field(default_factory=set)  # of those, gates computed from the inputs alone
     lookups: set[int] = dataclasses.field(default_factory=set)  # results of embedding lookups
     fixed: set[int] = dataclasses.field(default_factory=set)  # params combined into fixed coefficients (trace)
 

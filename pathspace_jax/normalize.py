@@ -218,7 +218,7 @@ def _checked_program(space: PathSpace, param_key: tuple, input_key: tuple, mesh)
             "for floating-point inputs, integers cast to floats and boolean masks (trace a function of the one-hot "
             "input for token ids)"
         )
-    if prog.sinks or prog.bnd:
+    if prog.sinks or prog.bnd - prog.gates:  # (a gate computed from the inputs alone commutes with the rescaling)
         raise DDPNormalizationError(
             "ddp_normalize: the network has pinned node groups (see pj.describe); DDP-Normalization is "
             "implemented here for networks that are positively homogeneous everywhere"

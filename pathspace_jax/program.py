@@ -155,7 +155,8 @@ def _finish(
     walk(frame.eqns)
     prog = Program(eqns, n_params, in_ids, frame.out_ids, frame.consts, kinds, [], [], who, err, pinned,
                    lookups=lookups, fixed=fixed)  # fmt: skip
-    _find_boundary(prog, _find_nodes(prog, body=in_kinds is not None))
+    body = in_kinds is not None
+    _find_boundary(prog, _find_nodes(prog, body=body), body=body)
     return prog
 
 
@@ -245,20 +246,24 @@ def _find_nodes(prog: Program, body: bool = False) -> set[int]:
     return fresh
 
 
-def _find_boundary(prog: Program, fresh: set[int]) -> None:
+def _find_boundary(prog: Program, fresh: set[int], body: bool = False) -> None:
     """Pinned groups as boundaries: the pinned nodes are *sinks* (the paths that reach them end there, and
     their |·|^p values are added to the total) and, for everything downstream, *sources* of value 1, like
     inputs. Values computed from boundary values without a parameter edge (a LayerNorm, a tanh head) are
     boundary values too (`prog.bnd`): they are 1 in the |·|^p network, and parameter edges leaving them
     start new paths. A bias added to a boundary value (a LayerNorm's offset without a scale) ends at a sink of
-    its own.
+    its own. A gate computed from the inputs alone (``h * sigmoid(x)``) is a boundary value too: no
+    rescaling changes it, and the |·|^p network takes it as 1, as attention's weights (not in a scan ``body``).
     """
-    if not prog.pinned:
+    gates = prog.gates = set() if body else _input_gates(prog)
+    if not prog.pinned and not gates:
         return
     kinds, pinned, node_set = prog.kinds, prog.pinned, set(prog.nodes)
     sinks: list[int] = []
-    bnd = {i for i in prog.in_ids if i in pinned}
+    bnd = {i for i in prog.in_ids if i in pinned} | gates
     for e in prog.eqns:
+        if e.outs[0] in gates:
+            continue
         if e.prim.name == "scan":
             body_bnd = e.body.bnd | set(e.body.sinks)
             for j, o in enumerate(e.outs):
@@ -286,6 +291,27 @@ def _find_boundary(prog: Program, fresh: set[int]) -> None:
     prog.nodes = [o for e in prog.eqns for o in e.outs if o in keep]
     prog.nodes += [i for i in prog.in_ids if i in keep]
     prog.outputs = [v for v in prog.outputs if v not in bnd]
+
+
+# what the |·|^p network evaluates besides the primitives whose rule is ``as_is`` (`pathspace_jax.squared`)
+_EVALUATED = frozenset({"mul", "div", "sub", "neg", "abs", "dot_general", "conv_general_dilated", "scan"})
+
+
+def _input_gates(prog: Program) -> set[int]:
+    """The results of operations that the |·|^p network does not evaluate (a sigmoid, an exp) applied to values
+    computed from the inputs without parameters: coefficients of the examples (a gate), never rescaled."""
+    kinds = prog.kinds
+    plain = {i for i in prog.in_ids[prog.n_params :] if kinds[i] == "act"}
+    gates: set[int] = set()
+    for e in prog.eqns:
+        ids = [x for x in e.ins if not isinstance(x, tuple)]
+        acts = [x for x in ids if kinds[x] == "act"]
+        if not acts or any(kinds[x] == "param" for x in ids) or not all(x in plain or x in gates for x in acts):
+            continue
+        name = e.prim.name
+        known = (rule(name).as_is or name in _EVALUATED) and not any(x in gates for x in acts)
+        (plain if known else gates).update(o for o in e.outs if kinds[o] == "act")
+    return gates
 
 
 def program(space: PathSpace, param_key: tuple, input_key: tuple, *, dtype=None, **options) -> Program:

@@ -125,6 +125,7 @@ _group(Rule("method", merges_node=True, multiplicative=True), "mul", "div")
 _group(Rule("method", multiplicative=True), "dot_general", "conv_general_dilated")
 _group(Rule("method", as_is=True, sums=True), "reduce_sum", "reduce_window_sum", "scatter-add")
 _group(Rule("method", as_is=True), "concatenate", "dynamic_slice", "gather", "pad", "rev", "slice", "split", "unstack")
+_group(Rule("method", as_is=True, passes_node=True), "scatter")  # x.at[ids].set(0): entries set to zero
 
 _group(
     Rule("method", as_is=True, breaks_linearity=True),

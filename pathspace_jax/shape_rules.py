@@ -252,6 +252,15 @@ class ShapeRules:
         a segment no update reaches), 0, or an activation: a constant other than those is an offset."""
         return self._scatter(eqn, ins, identity=self._all_neg_inf(ins[0]))
 
+    def rule_scatter(self, eqn, ins):
+        """``x.at[ids].set(0)`` with constant ``ids`` on an activation: some entries set to zero, the others x's (the
+        same nodes; a zero scales with any factor). Setting other values, or by computed ids, is not known to be
+        positively homogeneous."""
+        op, idx, upd = ins
+        if op.kind == ACT and idx.kind == CONST and upd.kind == CONST and upd.zero:
+            return [Val(ACT, [list(ax) for ax in op.axes], scalars=list(op.scalars))]
+        return self.unknown(eqn, ins)
+
     def _all_neg_inf(self, v) -> bool:
         """Whether a constant is −∞ everywhere (the identity of ``max``), as far as the trace can compute it."""
         c = self.rec.value(v.id) if v.kind == CONST else None

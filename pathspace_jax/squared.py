@@ -69,7 +69,7 @@ def _squared_op(e: Eqn, ks: Sequence[str], vals: list, out_kind: str, power: flo
     if rule(name).as_is or name.startswith("custom_"):  # custom_*: kept whole only around ReLU-like code
         if name == "scatter-max" and ks[0] == "const":  # −∞ where no update lands: no path, 0 here
             vals = [jnp.maximum(vals[0], 0), *vals[1:]]
-        if name in ("max", "min", "add", "add_any") and "act" in ks:
+        if name in ("max", "min", "add", "add_any", "scatter") and "act" in ks:
             for k, v in zip(ks, vals, strict=True):
                 if k == "const" and _nonzero(v):
                     raise err(f"{who}: {name} with a non-zero constant at {e.where} (not positively homogeneous)")
@@ -303,7 +303,8 @@ def _dense_of_ones(e: Eqn, ks, ms) -> list | None:
 def _boundary_op(prog: Program, e: Eqn, ks, vals) -> list:
     """An operation whose result is a boundary value (`_find_boundary`): 1 in the |·|^p network. A parameter
     that multiplies it other than as an edge (an "other" leaf) lies on no path."""
-    if any(ks[k] == "act" and x not in prog.bnd and x not in prog.sinks for k, x in enumerate(e.ins)):
+    outside = [x for k, x in enumerate(e.ins) if ks[k] == "act" and x not in prog.bnd and x not in prog.sinks]
+    if outside and e.outs[0] not in prog.gates:  # (a gate computed from the inputs alone reads them)
         raise prog.err(
             f"{prog.who}: {e.prim.name} at {e.where} combines a value of the positively homogeneous part with a "
             "value of a pinned node group other than by a parameter edge or a sum; path sums are not defined there"

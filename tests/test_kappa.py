@@ -992,6 +992,50 @@ def test_coefficients_computed_from_parameters_are_raised_where_they_are_read(ki
                                     rtol=1e-8, atol=1e-10)  # fmt: skip
 
 
+class _InputGate(nn.Module):
+    """Two ReLU layers whose first one's units are gated by a function of the input alone (``sigmoid(x[:, :1])``),
+    the second's unit 0 zeroed (``.at[:, 0].set(0)``)."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.relu(nn.Dense(6, param_dtype=F64)(x)) * jax.nn.sigmoid(x[:, :1])
+        h = nn.relu(nn.Dense(5, param_dtype=F64)(h)).at[:, 0].set(0.0)
+        return nn.Dense(2, param_dtype=F64)(h)
+
+
+def test_a_gate_from_the_inputs_alone_is_one_and_a_zeroed_unit_carries_no_path():
+    """A gate computed from the inputs alone is a coefficient of the examples that no rescaling changes: the units
+    it multiplies stay hidden, and the |·|^p network takes it as 1 (as attention's weights); a unit set to zero
+    with ``.at[...].set(0)`` stays a hidden unit and carries no path. κ (both orders) is the half Hessian of that
+    γ², written by hand; Path-SGD's and DDP-SGD's steps are invariant. Before, ``.at[].set`` pinned the second
+    layer's units (a "scatter" not known to be homogeneous) and κ refused the sigmoid."""
+    x = jax.random.normal(jax.random.key(0), (8, 3), F64)
+    model = _InputGate()
+    p = model.init(jax.random.key(1), x)["params"]
+    fn = lambda p, x: model.apply({"params": p}, x)  # noqa: E731
+    space = pj.trace(fn, p, x)
+    assert space.num_hidden == 6 + 5
+
+    def gamma2(p):
+        q = _squared(p)
+        h = jnp.ones(3) @ q["Dense_0"]["kernel"] + q["Dense_0"]["bias"]  # the gate: 1
+        h = (h @ q["Dense_1"]["kernel"] + q["Dense_1"]["bias"]).at[0].set(0.0)
+        return jnp.sum(h @ q["Dense_2"]["kernel"] + q["Dense_2"]["bias"])
+
+    np.testing.assert_allclose(pj.path_norm(space, p) ** 2, gamma2(p), rtol=1e-12)
+    ref = _half_hessian_diag(gamma2, p)
+    for second_order in (True, False):
+        chex.assert_trees_all_close(pj.path_kappa(space, p, second_order=second_order), ref, rtol=1e-10, atol=1e-12)
+    y = jnp.zeros((8, 2), F64)
+    g = jax.grad(_loss(fn))(p, (x, y))
+    for tx, kw in ((pj.path_sgd(space, 0.05), {}), (pj.ddp_sgd(space, 0.05, alpha=0.5), {"inputs": x})):
+        assert_update_invariant(tx, jax.jit(_loss(fn)), space, p, (x, y), update_kwargs=kw, num_steps=2,
+                                rtol=1e-8, atol=1e-10)  # fmt: skip
+        u = tx.update(g, tx.init(p), p, **kw)[0]  # the zeroed unit's κ and gradient are 0: its step too, not NaN
+        assert np.all(np.asarray(u["Dense_1"]["kernel"][:, 0]) == 0.0)
+        assert all(np.all(np.isfinite(a)) for a in jax.tree_util.tree_leaves(u))
+
+
 def test_weight_tying_refused_for_second_order_only():
     def tied_fn(p, x):  # the same W on two layers: a path crosses it twice outside any recurrence
         h = jax.nn.relu(x @ p["w"])
