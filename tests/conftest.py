@@ -37,6 +37,9 @@ jax.config.update("jax_enable_x64", True)
 # computed its float32 reference once; 10.6 (725 tests, user 19.8) on another machine on 2026-11-28, its slowest
 # tests the stacked-Transformer comparisons (31 s, 24 s), the FSDP RNN (25 s) and the examples' quick runs; 10.0
 # (743 tests, user 18.6) later that day, once the nn.remat variants of the stacked comparison stopped after κ.
+# The same machine drifts: that commit took 9.7 minutes (user 18.1) at noon and 11.6 (user 21.5) two hours later;
+# between the two, 758 tests (coefficients from parameters, mixtures, gates; the FSDP RNN, the stacked Transformer
+# and the stacked LM trimmed) took 10.8 (user 20.1): compare runs made side by side.
 # PJ_TEST_CACHE=0 turns it off.
 if os.environ.get("PJ_TEST_CACHE", "1") != "0":
     _CACHE = {

@@ -939,8 +939,8 @@ class _ComputedCoefficient(nn.Module):
 def test_coefficients_computed_from_parameters_are_raised_where_they_are_read(kind):
     """A coefficient computed from parameters (a gain exp(s) or softplus(s), weight normalisation's g·v/‖v‖,
     spectral normalisation's W/σ(W), a kernel of unit columns v/‖v‖) is computed from the parameters as they are and
-    raised to p where the |·|^p network reads it: the path norm, κ (both orders) and DDP-SGD's κ (α 0.5 and 1)
-    equal those of the same network with the coefficient's value as a constant. Before, the |·|^p network raised
+    raised to p where the |·|^p network reads it: the path norm, κ and DDP-SGD's κ (α 0.5: its γ² recursion) equal
+    those of the same network with the coefficient's value as a constant. Before, the |·|^p network raised
     the parameters first and refused ``exp``, or the product g·v, as "not positively homogeneous"; the trace read
     v/‖v‖ as a view of v (an edge), and spectral normalisation's power iteration (from the float32 vector u) left a
     tracer in the cached program."""
@@ -976,15 +976,9 @@ def test_coefficients_computed_from_parameters_are_raised_where_they_are_read(ki
     space, space_ref = pj.trace(fn, p, x), pj.trace(fn_ref, q, x)
     assert space.num_hidden == space_ref.num_hidden == (11 if kind in ("exp", "softplus") else 0)
     np.testing.assert_allclose(pj.path_norm(space, p), pj.path_norm(space_ref, q), rtol=1e-12)
-    for second_order in (True, False):
-        k, k_ref = (
-            pj.path_kappa(space, p, second_order=second_order),
-            pj.path_kappa(space_ref, q, second_order=second_order),
-        )
-        chex.assert_trees_all_close(shared(k), shared_ref(k_ref), rtol=1e-12)
-    for alpha in (0.5, 1.0):
-        k, k_ref = pj.ddp_kappa(space, p, x, alpha=alpha), pj.ddp_kappa(space_ref, q, x, alpha=alpha)
-        chex.assert_trees_all_close(shared(k), shared_ref(k_ref), rtol=1e-12)
+    chex.assert_trees_all_close(shared(pj.path_kappa(space, p)), shared_ref(pj.path_kappa(space_ref, q)), rtol=1e-12)
+    k, k_ref = pj.ddp_kappa(space, p, x, alpha=0.5), pj.ddp_kappa(space_ref, q, x, alpha=0.5)  # the γ² recursion
+    chex.assert_trees_all_close(shared(k), shared_ref(k_ref), rtol=1e-12)
     if space.num_hidden:  # the gain's parameter is an "other" leaf: the updates stay invariant
         y = jnp.zeros((8, 3), F64)
         for tx, kw in ((pj.path_sgd(space, 0.05), {}), (pj.ddp_sgd(space, 0.05, alpha=0.5), {"inputs": x})):
@@ -1006,7 +1000,7 @@ class _InputGate(nn.Module):
 def test_a_gate_from_the_inputs_alone_is_one_and_a_zeroed_unit_carries_no_path():
     """A gate computed from the inputs alone is a coefficient of the examples that no rescaling changes: the units
     it multiplies stay hidden, and the |·|^p network takes it as 1 (as attention's weights); a unit set to zero
-    with ``.at[...].set(0)`` stays a hidden unit and carries no path. κ (both orders) is the half Hessian of that
+    with ``.at[...].set(0)`` stays a hidden unit and carries no path. κ is the half Hessian of that
     γ², written by hand; Path-SGD's and DDP-SGD's steps are invariant. Before, ``.at[].set`` pinned the second
     layer's units (a "scatter" not known to be homogeneous) and κ refused the sigmoid."""
     x = jax.random.normal(jax.random.key(0), (8, 3), F64)
@@ -1024,8 +1018,7 @@ def test_a_gate_from_the_inputs_alone_is_one_and_a_zeroed_unit_carries_no_path()
 
     np.testing.assert_allclose(pj.path_norm(space, p) ** 2, gamma2(p), rtol=1e-12)
     ref = _half_hessian_diag(gamma2, p)
-    for second_order in (True, False):
-        chex.assert_trees_all_close(pj.path_kappa(space, p, second_order=second_order), ref, rtol=1e-10, atol=1e-12)
+    chex.assert_trees_all_close(pj.path_kappa(space, p), ref, rtol=1e-10, atol=1e-12)
     y = jnp.zeros((8, 2), F64)
     g = jax.grad(_loss(fn))(p, (x, y))
     for tx, kw in ((pj.path_sgd(space, 0.05), {}), (pj.ddp_sgd(space, 0.05, alpha=0.5), {"inputs": x})):
