@@ -1029,6 +1029,30 @@ def test_a_gate_from_the_inputs_alone_is_one_and_a_zeroed_unit_carries_no_path()
         assert all(np.all(np.isfinite(a)) for a in jax.tree_util.tree_leaves(u))
 
 
+class _Preprocessed(nn.Module):
+    pre: bool
+
+    @nn.compact
+    def __call__(self, x):
+        x = jnp.log1p(jnp.abs(x)) if self.pre else x
+        return nn.Dense(2, param_dtype=F64)(nn.relu(nn.Dense(5, param_dtype=F64)(x)))
+
+
+def test_inputs_preprocessed_by_a_nonlinear_function_are_the_network_s_inputs():
+    """``log1p(|x|)`` inside the traced function, before the first layer: Path-SGD's κ and DDP-SGD's κ (α 0.5) are
+    those of the same network given the preprocessed inputs (they refused the log1p as not positively
+    homogeneous)."""
+    x = jax.random.normal(jax.random.key(0), (6, 3), F64)
+    pre, plain = _Preprocessed(True), _Preprocessed(False)
+    p = pre.init(jax.random.key(1), x)["params"]
+    s_pre = pj.trace(lambda p, x: pre.apply({"params": p}, x), p, x)
+    s_plain = pj.trace(lambda p, x: plain.apply({"params": p}, x), p, x)
+    assert s_pre.num_hidden == s_plain.num_hidden == 5
+    chex.assert_trees_all_close(pj.path_kappa(s_pre, p), pj.path_kappa(s_plain, p), rtol=1e-12)
+    got, want = pj.ddp_kappa(s_pre, p, x, alpha=0.5), pj.ddp_kappa(s_plain, p, jnp.log1p(jnp.abs(x)), alpha=0.5)
+    chex.assert_trees_all_close(got, want, rtol=1e-12)
+
+
 def test_weight_tying_refused_for_second_order_only():
     def tied_fn(p, x):  # the same W on two layers: a path crosses it twice outside any recurrence
         h = jax.nn.relu(x @ p["w"])
