@@ -371,7 +371,6 @@ def ddp_kappa_canonical(
         probe_xs = [x[pick] for x in xs]
     dtype = jnp.result_type(*leaves)
     ones = _ones(xs)
-    raw = [jax.lax.stop_gradient(p) for p in leaves]  # coefficients computed from parameters: not differentiated
 
     # -- the real forward pass, per example, keeping every node's pre-activation
     # (the nodes inside a scan body: stacked over the steps)
@@ -388,7 +387,7 @@ def ddp_kappa_canonical(
         scan_stats: dict = {}
         for (i, v), st in zip(inner, stats[len(prog.nodes) :], strict=True):
             scan_stats.setdefault(i, {})[v] = st
-        return _gamma_net(prog, sq, ones, stats[: len(prog.nodes)], alpha, scan_stats, raw)
+        return _gamma_net(prog, sq, ones, stats[: len(prog.nodes)], alpha, scan_stats, raw=leaves)
 
     kappa = [jnp.zeros_like(p) for p in leaves]
     zs, vjp, lin = [], None, None
@@ -426,7 +425,7 @@ def ddp_kappa_canonical(
     if estimator == "probes" and alpha > 0.0:
         # δ · κ_path (the exact α = 0 κ⁽¹⁾, one VJP of the squared network): see `ddp_kappa`'s probe_damping
         zero = [0.0] * len(prog.nodes)
-        k_path = jax.grad(lambda w: _gamma_net(prog, w, ones, zero, 0.0, raw=raw))([p * p for p in leaves])
+        k_path = jax.grad(lambda w: _gamma_net(prog, w, ones, zero, 0.0, raw=leaves))([p * p for p in leaves])
         kappa = [k + probe_damping * kp for k, kp in zip(kappa, k_path, strict=True)]
     kappa = [k.astype(d) for k, d in zip(kappa, out_dtypes, strict=False)]
     return kappa, lg

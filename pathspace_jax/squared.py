@@ -202,7 +202,7 @@ def evaluate(
             env[x] = power_v(raw_env[x], power) if tracked else V(raise_power(raw_env[x], power), None)
         return env[x]
 
-    def coefficient(e: Eqn, ks: list) -> bool:
+    def raw_coefficient(e: Eqn, ks: list) -> bool:
         """Compute a parameter-kind equation's raw results; True where its results are known only raw."""
         if raw is not None:
             ins = [raw_env[x] if k in ("param", "raised") else rd(x) for x, k in zip(e.ins, ks, strict=True)]
@@ -227,7 +227,7 @@ def evaluate(
         if e.prim.name in ("dot_general", "mul") and ks == ["act", "act"] and len(set(e.ins) & boundary) == 1:
             ks = ["const" if x in boundary else k for k, x in zip(ks, e.ins, strict=True)]  # attention's weights: 1
         out_kind = kinds[e.outs[0]]
-        if out_kind == "param" and e.prim.name != "scan" and coefficient(e, ks):
+        if out_kind == "param" and e.prim.name != "scan" and raw_coefficient(e, ks):
             continue
         if any(prog.edge_param(x) and x in raw_only for x in e.ins) and prog.is_edge(e):  # the trace disagrees
             raise prog.err(f"{prog.who}: the edge parameter of {e.prim.name} at {e.where} is computed from parameters "

@@ -976,7 +976,9 @@ def test_coefficients_computed_from_parameters_are_raised_where_they_are_read(ki
     space, space_ref = pj.trace(fn, p, x), pj.trace(fn_ref, q, x)
     assert space.num_hidden == space_ref.num_hidden == (11 if kind in ("exp", "softplus") else 0)
     np.testing.assert_allclose(pj.path_norm(space, p), pj.path_norm(space_ref, q), rtol=1e-12)
-    chex.assert_trees_all_close(shared(pj.path_kappa(space, p)), shared_ref(pj.path_kappa(space_ref, q)), rtol=1e-12)
+    kappa = shared(pj.path_kappa(space, p))
+    chex.assert_trees_all_close(kappa, shared_ref(pj.path_kappa(space_ref, q)), rtol=1e-12)
+    assert all(np.all(np.asarray(k) > 0) for k in jax.tree_util.tree_leaves(kappa))  # every edge on some path
     k, k_ref = pj.ddp_kappa(space, p, x, alpha=0.5), pj.ddp_kappa(space_ref, q, x, alpha=0.5)  # the γ² recursion
     chex.assert_trees_all_close(shared(k), shared_ref(k_ref), rtol=1e-12)
     if space.num_hidden:  # the gain's parameter is an "other" leaf: the updates stay invariant
