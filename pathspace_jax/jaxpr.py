@@ -54,6 +54,7 @@ __all__ = [
     "primitive_names",
     "scan",
     "scan_split",
+    "static_row",
     "static_slice",
     "varying_axes",
     "where",
@@ -344,13 +345,18 @@ _FOLD = {  # integer and boolean scalar arithmetic, as lax defines it (``rem``: 
 
 def fold_scalar(eqn, values: Sequence) -> np.ndarray | None:
     """The result of ``eqn`` on known values, for integer and boolean scalars (a loop counter and the index
-    arithmetic JAX writes around ``ws[i]``: ``i < 0``, ``i + n``, ``select_n``), else None."""
+    arithmetic JAX writes around ``ws[i]``: ``i < 0``, ``i + n``, ``select_n``) and for such a scalar broadcast to
+    one entry (the index array of ``jnp.take(ws, i, axis=0)``), else None."""
     if len(eqn.outvars) != 1 or any(np.shape(v) != () for v in values):
         return None
     aval = eqn.outvars[0].aval
-    if getattr(aval, "shape", None) != () or not (jax.numpy.issubdtype(aval.dtype, np.integer) or aval.dtype == bool):
+    shape, name = getattr(aval, "shape", None), eqn.primitive.name
+    if not (jax.numpy.issubdtype(aval.dtype, np.integer) or aval.dtype == bool):
         return None
-    name = eqn.primitive.name
+    if name == "broadcast_in_dim" and shape is not None and np.prod(shape) == 1:
+        return np.full(shape, values[0], aval.dtype)
+    if shape != ():
+        return None
     if name == "select_n":
         return np.asarray(values[1 + int(values[0])], aval.dtype)
     fold = _FOLD.get(name)
@@ -375,9 +381,19 @@ def loop_counter(sc: Scan) -> int | None:
 
 
 def dynamically_sliced(sc: Scan, k: int) -> bool:
-    """Whether the body of scan ``sc`` reads its operand ``k`` with a ``dynamic_slice`` (``ws[i]``)."""
-    v = sc.body.jaxpr.invars[k]
-    return any(e.primitive.name == "dynamic_slice" and e.invars[0] is v for e in sc.body.jaxpr.eqns)
+    """Whether the body of scan ``sc`` reads its operand ``k`` with a ``dynamic_slice`` (``ws[i]``) or a ``gather``
+    (``jnp.take(ws, i, axis=0)``), directly or inside a call (``jnp.take`` is a ``jit``)."""
+
+    def reads(jaxpr, v) -> bool:
+        for e in jaxpr.eqns:
+            if e.primitive.name in ("dynamic_slice", "gather") and e.invars[0] is v:
+                return True
+            sub = call_body(e)
+            if sub is not None and any(reads(sub.jaxpr, w) for u, w in zip(e.invars, sub.jaxpr.invars) if u is v):
+                return True
+        return False
+
+    return reads(sc.body.jaxpr, sc.body.jaxpr.invars[k])
 
 
 def static_slice(eqn, starts: Sequence) -> tuple[Any, dict]:
@@ -387,6 +403,13 @@ def static_slice(eqn, starts: Sequence) -> tuple[Any, dict]:
     lo = [min(max(int(s), 0), d - z) for s, d, z in zip(starts, in_shape, sizes, strict=True)]
     limits = tuple(a + z for a, z in zip(lo, sizes, strict=True))
     return jax.lax.slice_p, {"start_indices": tuple(lo), "limit_indices": limits, "strides": None}
+
+
+def static_row(eqn, row: int) -> tuple[tuple[Any, dict], tuple[Any, dict]]:
+    """``(primitive, params)`` of the static ``slice`` and the ``squeeze`` that a ``gather`` equation reading one
+    whole row ``row`` of its operand's first axis (``jnp.take(ws, i, axis=0)``) is."""
+    starts = (row, *[0] * (len(eqn.invars[0].aval.shape) - 1))
+    return static_slice(eqn, starts), (jax.lax.squeeze_p, {"dimensions": (0,)})
 
 
 def varying_axes(x) -> frozenset:

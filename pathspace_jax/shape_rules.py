@@ -285,12 +285,31 @@ class ShapeRules:
         kind = ACT if ACT in (op.kind, upd.kind) else CONST
         return [Val(kind, [list(ax) for ax in op.axes], zero=op.zero and upd.zero)]
 
+    def _known_row(self, eqn, op: Val, idx: Val):
+        """A gather of one known row of a whole params leaf (``jnp.take(ws, i, axis=0)`` with a Python ``i``): layer
+        i of a leaf of stacked layers, recorded as the static slice and squeeze that ``ws[i]`` is; else None."""
+        in_shape, out_shape = eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
+        rows = idx.id[1] if isinstance(idx.id, tuple) else None
+        if rows is None or np.shape(rows) != (1,) or not 0 <= int(rows[0]) < in_shape[0] or out_shape != in_shape[1:]:
+            return None
+        if not jx.is_row_lookup(eqn.params, len(in_shape), tuple(in_shape[1:]), len(out_shape)):
+            return None
+        layer = self._layer(op, in_shape, (1, *in_shape[1:]), 0, int(rows[0]))
+        if layer is None:
+            return None
+        as_slice, as_squeeze = jx.static_row(eqn, int(rows[0]))
+        [sliced] = self.record(eqn, [op], [layer], as_=as_slice)
+        row = dataclasses.replace(sliced, axes=sliced.axes[1:], scalars=sliced.scalars + sliced.axes[0])
+        return self.record(eqn, [sliced], [row], as_=as_squeeze)
+
     def rule_gather(self, eqn, ins):
         op, idx = ins[0], ins[1]
         dn = jx.param(eqn, "dimension_numbers")
         slice_sizes = jx.param(eqn, "slice_sizes")
         in_shape = eqn.invars[0].aval.shape
         out_shape = eqn.outvars[0].aval.shape
+        if (row := self._known_row(eqn, op, idx)) is not None:
+            return row
         if idx.kind != CONST:
             return self.unknown(eqn, ins)
         # an index axis batched with an operand axis (take_along_axis: one index per example) keeps its entries

@@ -162,7 +162,7 @@ class Interpreter(ShapeRules):
             known = [v.id[1] for v in ins if isinstance(v.id, tuple)]
             folded = jx.fold_scalar(eqn, known) if ins and len(known) == len(ins) else None
             if folded is not None:  # integer arithmetic on known scalars (an unrolled loop's counter): a literal
-                env[eqn.outvars[0]] = Val(CONST, [], zero=not folded, id=("lit", folded))
+                env[eqn.outvars[0]] = Val(CONST, self.fresh(folded.shape), zero=not np.any(folded), id=("lit", folded))
                 continue
             outs = self.apply(eqn, ins)
             if any(v.random for v in ins):

@@ -478,14 +478,26 @@ def test_batch_size_does_not_change_structure():
 
 
 @pytest.mark.parametrize(
-    "read", ["iterate", "split", "fori_loop", "some layers", "fori_loop from 1", "whole too", "mixed roles"]
+    "read",
+    [
+        "iterate",
+        "split",
+        "take",
+        "fori_loop",
+        "fori_loop take",
+        "some layers",
+        "fori_loop from 1",
+        "whole too",
+        "mixed roles",
+    ],  # fmt: skip
 )
 def test_layers_stacked_in_one_leaf_and_read_one_by_one(read):
     """Layers stacked in one leaf and read one by one (``ws[i]``, ``for w in ws``: static slices or, on JAX 0.12+,
-    an unstack; ``jnp.split``; ``lax.fori_loop`` reading ``ws[i]`` by its counter, a dynamic slice the trace
-    unrolls) are edge bundles of their own, as under nn.scan. A leaf of which some layers are never read, that is
-    also read whole, or whose layers have different roles (biases and a scale) is "other" and its layers' units
-    are pinned: the function stays invariant under the rescalings that are left."""
+    an unstack; ``jnp.split``; ``jnp.take(ws, i, axis=0)``, a gather of a known row; ``lax.fori_loop`` reading
+    ``ws[i]`` or ``jnp.take(ws, i, axis=0)`` by its counter, which the trace unrolls) are edge bundles of their
+    own, as under nn.scan. A leaf of which some layers are never read, that is also read whole, or whose layers
+    have different roles (biases and a scale) is "other" and its layers' units are pinned: the function stays
+    invariant under the rescalings that are left."""
     rng = np.random.default_rng(0)
     shapes = {"w0": (3, 4), "w1": (4, 4), "ws": (3, 4, 4), "bs": (3, 4), "out": (4, 2)}
     params = {k: jnp.asarray(rng.standard_normal(shape)) for k, shape in shapes.items()}
@@ -496,6 +508,13 @@ def test_layers_stacked_in_one_leaf_and_read_one_by_one(read):
             layers = zip(p["ws"], p["bs"], strict=True)
         elif read == "split":
             layers = [(w[0], b[0]) for w, b in zip(jnp.split(p["ws"], 3), jnp.split(p["bs"], 3), strict=True)]
+        elif read == "take":
+            layers = [(jnp.take(p["ws"], i, axis=0), jnp.take(p["bs"], i, axis=0)) for i in range(3)]
+        elif read == "fori_loop take":
+            layers = []
+            x = jax.lax.fori_loop(
+                0, 3, lambda i, h: jax.nn.relu(h @ jnp.take(p["ws"], i, axis=0) + jnp.take(p["bs"], i, axis=0)), x
+            )
         elif read.startswith("fori_loop"):
             layers = []
             x = jax.lax.fori_loop(
@@ -514,7 +533,7 @@ def test_layers_stacked_in_one_leaf_and_read_one_by_one(read):
     x = jnp.asarray(rng.standard_normal((5, 3)))
     space = pj.trace(fn, params, x)
     kinds = {leaf.path: leaf.kind for leaf in space.leaves}
-    if read in ("iterate", "split", "fori_loop"):
+    if read in ("iterate", "split", "take", "fori_loop", "fori_loop take"):
         assert space.num_hidden == 4 + 4 + 3 * 4
         assert kinds == {"w0": "weight", "w1": "weight", "ws": "weight", "bs": "bias", "out": "weight"}
     elif read == "mixed roles":  # bs's layers are biases and a scale: bs is "other", the units it touches pinned
@@ -529,6 +548,7 @@ def test_layers_stacked_in_one_leaf_and_read_one_by_one(read):
     if read in (
         "iterate",
         "split",
+        "take",
         "fori_loop",
     ):  # Path-SGD's κ: the one of the same network with each layer a leaf of its own
         unstacked = {**params, "ws": list(params["ws"]), "bs": list(params["bs"])}
