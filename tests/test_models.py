@@ -230,7 +230,9 @@ def _partitioned(space, params, name):
     return optax.partition({"path": path[name], "other": optax.adam(1e-3)}, labels), False
 
 
-def _run(fn, loss_of, tx, needs_inputs, params, x, steps):
+def _run(fn, loss_of, tx, needs_inputs, starts, x, steps):
+    """``steps`` steps of ``tx`` from each of ``starts`` (one compiled step for all): their (params, losses)."""
+
     @jax.jit
     def step(p, s):
         loss, g = jax.value_and_grad(lambda p: loss_of(fn(p, x)))(p)
@@ -238,11 +240,14 @@ def _run(fn, loss_of, tx, needs_inputs, params, x, steps):
         u, s = tx.update(g, s, p, **kw)
         return optax.apply_updates(p, u), s, loss
 
-    s, losses = tx.init(params), []
-    for _ in range(steps):
-        params, s, loss = step(params, s)
-        losses.append(float(loss))
-    return params, losses
+    runs = []
+    for params in starts:
+        s, losses = tx.init(params), []
+        for _ in range(steps):
+            params, s, loss = step(params, s)
+            losses.append(float(loss))
+        runs.append((params, losses))
+    return runs
 
 
 @pytest.mark.parametrize("optimiser", _OPTIMISERS)
@@ -260,7 +265,7 @@ def test_ordinary_models_train_with_every_optimiser(name, optimiser):
         space = pj.trace(fn, params, x)
         assert space.num_hidden > 0
         tx, needs_inputs = _partitioned(space, params, optimiser)
-        _, losses = _run(fn, loss_of, tx, needs_inputs, params, x, 40)
+        [(_, losses)] = _run(fn, loss_of, tx, needs_inputs, [params], x, 40)
         assert np.all(np.isfinite(losses)) and losses[-1] < losses[0], losses
 
     model, x, loss_of = _task(name, F64)
@@ -270,7 +275,6 @@ def test_ordinary_models_train_with_every_optimiser(name, optimiser):
     assert space.num_hidden > 0
     rescaled = pj.random_rescale(space, params, jax.random.key(2), max_exponent=4)
     tx, needs_inputs = _partitioned(space, params, optimiser)
-    p1, l1 = _run(fn, loss_of, tx, needs_inputs, params, x, 5)
-    p2, l2 = _run(fn, loss_of, tx, needs_inputs, rescaled, x, 5)
+    (p1, l1), (p2, l2) = _run(fn, loss_of, tx, needs_inputs, [params, rescaled], x, 5)
     np.testing.assert_allclose(l1, l2, rtol=1e-8)
     np.testing.assert_allclose(fn(p1, x), fn(p2, x), rtol=1e-8, atol=1e-10)
