@@ -15,6 +15,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.flatten_util import ravel_pytree
 
 import pathspace_jax as pj
 
@@ -230,8 +231,9 @@ def _partitioned(space, params, name):
     return optax.partition({"path": path[name], "other": optax.adam(1e-3)}, labels), False
 
 
-def _run(fn, loss_of, tx, needs_inputs, starts, x, steps):
-    """``steps`` steps of ``tx`` from each of ``starts`` (one compiled step for all): their (params, losses)."""
+def _stepper(fn, loss_of, tx, needs_inputs, x):
+    """``run(params, steps)``: (params, losses) after ``steps`` steps of ``tx`` from ``params`` (one compiled step
+    for every start)."""
 
     @jax.jit
     def step(p, s):
@@ -240,41 +242,38 @@ def _run(fn, loss_of, tx, needs_inputs, starts, x, steps):
         u, s = tx.update(g, s, p, **kw)
         return optax.apply_updates(p, u), s, loss
 
-    runs = []
-    for params in starts:
+    def run(params, steps):
         s, losses = tx.init(params), []
         for _ in range(steps):
             params, s, loss = step(params, s)
             losses.append(float(loss))
-        runs.append((params, losses))
-    return runs
+        return params, np.asarray(losses)
+
+    return run
 
 
 @pytest.mark.parametrize("optimiser", _OPTIMISERS)
 @pytest.mark.parametrize("name", ["lm", "scan_lm", "lstm"])
 def test_ordinary_models_train_with_every_optimiser(name, optimiser):
     """A Transformer LM (blocks in a loop, or stacked with nn.scan and nn.remat) and an nn.OptimizedLSTMCell with a
-    ReLU head, through ``optax.partition`` with ``pj.path_labels``: 40 steps at the docs' learning rates are finite
-    and lower the loss (the stacked LM is the loop's network, `test_layers_stacked_with_scan_are_the_network_written_
-    as_a_loop`: it trains in float64 only); from a `pj.random_rescale`d start (float64) the losses and the function
-    follow the same trajectory."""
-    if name != "scan_lm":
-        model, x, loss_of = _task(name, F32)
-        params = model.init(jax.random.key(1), x)["params"]
-        fn = lambda p, x: model.apply({"params": p}, x)  # noqa: E731
-        space = pj.trace(fn, params, x)
-        assert space.num_hidden > 0
-        tx, needs_inputs = _partitioned(space, params, optimiser)
-        [(_, losses)] = _run(fn, loss_of, tx, needs_inputs, [params], x, 40)
-        assert np.all(np.isfinite(losses)) and losses[-1] < losses[0], losses
-
-    model, x, loss_of = _task(name, F64)
+    ReLU head, through ``optax.partition`` with ``pj.path_labels``, in float32: 40 steps at the docs' learning
+    rates are finite and lower the loss, and from a `pj.random_rescale`d start (powers of two: exact in floating
+    point) the losses and the function follow the same trajectory for 5 steps, up to float32 rounding (over 40,
+    G-SGD's rounding grows apart on the LM: 4e-4 in the loss)."""
+    model, x, loss_of = _task(name, F32)
     params = model.init(jax.random.key(1), x)["params"]
     fn = lambda p, x: model.apply({"params": p}, x)  # noqa: E731
     space = pj.trace(fn, params, x)
     assert space.num_hidden > 0
     rescaled = pj.random_rescale(space, params, jax.random.key(2), max_exponent=4)
+    assert not np.allclose(ravel_pytree(rescaled)[0], ravel_pytree(params)[0])
     tx, needs_inputs = _partitioned(space, params, optimiser)
-    (p1, l1), (p2, l2) = _run(fn, loss_of, tx, needs_inputs, [params, rescaled], x, 5)
-    np.testing.assert_allclose(l1, l2, rtol=1e-8)
-    np.testing.assert_allclose(fn(p1, x), fn(p2, x), rtol=1e-8, atol=1e-10)
+    run = _stepper(fn, loss_of, tx, needs_inputs, x)
+    _, losses = run(params, 40)
+    assert np.all(np.isfinite(losses)) and losses[-1] < losses[0], losses
+    (p1, l1), (p2, l2) = run(params, 5), run(rescaled, 5)
+    # float32 rounding (measured: Path-SGD and DDP-SGD bit for bit; G-SGD and G-Adam, whose charts round apart,
+    # losses within 4e-7 and outputs within 2e-5 of the largest after 5 steps; a broken invariance is O(1))
+    np.testing.assert_allclose(l1, l2, rtol=2e-6)
+    out = fn(p1, x)
+    np.testing.assert_allclose(fn(p2, x), out, rtol=1e-5, atol=1e-4 * float(np.max(np.abs(out))))
