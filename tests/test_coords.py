@@ -336,8 +336,8 @@ def test_g_sgd_step_moves_coordinates_by_minus_eta_grad(name, spaces):
     """With default arguments one G-SGD step moves the normalised coordinates φ = c / σ by exactly −η ∂L/∂φ,
     i.e. c by −η σ² ∂L/∂c (σ: `coord_scales` at the step's start); with ``normalize=False`` c by −η ∂L/∂c.
     ∂L/∂c is found by least squares on the Jacobian of the brute-force path products, not by the library.
-    ``rebalance`` acts after the step, on the gauge weights alone: each model runs it with one ``normalize`` and
-    not with the other, alternating along the zoo (every pair of the two flags is run on half of the zoo)."""
+    Each model runs one pair of ``normalize`` and ``rebalance`` (which acts after the step, on the gauge weights
+    alone), in turn along the zoo: each pair on a quarter of it."""
     case, space = ZOO[name], spaces[name]
     loss, batch = _loss_fn(case)
     gv, mask = _dense_coord_grad(space, case, loss, batch)
@@ -352,21 +352,20 @@ def test_g_sgd_step_moves_coordinates_by_minus_eta_grad(name, spaces):
         new = optax.apply_updates(case.params, u)
         return u, np.asarray(ravel_pytree(pj.to_coords(space, new))[0]) - c0
 
-    for normalize, s2 in ((True, sigma**2), (False, np.ones_like(sigma))):
-        # small enough that no in-skeleton coordinate shrinks by half (the safeguard stays inactive)
-        want = -s2 * gv
-        eta = min(1e-3, 0.4 * float(np.min(np.abs(c0[inskel] / want[inskel]), initial=np.inf)))
-        rebalance = normalize == (IDS.index(name) % 2 == 0)
-        u, dc = step(_jitted(pj.g_sgd(space, eta, normalize=normalize, rebalance=rebalance)))
-        atol = 1e-12 * max(1, np.abs(c0).max())
-        np.testing.assert_allclose(dc[mask], eta * want[mask], rtol=1e-7, atol=atol)
-        assert not np.allclose(ravel_pytree(u)[0], -eta * ravel_pytree(g)[0])  # G-SGD is not plain SGD
-        w0 = np.asarray(ravel_pytree(case.params)[0])
-        ratio = (w0 + np.asarray(ravel_pytree(u)[0]))[~mask] / w0[~mask]
-        if rebalance:  # the gauge weights move by powers of two only (towards the balanced frame)
-            np.testing.assert_allclose(np.exp2(np.round(np.log2(np.abs(ratio)))), ratio, rtol=1e-12)
-        else:  # gauge weights do not move
-            np.testing.assert_array_equal(ratio, 1.0)
+    normalize, rebalance = [(True, True), (False, False), (True, False), (False, True)][IDS.index(name) % 4]
+    want = -(sigma**2 if normalize else 1.0) * gv
+    # small enough that no in-skeleton coordinate shrinks by half (the safeguard stays inactive)
+    eta = min(1e-3, 0.4 * float(np.min(np.abs(c0[inskel] / want[inskel]), initial=np.inf)))
+    u, dc = step(_jitted(pj.g_sgd(space, eta, normalize=normalize, rebalance=rebalance)))
+    atol = 1e-12 * max(1, np.abs(c0).max())
+    np.testing.assert_allclose(dc[mask], eta * want[mask], rtol=1e-7, atol=atol)
+    assert not np.allclose(ravel_pytree(u)[0], -eta * ravel_pytree(g)[0])  # G-SGD is not plain SGD
+    w0 = np.asarray(ravel_pytree(case.params)[0])
+    ratio = (w0 + np.asarray(ravel_pytree(u)[0]))[~mask] / w0[~mask]
+    if rebalance:  # the gauge weights move by powers of two only (towards the balanced frame)
+        np.testing.assert_allclose(np.exp2(np.round(np.log2(np.abs(ratio)))), ratio, rtol=1e-12)
+    else:  # gauge weights do not move
+        np.testing.assert_array_equal(ratio, 1.0)
 
 
 @pytest.mark.parametrize("name", ["mlp", "stacked_rnn_every_step"])

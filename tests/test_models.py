@@ -85,9 +85,9 @@ def _inputs(kind, dtype, batch=6):
 @pytest.mark.parametrize("kind, remat", [("mlp", False), ("mlp", True), ("transformer", False), ("transformer", True)])
 def test_layers_stacked_with_scan_are_the_network_written_as_a_loop(kind, remat):
     """H, the path norm, Path-SGD's κ, DDP-Normalization (MLP) and (without remat: with it, the same programs) one
-    step of Path-SGD and of DDP-SGD (exact, α = 1 and, on the MLP, 0.5) of the scan-stacked model equal the
-    loop-written model's with the same weights (float32); the Transformer's path norm and κ are compared once, in
-    its remat variant (the trace enters nn.remat: the same programs, and Path-SGD's step divides by that κ).
+    step of DDP-SGD (exact, α = 1 and, on the MLP, 0.5) and, on the MLP, of Path-SGD of the scan-stacked model
+    equal the loop-written model's with the same weights (float32); the Transformer's path norm and κ are compared
+    once, in its remat variant (the trace enters nn.remat: the same programs, and Path-SGD's step divides by that κ).
     Before, every scanned weight was "other" (sliced by a scan), H was 0 and Path-SGD and DDP-SGD raised at the
     first update."""
     x = _inputs(kind, F32)
@@ -116,9 +116,9 @@ def test_layers_stacked_with_scan_are_the_network_written_as_a_loop(kind, remat)
         return
     y = jnp.ones((x.shape[0], 2), F32)
     grad = lambda f, p: jax.grad(lambda p: jnp.mean((f(p, x) - y) ** 2))(p)  # noqa: E731
-    makers = [(lambda s: pj.path_sgd(s, 0.1), {}), (lambda s: pj.ddp_sgd(s, 0.1, alpha=1.0, estimator="exact"), x)]
-    if kind == "mlp":
-        makers.append((lambda s: pj.ddp_sgd(s, 0.1, alpha=0.5, estimator="exact"), x))
+    makers = [(lambda s: pj.ddp_sgd(s, 0.1, alpha=1.0, estimator="exact"), x)]
+    if kind == "mlp":  # the Transformer's Path-SGD step divides by the κ compared above (remat: the same programs)
+        makers += [(lambda s: pj.path_sgd(s, 0.1), {}), (lambda s: pj.ddp_sgd(s, 0.1, alpha=0.5, estimator="exact"), x)]
     for make, batch in makers:
         kw = {"inputs": batch} if isinstance(batch, jax.Array) else {}
         step = lambda t, f, kw=kw: jax.jit(lambda p: t.update(grad(f, p), t.init(p), p, **kw)[0])  # noqa: E731

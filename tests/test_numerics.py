@@ -77,8 +77,10 @@ def _mse(fn):
 # ----------------------------------------------------------------------------- invariance with defaults
 
 
-@pytest.mark.parametrize("max_exponent", [2, 4, 8, 20])
-@pytest.mark.parametrize("name", ["mlp", "res", "cnn", "rnn"])
+@pytest.mark.parametrize(  # the widest range on every model, and each narrower one on some
+    "name, max_exponent", [("mlp", 20), ("mlp", 2), ("res", 20), ("res", 4), ("cnn", 20), ("cnn", 8), ("rnn", 20),
+                           ("rnn", 2)]
+)  # fmt: skip
 def test_path_sgd_defaults_are_invariant_in_float32(name, max_exponent):
     """The default floor scales like κ: one step from any power-of-two rescaling gives the same function."""
     fn, params, x, y, space = _setup(name)
