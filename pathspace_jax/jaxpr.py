@@ -382,11 +382,17 @@ def loop_counter(sc: Scan) -> int | None:
 
 def dynamically_sliced(sc: Scan, k: int) -> bool:
     """Whether the body of scan ``sc`` reads its operand ``k`` with a ``dynamic_slice`` (``ws[i]``) or a ``gather``
-    (``jnp.take(ws, i, axis=0)``), directly or inside a call (``jnp.take`` is a ``jit``)."""
+    of one row (``jnp.take(ws, i, axis=0)``; not a lookup of a batch of ids), directly or inside a call
+    (``jnp.take`` is a ``jit``)."""
+
+    def one_row(e) -> bool:
+        return e.primitive.name == "dynamic_slice" or (
+            e.primitive.name == "gather" and getattr(e.invars[1].aval, "shape", None) == (1,)
+        )
 
     def reads(jaxpr, v) -> bool:
         for e in jaxpr.eqns:
-            if e.primitive.name in ("dynamic_slice", "gather") and e.invars[0] is v:
+            if e.invars and e.invars[0] is v and one_row(e):
                 return True
             sub = call_body(e)
             if sub is not None and any(reads(sub.jaxpr, w) for u, w in zip(e.invars, sub.jaxpr.invars) if u is v):

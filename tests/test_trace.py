@@ -564,6 +564,28 @@ def test_layers_stacked_in_one_leaf_and_read_one_by_one(read):
         chex.assert_trees_all_close({**got, "ws": list(got["ws"]), "bs": list(got["bs"])}, want, rtol=1e-12)
 
 
+def test_a_loop_that_looks_up_tokens_by_its_counter_stays_a_recurrence():
+    """A ReLU RNN written with ``lax.fori_loop`` that reads token ``t``'s embeddings by its counter
+    (``jnp.take(emb, ids[:, t], axis=0)`` or ``emb[ids[:, t]]``, a lookup of a batch of ids) is a recurrence, not a
+    stack of layers unrolled by the counter (as a loop reading one row ``jnp.take(ws, i, axis=0)`` is): the
+    recurrent kernel ties its group to itself, H 4."""
+    rng = np.random.default_rng(0)
+    shapes = {"emb": (7, 4), "w": (4, 4), "out": (4, 2)}
+    params = {k: jnp.asarray(rng.standard_normal(shape)) for k, shape in shapes.items()}
+    ids = jnp.asarray(rng.integers(0, 7, (5, 6)))
+    lookups = {"take": lambda p, i: jnp.take(p["emb"], i, axis=0), "index": lambda p, i: p["emb"][i]}
+    for lookup in lookups.values():
+
+        def fn(p, ids, lookup=lookup):
+            body = lambda t, h: jax.nn.relu(h @ p["w"] + lookup(p, ids[:, t]))  # noqa: E731
+            return jax.lax.fori_loop(0, ids.shape[1], body, jnp.zeros((ids.shape[0], 4))) @ p["out"]
+
+        space = pj.trace(fn, params, ids)
+        assert space.num_hidden == 4
+        assert {leaf.path: (leaf.kind, leaf.recurrent) for leaf in space.leaves} == {
+            "emb": ("weight", False), "w": ("weight", True), "out": ("weight", False)}  # fmt: skip
+
+
 # ------------------------------------------------------------------------- bad input
 
 
