@@ -479,18 +479,9 @@ def test_batch_size_does_not_change_structure():
 
 @pytest.mark.parametrize(
     "read",
-    [
-        "iterate",
-        "split",
-        "take",
-        "fori_loop",
-        "fori_loop take",
-        "some layers",
-        "fori_loop from 1",
-        "whole too",
-        "mixed roles",
-    ],  # fmt: skip
-)
+    ["iterate", "split", "take", "fori_loop", "fori_loop take", "some layers", "fori_loop from 1", "whole too",
+     "mixed roles"],
+)  # fmt: skip
 def test_layers_stacked_in_one_leaf_and_read_one_by_one(read):
     """Layers stacked in one leaf and read one by one (``ws[i]``, ``for w in ws``: static slices or, on JAX 0.12+,
     an unstack; ``jnp.split``; ``jnp.take(ws, i, axis=0)``, a gather of a known row; ``lax.fori_loop`` reading
@@ -533,7 +524,8 @@ def test_layers_stacked_in_one_leaf_and_read_one_by_one(read):
     x = jnp.asarray(rng.standard_normal((5, 3)))
     space = pj.trace(fn, params, x)
     kinds = {leaf.path: leaf.kind for leaf in space.leaves}
-    if read in ("iterate", "split", "take", "fori_loop", "fori_loop take"):
+    one_by_one = ("iterate", "split", "take", "fori_loop", "fori_loop take")
+    if read in one_by_one:
         assert space.num_hidden == 4 + 4 + 3 * 4
         assert kinds == {"w0": "weight", "w1": "weight", "ws": "weight", "bs": "bias", "out": "weight"}
     elif read == "mixed roles":  # bs's layers are biases and a scale: bs is "other", the units it touches pinned
@@ -545,12 +537,7 @@ def test_layers_stacked_in_one_leaf_and_read_one_by_one(read):
         note = "read whole as well as layer by layer" if read == "whole too" else "reads 2 of its 3 layers"
         assert note in pj.describe(space)
     pj.testing.assert_function_invariant(fn, space, params, x)
-    if read in (
-        "iterate",
-        "split",
-        "take",
-        "fori_loop",
-    ):  # Path-SGD's κ: the one of the same network with each layer a leaf of its own
+    if read in one_by_one:  # Path-SGD's κ: the one of the same network with each layer a leaf of its own
         unstacked = {**params, "ws": list(params["ws"]), "bs": list(params["bs"])}
 
         def fn_list(p, x):
