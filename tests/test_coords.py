@@ -346,17 +346,13 @@ def test_g_sgd_step_moves_coordinates_by_minus_eta_grad(name, spaces):
     inskel = _inskel(_rows(space))
     assert np.all(sigma[mask] > 0) and np.all(sigma[~mask] == 1)  # 1 at the gauge
     g = jax.grad(loss)(case.params, batch)
-
-    def step(tx):
-        u, _ = tx.update(g, tx.init(case.params), case.params)
-        new = optax.apply_updates(case.params, u)
-        return u, np.asarray(ravel_pytree(pj.to_coords(space, new))[0]) - c0
-
     normalize, rebalance = [(True, True), (False, False), (True, False), (False, True)][IDS.index(name) % 4]
     want = -(sigma**2 if normalize else 1.0) * gv
     # small enough that no in-skeleton coordinate shrinks by half (the safeguard stays inactive)
     eta = min(1e-3, 0.4 * float(np.min(np.abs(c0[inskel] / want[inskel]), initial=np.inf)))
-    u, dc = step(_jitted(pj.g_sgd(space, eta, normalize=normalize, rebalance=rebalance)))
+    tx = _jitted(pj.g_sgd(space, eta, normalize=normalize, rebalance=rebalance))
+    u, _ = tx.update(g, tx.init(case.params), case.params)
+    dc = np.asarray(ravel_pytree(pj.to_coords(space, optax.apply_updates(case.params, u)))[0]) - c0
     atol = 1e-12 * max(1, np.abs(c0).max())
     np.testing.assert_allclose(dc[mask], eta * want[mask], rtol=1e-7, atol=atol)
     assert not np.allclose(ravel_pytree(u)[0], -eta * ravel_pytree(g)[0])  # G-SGD is not plain SGD
