@@ -77,12 +77,16 @@ class ShapeRules:
         return [x for c in self.atoms.expand[r] for x in self._ids(c)]
 
     def rule_squeeze(self, eqn, ins):
-        v = ins[0]
-        dims = {d % len(v.axes) for d in jx.param(eqn, "dimensions")}
+        return [self._squeezed(ins[0], jx.param(eqn, "dimensions"))]
+
+    @staticmethod
+    def _squeezed(v: Val, dimensions) -> Val:
+        """``v`` without its axes ``dimensions`` (each of one entry): their atoms become scalars."""
+        dims = {d % len(v.axes) for d in dimensions}
         gone = [a for k in sorted(dims) for a in v.axes[k]]
-        return [
-            dataclasses.replace(v, axes=[ax for k, ax in enumerate(v.axes) if k not in dims], scalars=v.scalars + gone)
-        ]
+        return dataclasses.replace(
+            v, axes=[ax for k, ax in enumerate(v.axes) if k not in dims], scalars=v.scalars + gone
+        )
 
     def rule_transpose(self, eqn, ins):
         v = ins[0]
@@ -294,13 +298,13 @@ class ShapeRules:
             return None
         if not jx.is_row_lookup(eqn.params, len(in_shape), tuple(in_shape[1:]), len(out_shape)):
             return None
-        layer = self._layer(op, in_shape, (1, *in_shape[1:]), 0, int(rows[0]))
+        i = int(rows[0])
+        layer = self._layer(op, in_shape, (1, *in_shape[1:]), 0, i)
         if layer is None:
             return None
-        as_slice, as_squeeze = jx.static_row(eqn, int(rows[0]))
+        as_slice, as_squeeze = jx.static_row(eqn, i)
         [sliced] = self.record(eqn, [op], [layer], as_=as_slice)
-        row = dataclasses.replace(sliced, axes=sliced.axes[1:], scalars=sliced.scalars + sliced.axes[0])
-        return self.record(eqn, [sliced], [row], as_=as_squeeze)
+        return self.record(eqn, [sliced], [self._squeezed(sliced, (0,))], as_=as_squeeze)
 
     def rule_gather(self, eqn, ins):
         op, idx = ins[0], ins[1]

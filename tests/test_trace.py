@@ -560,8 +560,7 @@ def test_a_loop_that_looks_up_tokens_by_its_counter_stays_a_recurrence():
     shapes = {"emb": (7, 4), "w": (4, 4), "out": (4, 2)}
     params = {k: jnp.asarray(rng.standard_normal(shape)) for k, shape in shapes.items()}
     ids = jnp.asarray(rng.integers(0, 7, (5, 6)))
-    lookups = {"take": lambda p, i: jnp.take(p["emb"], i, axis=0), "index": lambda p, i: p["emb"][i]}
-    for lookup in lookups.values():
+    for lookup in (lambda p, i: jnp.take(p["emb"], i, axis=0), lambda p, i: p["emb"][i]):
 
         def fn(p, ids, lookup=lookup):
             body = lambda t, h: jax.nn.relu(h @ p["w"] + lookup(p, ids[:, t]))  # noqa: E731
