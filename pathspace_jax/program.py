@@ -156,6 +156,7 @@ def _finish(
     prog = Program(eqns, n_params, in_ids, frame.out_ids, frame.consts, kinds, [], [], who, err, pinned,
                    lookups=lookups, fixed=fixed)  # fmt: skip
     body = in_kinds is not None
+    prog.masks = _masks(prog)
     _find_boundary(prog, _find_nodes(prog, body=body), body=body)
     return prog
 
@@ -212,13 +213,13 @@ def _find_nodes(prog: Program, body: bool = False) -> set[int]:
                 uses.setdefault(x, []).append(e)
     fresh: set[int] = set()
     for e in prog.eqns:
-        name = e.prim.name
+        name, ids = e.prim.name, [x for x in e.ins if not isinstance(x, tuple)]
         if kinds[e.outs[0]] != "act":
             continue
         if prog.is_edge(e) or e.outs[0] in prog.lookups:
             fresh.add(e.outs[0])
-        elif rule(name).continues_node:
-            if any((not isinstance(x, tuple)) and x in fresh for x in e.ins):
+        elif rule(name).continues_node and not any(x in prog.masks for x in ids):  # a gate ends it, as ReLU does
+            if any(x in fresh for x in ids):
                 fresh.add(e.outs[0])
     outs = [x for x in prog.out_ids if not isinstance(x, tuple) and kinds[x] == "act"]
     nodes = []
@@ -294,7 +295,25 @@ def _find_boundary(prog: Program, fresh: set[int], body: bool = False) -> None:
 
 
 # what the |·|^p network evaluates besides the primitives whose rule is ``as_is`` (`pathspace_jax.squared`)
-_EVALUATED = frozenset({"mul", "div", "sub", "neg", "abs", "dot_general", "conv_general_dilated", "scan"})
+_EVALUATED = frozenset(
+    {"mul", "div", "sub", "neg", "abs", "stop_gradient", "dot_general", "conv_general_dilated", "scan"}
+)
+
+
+def _masks(prog: Program) -> set[int]:
+    """The activation values of degree 0: comparisons of activations (``h > 0``) and other operations whose result
+    does not scale with their operands (``sign``), and what is computed from them and constants alone (a cast, a
+    ``(sign(h) + 1) / 2``). The trace reads them as constants of the structure (a mask: ReLU written as
+    ``h * (h > 0)``); the |·|^p network evaluates them as they are on its non-negative values, where they are
+    ReLU's gate, and a product raises them to p as it does any constant coefficient (`pathspace_jax.squared`)."""
+    kinds, masks = prog.kinds, set()
+    for e in prog.eqns:
+        acts = [x for x in e.ins if not isinstance(x, tuple) and kinds[x] == "act"]
+        degree0 = rule(e.prim.name).structure in ("compare", "degree0")
+        if acts and e.body is None and (degree0 or all(x in masks for x in acts)):
+            if not any(not isinstance(x, tuple) and kinds[x] == "param" for x in e.ins):
+                masks.update(o for o in e.outs if kinds[o] == "act")
+    return masks
 
 
 def _input_gates(prog: Program) -> set[int]:

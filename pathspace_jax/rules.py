@@ -117,6 +117,10 @@ _group(Rule("relabel", as_is=True, passes_node=True, keeps_ones=True), "copy", "
 _group(Rule("relabel", as_is=True, passes_node=True), "reduce_precision")
 _group(Rule("method", as_is=True, passes_node=True), "transpose")
 _group(Rule("relabel", passes_node=True), "neg")
+# stop_gradient of an activation: the same values (the network's function does not see it); the |·|^p network
+# computes it as the identity, so that κ counts the paths through it, while DDP's forward pass keeps it, as the
+# user's gradient does. Of a pinned value or parameters: a constant of the structure (`Interpreter.rule_stop_gradient`)
+_group(Rule("method", passes_node=True, keeps_ones=True, same_entries=True), "stop_gradient")
 _group(Rule("relabel"), "device_put", "optimization_barrier", "pvary", "real", "sharding_constraint")
 
 _group(Rule("method", as_is=True, merges_node=True, sums=True), "add", "add_any")
@@ -140,7 +144,7 @@ _group(
 )  # fmt: skip
 
 _group(Rule("compare", as_is=True), "eq", "ne", "lt", "le", "gt", "ge")
-_group(Rule("degree0", as_is=True), "not", "stop_gradient")
+_group(Rule("degree0", as_is=True), "not")
 _group(Rule("degree0"), "sign", "is_finite")
 _group(Rule(None, as_is=True), "and", "or")
 _group(Rule("source"), "iota", "empty")

@@ -42,8 +42,8 @@ def _squared_op(e: Eqn, ks: Sequence[str], vals: list, out_kind: str, power: flo
 
     Linear coefficients that are constants (average pooling's 1/k, a fixed scale) are raised to ``power``
     (parameters arrive already raised, and so do coefficients computed from them: kind ``"raised"``);
-    ``sub``/``neg``/``abs`` become ``add``/identity; ReLU, max pooling and the other ops whose rule is ``as_is``
-    (`pathspace_jax.rules`) are applied as they are. Anything else raises ``err``.
+    ``sub``/``neg``/``abs``/``stop_gradient`` become ``add``/identity; ReLU, max pooling and the other ops whose
+    rule is ``as_is`` (`pathspace_jax.rules`) are applied as they are. Anything else raises ``err``.
     """
     name = e.prim.name
     if out_kind == "const":
@@ -64,7 +64,7 @@ def _squared_op(e: Eqn, ks: Sequence[str], vals: list, out_kind: str, power: flo
         )
     if name == "sub":
         return [jnp.add(*vals)]
-    if name in ("neg", "abs"):
+    if name in ("neg", "abs", "stop_gradient"):
         return [vals[0]]
     if rule(name).as_is or name.startswith("custom_"):  # custom_*: kept whole only around ReLU-like code
         if name == "scatter-max" and ks[0] == "const":  # −∞ where no update lands: no path, 0 here
@@ -226,6 +226,8 @@ def evaluate(
         ks = ["raised" if k == "param" and x in raw_only else k for k, x in zip(ks, e.ins, strict=True)]
         if e.prim.name in ("dot_general", "mul") and ks == ["act", "act"] and len(set(e.ins) & boundary) == 1:
             ks = ["const" if x in boundary else k for k, x in zip(ks, e.ins, strict=True)]  # attention's weights: 1
+        if e.prim.name == "mul" and ks == ["act", "act"] and len(set(e.ins) & prog.masks) == 1:
+            ks = ["const" if x in prog.masks else k for k, x in zip(ks, e.ins, strict=True)]  # a gate: h * (h > 0)
         out_kind = kinds[e.outs[0]]
         if out_kind == "param" and e.prim.name != "scan" and raw_coefficient(e, ks):
             continue
@@ -242,6 +244,8 @@ def evaluate(
             outs = _eval_scan(e, vals, power, pert, record, idx, sinks, post_t, tap, unroll)
         elif out_kind == "const":
             outs = bind(e, vals)
+        elif e.outs[0] in prog.masks:  # (`pathspace_jax.program._masks`): evaluated as it is, with no exponent
+            outs = [V(m, None) for m in bind(e, align(vals)[0])]
         elif e.outs[0] in prog.bnd:
             outs = _boundary_op(prog, e, ks, vals)
         elif e.outs[0] in prog.lookups:
@@ -529,7 +533,8 @@ def _check_linear_body(bp: Program) -> None:
             )
         if rule(e.prim.name).breaks_linearity:
             zero = any(isinstance(x, tuple) and not np.any(np.asarray(x[1])) for x in e.ins)
-            if not (e.prim.name == "max" and zero):
+            gate = not isinstance(e.ins[0], tuple) and e.ins[0] in bp.masks  # where(h > 0, h, 0): one case a step
+            if not (e.prim.name == "max" and zero or e.prim.name == "select_n" and gate):
                 raise bp.err(
                     f"{bp.who}(second_order=True): {e.prim.name} at {e.where} makes the squared recurrent body "
                     "non-linear in its carry; the exact κ⁽²⁾ needs a ReLU cell (use second_order=False)"

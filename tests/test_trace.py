@@ -730,6 +730,7 @@ _RELUS = {
     "jnp.maximum(0, x)": lambda z: jnp.maximum(0.0, z),
     "x * (x > 0)": lambda z: z * (z > 0),
     "jnp.where": lambda z: jnp.where(z > 0, z, 0.0),
+    "x * (sign(x) + 1) / 2": lambda z: z * (jnp.sign(z) + 1) / 2,
     "leaky_relu": lambda z: jax.nn.leaky_relu(z, 0.05),
     "abs": jnp.abs,
     "identity": lambda z: z,
@@ -742,6 +743,7 @@ _NOT_HOMOGENEOUS = {
     "x + 1 (a constant offset)": lambda z: jax.nn.relu(z + 1.0),
     "x > 0.5 (a non-zero threshold)": lambda z: jnp.where(z > 0.5, z, 0.0),
     "softmax over the units": lambda z: jax.nn.softmax(z, axis=-1),
+    "relu(x) * stop_gradient(x) (of degree 2)": lambda z: jax.nn.relu(z) * jax.lax.stop_gradient(z),
 }
 
 
@@ -761,6 +763,51 @@ def test_homogeneous_activations_however_written(name):
     space = pj.trace(fn, params, x, strict=True)
     assert space.num_hidden == 4
     pj.testing.assert_function_invariant(fn, space, params, x)
+
+
+_SAME_AS_RELU = ["jnp.maximum(0, x)", "x * (x > 0)", "jnp.where", "x * (sign(x) + 1) / 2"]
+
+
+@pytest.mark.parametrize("recurrent", [False, True], ids=["mlp", "rnn"])
+def test_relu_however_written_has_the_path_norm_and_kappas_of_jax_nn_relu(recurrent):
+    """ReLU written as a mask (``x * (x > 0)``, whose mask the trace reads as a constant of the structure), a
+    select or a sign gate: the |·|^p network evaluates the mask on its non-negative values, where it is ReLU's gate,
+    so the path norm, κ (κ⁽²⁾ in a recurrence), DDP-SGD's κ (α 0.5: its γ² recursion) and DDP-Normalization equal
+    those of the network with ``jax.nn.relu``. Before, a product with a mask was refused as "not positively
+    homogeneous", the sign gate's 1/2 was squared without its 2, and a select refused κ⁽²⁾."""
+    k = jax.random.split(jax.random.key(3), 6)
+    if recurrent:
+        params = {"wi": jax.random.normal(k[0], (3, 4)), "wh": 0.5 * jax.random.normal(k[1], (4, 4)),
+                  "b": 0.1 * jax.random.normal(k[2], (4,)), "wo": jax.random.normal(k[3], (4, 2))}  # fmt: skip
+        x = jax.random.normal(k[4], (6, 5, 3))
+
+        def network(act):
+            def fn(p, xs):
+                step = lambda h, xt: (act(xt @ p["wi"] + h @ p["wh"] + p["b"]), None)  # noqa: E731
+                h, _ = jax.lax.scan(step, jnp.zeros((xs.shape[0], 4)), jnp.swapaxes(xs, 0, 1))
+                return h @ p["wo"]
+
+            return fn
+    else:
+        params = {"w1": jax.random.normal(k[0], (3, 4)), "b1": 0.1 * jax.random.normal(k[2], (4,)),
+                  "w2": jax.random.normal(k[1], (4, 5)), "w3": jax.random.normal(k[3], (5, 2))}  # fmt: skip
+        x = jax.random.normal(k[4], (6, 3))
+
+        def network(act):
+            return lambda p, x: act(act(x @ p["w1"] + p["b1"]) @ p["w2"]) @ p["w3"]
+
+    def quantities(act):
+        fn = network(act)
+        space = pj.trace(fn, params, x, strict=True)
+        out = {"norm": pj.path_norm(space, params), "kappa": pj.path_kappa(space, params, second_order=recurrent),
+               "ddp": pj.ddp_kappa(space, params, x, alpha=0.5)}  # fmt: skip
+        if not recurrent:
+            out["normalized"] = pj.ddp_normalize(space, alpha=0.5)(params, x)
+        return out
+
+    expected = quantities(jax.nn.relu)
+    for name in _SAME_AS_RELU:
+        chex.assert_trees_all_close(quantities(_RELUS[name]), expected, rtol=1e-12)
 
 
 @pytest.mark.parametrize("name", list(_NOT_HOMOGENEOUS))
