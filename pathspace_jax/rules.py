@@ -127,19 +127,22 @@ _group(Rule("method", as_is=True, merges_node=True, sums=True), "add", "add_any"
 _group(Rule("method", merges_node=True), "sub")
 _group(Rule("method", merges_node=True, multiplicative=True), "mul", "div")
 _group(Rule("method", multiplicative=True), "dot_general", "conv_general_dilated")
-_group(Rule("method", as_is=True, sums=True), "reduce_sum", "reduce_window_sum", "scatter-add")
-_group(Rule("method", as_is=True), "concatenate", "dynamic_slice", "gather", "pad", "rev", "slice", "split", "unstack")
+_group(Rule("method", as_is=True, sums=True), "reduce_sum", "reduce_window_sum", "scatter-add", "cumsum")
+_group(
+    Rule("method", as_is=True),
+    "concatenate", "stack", "tile", "dynamic_slice", "gather", "pad", "rev", "slice", "split", "unstack",
+)  # fmt: skip
 _group(Rule("method", as_is=True, passes_node=True), "scatter")  # x.at[ids].set(0): entries set to zero
 
 _group(
     Rule("method", as_is=True, breaks_linearity=True),
-    "max", "reduce_max", "reduce_window_max", "scatter-max", "select_n",
+    "max", "reduce_max", "reduce_window_max", "scatter-max", "select_n", "cummax",
 )  # fmt: skip
 _group(Rule("method", breaks_linearity=True), "argmax", "min", "reduce_min")
 _group(Rule(None, breaks_linearity=True), "sort")
 _group(
     Rule("method"),
-    "abs", "argmin", "clamp", "cummax", "cummin", "cumsum", "dynamic_update_slice", "reduce_prod",
+    "abs", "argmin", "clamp", "cummin", "dynamic_update_slice", "reduce_prod",
     "reduce_window_min", "scan", "while", "cond",
 )  # fmt: skip
 
@@ -153,4 +156,6 @@ _group(
     "tanh", "exp", "exp2", "log", "log1p", "expm1", "logistic", "sqrt", "rsqrt", "cbrt", "integer_pow", "square",
     "sin", "cos", "tan", "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh", "erf", "erfc",
     "erf_inv", "lgamma", "digamma", "pow", "atan2", "rem", "floor", "ceil", "round", "logaddexp", "reciprocal",
+    "log2", "cumprod", "cumlogsumexp", "bessel_i0e", "bessel_i1e", "igamma", "igammac", "polygamma", "zeta",
+    "regularized_incomplete_beta",
 )  # fmt: skip

@@ -181,8 +181,31 @@ class ShapeRules:
         return [Val(kind, out)]
 
     def rule_concatenate(self, eqn, ins):
-        dim = jx.param(eqn, "dimension")
-        shape = eqn.outvars[0].aval.shape
+        shapes = [var.aval.shape for var in eqn.invars]
+        return [self._concatenate(ins, shapes, jx.param(eqn, "dimension"), eqn.outvars[0].aval.shape)]
+
+    def rule_stack(self, eqn, ins):
+        """``jnp.stack`` (a primitive of its own since JAX 0.10): each operand with a new axis of one entry,
+        concatenated along it."""
+        axis = jx.param(eqn, "axis")
+        parts = [dataclasses.replace(v, axes=[*v.axes[:axis], [self.atoms.new(1)], *v.axes[axis:]]) for v in ins]
+        shapes = [(*var.aval.shape[:axis], 1, *var.aval.shape[axis:]) for var in eqn.invars]
+        return [self._concatenate(parts, shapes, axis, eqn.outvars[0].aval.shape)]
+
+    def rule_tile(self, eqn, ins):
+        """``jnp.tile`` (a primitive since JAX 0.10): the operand concatenated with itself ``reps[k]`` times
+        along each axis k."""
+        v, shape = ins[0], tuple(eqn.invars[0].aval.shape)
+        for k, r in enumerate(jx.param(eqn, "reps")):
+            if r != 1:
+                out = (*shape[:k], shape[k] * r, *shape[k + 1 :])
+                v, shape = self._concatenate([v] * r, [shape] * r, k, out), out
+        return [v]
+
+    def _concatenate(self, ins: Sequence[Val], in_shapes, dim: int, shape) -> Val:
+        """``ins`` (of ``in_shapes``) concatenated along axis ``dim`` into ``shape``: the other axes are tied; the
+        result's axis ``dim`` is the operands' groups side by side (an alias), or positions where one of them has
+        no single group (pinned)."""
         acts = [v for v in ins if v.kind == ACT]
         for v in ins:
             self.mark_other(v, "concatenated")
@@ -197,11 +220,11 @@ class ShapeRules:
                 continue
             new = self.atoms.new(d)
             segs = []
-            for v, var in zip(ins, eqn.invars):
+            for v, in_shape in zip(ins, in_shapes, strict=True):
                 fs = self.atoms.factors(v.axes[k])
                 if len(fs) == 1 and v.kind == ACT:
                     segs.append(fs[0])
-                elif var.aval.shape[k] > 0:
+                elif in_shape[k] > 0:
                     segs = None
                     break
             if segs is None:
@@ -212,7 +235,7 @@ class ShapeRules:
                 self.atoms.alias[new] = segs
             out.append([new])
         zero = kind == CONST and all(v.zero for v in ins)
-        return [Val(kind, out, zero=zero)]
+        return Val(kind, out, zero=zero)
 
     def _pieces(self, eqn, v: Val, axis: int, shapes) -> list[Val]:
         """``v`` cut along ``axis`` into consecutive pieces of ``shapes``: a stacked leaf's layers (`_layer`), else

@@ -86,8 +86,9 @@ def _squared_op(e: Eqn, ks: Sequence[str], vals: list, out_kind: str, power: flo
 # parameters and raised where the |·|^p network reads it (`evaluate`'s ``raw``).
 _VIEWS = frozenset({
     "reshape", "squeeze", "broadcast_in_dim", "expand_dims", "convert_element_type", "copy", "copy_p",
-    "reduce_precision", "transpose", "neg", "abs", "concatenate", "dynamic_slice", "gather", "pad", "rev", "slice",
-    "split", "unstack", "select_n", "device_put", "optimization_barrier", "pvary", "sharding_constraint",
+    "reduce_precision", "transpose", "neg", "abs", "concatenate", "stack", "tile", "dynamic_slice", "gather", "pad",
+    "rev", "slice", "split", "unstack", "select_n", "device_put", "optimization_barrier", "pvary",
+    "sharding_constraint",
 })  # fmt: skip
 
 

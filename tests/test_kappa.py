@@ -802,6 +802,60 @@ def test_a_maxout_recurrent_cell_is_refused_and_a_maximum_over_time_steps_is_not
     assert all(np.any(g[n] != 0) and not np.any((kappa[n] == 0) & (g[n] != 0)) for n in p)
 
 
+@pytest.mark.parametrize("op", ["cumsum", "cummax"])
+def test_a_running_sum_or_maximum_along_positions_is_its_windows_written_out(op):
+    """A causal mean (``jnp.cumsum`` over the positions over the counts) or running maximum (``lax.cummax``) of a
+    ReLU layer: the path norm, κ and DDP-SGD's κ (α 0.5 and 1) equal those of the same network with each window's
+    sum or maximum written out (slices reduced and stacked). Before, the trace read the cumulative op as
+    homogeneous and path_kappa and ddp_kappa refused it."""
+    ks = jax.random.split(jax.random.key(4), 5)
+    p = {"w": _normal(ks[0], (3, 5)), "b": _normal(ks[1], (5,), 0.1), "o": _normal(ks[2], (5, 2))}
+    x = _normal(ks[3], (4, 6, 3))
+    counts = jnp.arange(1, 7, dtype=F64)[None, :, None]
+    running = {"cumsum": lambda h: jnp.cumsum(h, axis=1) / counts, "cummax": lambda h: jax.lax.cummax(h, axis=1)}[op]
+    reduce = {"cumsum": jnp.sum, "cummax": jnp.max}[op]
+
+    def windows(h):
+        stacked = jnp.stack([reduce(h[:, : t + 1], axis=1) for t in range(h.shape[1])], axis=1)
+        return stacked / counts if op == "cumsum" else stacked
+
+    def quantities(read):
+        fn = lambda p, x: read(jax.nn.relu(x @ p["w"] + p["b"])).mean(1) @ p["o"]  # noqa: E731
+        space = pj.trace(fn, p, x, strict=True)
+        assert space.num_hidden == 5
+        ddp = [pj.ddp_kappa(space, p, x, alpha=a) for a in (0.5, 1.0)]  # the γ² recursion; per-example Jacobians
+        return pj.path_norm(space, p), pj.path_kappa(space, p), ddp
+
+    chex.assert_trees_all_close(quantities(running), quantities(windows), rtol=1e-12)
+
+
+@pytest.mark.parametrize("op", ["stack", "tile"])
+def test_stack_and_tile_are_their_concatenations(op):
+    """``jnp.stack`` and ``jnp.tile`` are primitives of their own in JAX 0.10 and later (before, a broadcast and a
+    concatenation): two ReLU layers stacked along a new axis and summed over it (branches merged), or their sum
+    tiled along its units, then a head, have the structure, path norm, κ and DDP-SGD's κ (α 0.5) of the same network
+    concatenated by hand. Before, both were unknown primitives and pinned their groups (H 0)."""
+    ks = jax.random.split(jax.random.key(5), 6)
+    p = {"a": _normal(ks[0], (3, 4)), "b": _normal(ks[1], (3, 4)), "o": _normal(ks[2], (4 if op == "stack" else 8, 2))}
+    x = _normal(ks[3], (5, 3))
+    written = {
+        "stack": (
+            lambda a, b: jnp.stack([a, b], 1).sum(1),
+            lambda a, b: jnp.concatenate([a[:, None], b[:, None]], 1).sum(1),
+        ),
+        "tile": (lambda a, b: jnp.tile(a + b, (1, 2)), lambda a, b: jnp.concatenate([a + b, a + b], axis=1)),
+    }[op]
+
+    def quantities(join):
+        fn = lambda p, x: join(jax.nn.relu(x @ p["a"]), jax.nn.relu(x @ p["b"])) @ p["o"]  # noqa: E731
+        space = pj.trace(fn, p, x, strict=True)
+        return space.num_hidden, pj.path_norm(space, p), pj.path_kappa(space, p), pj.ddp_kappa(space, p, x, alpha=0.5)
+
+    (h, *rest), (h_ref, *rest_ref) = quantities(written[0]), quantities(written[1])
+    assert h == h_ref == 4  # the two layers' units are summed: one node each
+    chex.assert_trees_all_close(rest, rest_ref, rtol=1e-12)
+
+
 def test_time_major_inputs_are_refused_not_misread():
     """κ runs the network on one example along the inputs' first axis, and DDP averages its statistics over it:
     an RNN that scans the first axis (``time_major=True``) would give κ of a one-step sequence and statistics over
