@@ -185,16 +185,16 @@ class ShapeRules:
         return [self._concatenate(ins, shapes, jx.param(eqn, "dimension"), eqn.outvars[0].aval.shape)]
 
     def rule_stack(self, eqn, ins):
-        """``jnp.stack`` (a primitive of its own since JAX 0.10): each operand with a new axis of one entry,
-        concatenated along it."""
+        """``jnp.stack`` (a primitive of its own in the JAX versions supported): each operand with a new axis of one
+        entry, concatenated along it."""
         axis = jx.param(eqn, "axis")
         parts = [dataclasses.replace(v, axes=[*v.axes[:axis], [self.atoms.new(1)], *v.axes[axis:]]) for v in ins]
         shapes = [(*var.aval.shape[:axis], 1, *var.aval.shape[axis:]) for var in eqn.invars]
         return [self._concatenate(parts, shapes, axis, eqn.outvars[0].aval.shape)]
 
     def rule_tile(self, eqn, ins):
-        """``jnp.tile`` (a primitive since JAX 0.10): the operand concatenated with itself ``reps[k]`` times
-        along each axis k."""
+        """``jnp.tile`` (a primitive of its own, as ``stack``): the operand concatenated with itself ``reps[k]``
+        times along each axis k."""
         v, shape = ins[0], tuple(eqn.invars[0].aval.shape)
         for k, r in enumerate(jx.param(eqn, "reps")):
             if r != 1:

@@ -831,10 +831,10 @@ def test_a_running_sum_or_maximum_along_positions_is_its_windows_written_out(op)
 
 @pytest.mark.parametrize("op", ["stack", "tile"])
 def test_stack_and_tile_are_their_concatenations(op):
-    """``jnp.stack`` and ``jnp.tile`` are primitives of their own in JAX 0.10 and later (before, a broadcast and a
-    concatenation): two ReLU layers stacked along a new axis and summed over it (branches merged), or their sum
-    tiled along its units, then a head, have the structure, path norm, κ and DDP-SGD's κ (α 0.5) of the same network
-    concatenated by hand. Before, both were unknown primitives and pinned their groups (H 0)."""
+    """``jnp.stack`` and ``jnp.tile`` are primitives of their own in the JAX versions supported: two ReLU layers
+    stacked along a new axis and summed over it (branches merged), or their sum tiled along its units, then a head,
+    have the structure, path norm, κ and DDP-SGD's κ (α 0.5) of the same network concatenated by hand. Before, both
+    were unknown primitives and pinned their groups (H 0)."""
     ks = jax.random.split(jax.random.key(5), 6)
     p = {"a": _normal(ks[0], (3, 4)), "b": _normal(ks[1], (3, 4)), "o": _normal(ks[2], (4 if op == "stack" else 8, 2))}
     x = _normal(ks[3], (5, 3))
