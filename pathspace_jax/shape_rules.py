@@ -185,12 +185,11 @@ class ShapeRules:
         return [self._concatenate(ins, shapes, jx.param(eqn, "dimension"), eqn.outvars[0].aval.shape)]
 
     def rule_stack(self, eqn, ins):
-        """``jnp.stack`` (a primitive of its own in the JAX versions supported): each operand with a new axis of one
-        entry, concatenated along it."""
+        """``jnp.stack`` (a primitive of its own in the JAX versions supported): the operands side by side along a new
+        axis of positions, as a scan stacks its steps (a Python loop's states: the same units at every step)."""
         axis = jx.param(eqn, "axis")
-        parts = [dataclasses.replace(v, axes=[*v.axes[:axis], [self.atoms.new(1)], *v.axes[axis:]]) for v in ins]
-        shapes = [(*var.aval.shape[:axis], 1, *var.aval.shape[axis:]) for var in eqn.invars]
-        return [self._concatenate(parts, shapes, axis, eqn.outvars[0].aval.shape)]
+        parts = [dataclasses.replace(v, axes=[*v.axes[:axis], [], *v.axes[axis:]]) for v in ins]
+        return [self._concatenate(parts, None, axis, eqn.outvars[0].aval.shape)]
 
     def rule_tile(self, eqn, ins):
         """``jnp.tile`` (a primitive of its own, as ``stack``): the operand concatenated with itself ``reps[k]``
@@ -205,7 +204,7 @@ class ShapeRules:
     def _concatenate(self, ins: Sequence[Val], in_shapes, dim: int, shape) -> Val:
         """``ins`` (of ``in_shapes``) concatenated along axis ``dim`` into ``shape``: the other axes are tied; the
         result's axis ``dim`` is the operands' groups side by side (an alias), or positions where one of them has
-        no single group (pinned)."""
+        no single group (pinned), or, where ``in_shapes`` is None, positions of one entry per operand (a stack)."""
         acts = [v for v in ins if v.kind == ACT]
         for v in ins:
             self.mark_other(v, "concatenated")
@@ -219,8 +218,8 @@ class ShapeRules:
                 out.append(list(lists[0]))
                 continue
             new = self.atoms.new(d)
-            segs = []
-            for v, in_shape in zip(ins, in_shapes, strict=True):
+            segs = [] if in_shapes is not None else None
+            for v, in_shape in zip(ins, in_shapes, strict=True) if in_shapes is not None else ():
                 fs = self.atoms.factors(v.axes[k])
                 if len(fs) == 1 and v.kind == ACT:
                     segs.append(fs[0])

@@ -561,7 +561,16 @@ class Interpreter(ShapeRules):
     rule_reduce_window_sum = rule_reduce_window_max = rule_reduce_window_min = _pool
 
     # -- linear maps with parameters ------------------------------------------------
+    def zero_product(self, eqn, ins) -> list[Val] | None:
+        """A product with an operand known to be all zeros (a Python loop's zero initial state times its recurrent
+        kernel): zeros, neither an edge nor a source of paths (a constant input); None otherwise."""
+        if any(v.kind == CONST and v.zero for v in ins):
+            return [Val(CONST, self.fresh(eqn.outvars[0].aval.shape), zero=True)]
+        return None
+
     def rule_dot_general(self, eqn, ins):
+        if zeros := self.zero_product(eqn, ins):
+            return zeros
         lhs, rhs = ins
         (lc, rc), (lb, rb) = jx.param(eqn, "dimension_numbers")
         lfree = [k for k in range(len(lhs.axes)) if k not in lc and k not in lb]
@@ -706,6 +715,8 @@ class Interpreter(ShapeRules):
         return any(f <= own and any(r and r <= own for r in fs) for own in outs.values())
 
     def rule_conv_general_dilated(self, eqn, ins):
+        if zeros := self.zero_product(eqn, ins):
+            return zeros
         lhs, rhs = ins
         dn = jx.param(eqn, "dimension_numbers")
         lspec, rspec, ospec = dn.lhs_spec, dn.rhs_spec, dn.out_spec

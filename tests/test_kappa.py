@@ -925,6 +925,44 @@ def test_rnn_written_with_fori_loop_is_the_scanned_rnn():
         chex.assert_trees_all_close(what(fori), what(scanned), rtol=1e-12)
 
 
+@pytest.mark.parametrize("readout", ["mean", "flatten", "per-step"])
+def test_rnn_written_as_a_python_loop_from_a_zero_state_is_the_scanned_rnn(readout):
+    """A ReLU RNN written as a Python loop from ``h = jnp.zeros(...)``, its states gathered with ``jnp.stack``, has the
+    scanned RNN's structure, path norm and κ⁽¹⁾, whether the head reads the mean state, every state (flattened), or
+    each step. Before, the zero state times the recurrent kernel was read as a constant input of the network, which
+    made the hidden units inputs (H 0 for every readout), and ``jnp.stack`` an unknown primitive. (Its unrolled
+    kernel is tied weights, for which κ⁽²⁾ and DDP-SGD's κ say that they are not implemented.)"""
+    k = jax.random.split(jax.random.key(1), 5)
+    q = {"wx": _normal(k[0], (4, 5)), "wh": _normal(k[1], (5, 5), 0.3), "b": _normal(k[2], (5,)),
+         "wo": _normal(k[3], (5 * 7 if readout == "flatten" else 5, 2))}  # fmt: skip
+    xs = _normal(k[4], (6, 7, 4))
+    cell = lambda q, h, x: jax.nn.relu(x @ q["wx"] + h @ q["wh"] + q["b"])  # noqa: E731
+
+    def by_loop(q, xs):
+        h, states = jnp.zeros((xs.shape[0], 5), F64), []
+        for t in range(xs.shape[1]):
+            h = cell(q, h, xs[:, t])
+            states.append(h)
+        return head(q, jnp.stack(states, axis=1))
+
+    def by_scan(q, xs):
+        step = lambda h, x: (cell(q, h, x),) * 2  # noqa: E731
+        return head(
+            q, jnp.swapaxes(jax.lax.scan(step, jnp.zeros((xs.shape[0], 5), F64), jnp.swapaxes(xs, 0, 1))[1], 0, 1)
+        )
+
+    def head(q, states):
+        if readout == "flatten":
+            return states.reshape(states.shape[0], -1) @ q["wo"]
+        return (states.mean(1) if readout == "mean" else states) @ q["wo"]
+
+    loop, scanned = pj.trace(by_loop, q, xs, strict=True), pj.trace(by_scan, q, xs, strict=True)
+    assert loop.num_hidden == scanned.num_hidden == 5
+    np.testing.assert_allclose(by_loop(q, xs), by_scan(q, xs), rtol=1e-12)
+    for what in (lambda s: pj.path_kappa(s, q, second_order=False), lambda s: pj.path_norm(s, q)):
+        chex.assert_trees_all_close(what(loop), what(scanned), rtol=1e-12)
+
+
 class _PReLUNet(nn.Module):
     shared: bool
 
