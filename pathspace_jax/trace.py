@@ -509,8 +509,13 @@ def _node_groups(interp: Interpreter, leaf_info) -> tuple[list[NodeGroup], dict,
         groups.append(NodeGroup(f"g{gi}", size, kind, offset, reasons if pinned else (), random))
         key_index[key] = gi
         offset += size
-    interp.pinned_roots = {r for key, gi in key_index.items() if groups[gi].reasons and groups[gi].kind != "input"
-                           for r in key}  # fmt: skip
+    # the boundary of κ and DDP (`pathspace_jax.program`): the pinned groups, and an input group that a layer writes
+    # into (a residual stream that starts from the inputs) where it meets an operation that is not positively
+    # homogeneous (a LayerNorm): no rescaling changes its values, and the paths into it end there, as at a pinned group
+    interp.pinned_roots = {
+        r for key, gi in key_index.items() for r in key
+        if groups[gi].reasons or groups[gi].kind == "input" and key in fed and any(atoms.reasons[a] for a in key)
+    }  # fmt: skip
     return groups, key_index, offset
 
 

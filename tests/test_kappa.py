@@ -475,6 +475,46 @@ def test_pinned_groups_are_boundaries(name):
                                     rtol=1e-8, atol=1e-10)  # fmt: skip
 
 
+def test_a_residual_stream_from_the_inputs_is_a_boundary_where_a_layernorm_reads_it():
+    """``LayerNorm(x + MLP(x))`` with x the raw inputs: the stream's units are the inputs' (never rescaled), and the
+    LayerNorm meets them. The paths into the stream end there, as at a pinned group, and the LayerNorm's outputs start
+    new ones: κ and DDP-SGD's κ (α 0.5 and 1) of every leaf equal those of the two halves traced apart (the MLP with
+    the stream as output, the head with the LayerNorm's outputs as inputs), and the squared path norm is their sum
+    less the stream's identity from the inputs (no parameter on it, one per unit). Before, path_kappa and ddp_kappa
+    refused the LayerNorm's square as "not positively homogeneous"."""
+    k = jax.random.split(jax.random.key(2), 8)
+    p = {"d1": _normal(k[0], (4, 6)), "b1": _normal(k[1], (6,), 0.1), "d2": _normal(k[2], (6, 4)),
+         "s": 1 + _normal(k[3], (4,), 0.1), "c": _normal(k[4], (4,), 0.1), "h1": _normal(k[5], (4, 5)),
+         "h2": _normal(k[6], (5, 2))}  # fmt: skip
+    x = _normal(k[7], (8, 4))
+
+    def stream(p, x):
+        return x + jax.nn.relu(x @ p["d1"] + p["b1"]) @ p["d2"]
+
+    def normalized(h):
+        h = h - h.mean(-1, keepdims=True)
+        return h * jax.lax.rsqrt((h * h).mean(-1, keepdims=True) + 1e-6)
+
+    def head(p, z):
+        return jax.nn.relu((z * p["s"] + p["c"]) @ p["h1"]) @ p["h2"]
+
+    pa, pb = {n: p[n] for n in ("d1", "b1", "d2")}, {n: p[n] for n in ("s", "c", "h1", "h2")}
+    z = normalized(stream(p, x))
+    full, first, second = (
+        pj.trace(lambda p, x: head(p, normalized(stream(p, x))), p, x),
+        pj.trace(stream, pa, x),
+        pj.trace(head, pb, z),
+    )
+    assert full.num_hidden == first.num_hidden + second.num_hidden == 15
+    norms = [float(pj.path_norm(s, q)) ** 2 for s, q in ((full, p), (first, pa), (second, pb))]
+    np.testing.assert_allclose(norms[0], norms[1] + norms[2] - 4, rtol=1e-12)
+    chex.assert_trees_all_close(pj.path_kappa(full, p), {**pj.path_kappa(first, pa), **pj.path_kappa(second, pb)},
+                                rtol=1e-12)  # fmt: skip
+    for alpha in (0.5, 1.0):
+        halves = {**pj.ddp_kappa(first, pa, x, alpha=alpha), **pj.ddp_kappa(second, pb, z, alpha=alpha)}
+        chex.assert_trees_all_close(pj.ddp_kappa(full, p, x, alpha=alpha), halves, rtol=1e-12)
+
+
 def test_attention_values_are_hidden_and_its_weights_are_one_in_the_squared_network():
     """Self-attention ``softmax(q kᵀ) v``: the weights are computed from pinned values (q and k, whose product pins
     them), so no rescaling changes them, and the values' units go on through the weighted sum into the output
