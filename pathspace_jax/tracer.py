@@ -298,10 +298,12 @@ class Interpreter(ShapeRules):
     def rule_stop_gradient(self, eqn, ins):
         """The same values: an activation goes on as it is (``relu(h) * stop_gradient(h)`` is a product of
         activations, not a ReLU layer). A fully pinned value (spectral normalisation's power iteration vectors, which
-        its σ(W) reads as constants) or one without activations is a constant of the structure, as before."""
+        its σ(W) reads as constants) or one without activations is a constant of the structure: a parameter behind it
+        is held fixed (a frozen layer), no edge."""
         if ins[0].kind == ACT and not self.fully_pinned(ins[0]):
             return [dataclasses.replace(ins[0])]
-        return [self.degree0(eqn, ins)]
+        self.mark_other(ins[0], "held fixed (a frozen layer)")
+        return [self.ew(CONST, ins, self.broadcast(eqn, ins, unify=False))]
 
     def broadcast(self, eqn, ins: Sequence[Val], *, unify: bool) -> list[list[int]]:
         """Output axes of an elementwise op; with ``unify`` the operands' atoms are tied."""

@@ -810,6 +810,27 @@ def test_relu_however_written_has_the_path_norm_and_kappas_of_jax_nn_relu(recurr
         chex.assert_trees_all_close(quantities(_RELUS[name]), expected, rtol=1e-12)
 
 
+def test_a_layer_frozen_by_stop_gradient_is_no_edge_and_stays_frozen():
+    """``x @ stop_gradient(w1)``: the frozen layer is fixed coefficients ("other", said so), the optimisers leave it
+    as it is, and the layers after it are rescaled as usual."""
+    k = jax.random.split(jax.random.key(0), 4)
+    p = {
+        "w1": jax.random.normal(k[0], (3, 4)),
+        "w2": jax.random.normal(k[1], (4, 5)),
+        "w3": jax.random.normal(k[2], (5, 2)),
+    }
+    fn = lambda p, x: jax.nn.relu(jax.nn.relu(x @ jax.lax.stop_gradient(p["w1"])) @ p["w2"]) @ p["w3"]  # noqa: E731
+    x = jax.random.normal(k[3], (6, 3))
+    space = pj.trace(fn, p, x)
+    assert space.num_hidden == 5 and [leaf.kind for leaf in space.leaves] == ["other", "weight", "weight"]
+    assert "held fixed (a frozen layer)" in pj.describe(space)
+    loss = lambda p, x: jnp.sum(fn(p, x) ** 2)  # noqa: E731
+    for tx in (pj.g_sgd(space, 0.01), pj.path_sgd(space, 0.01)):
+        updates, _ = tx.update(jax.grad(loss)(p, x), tx.init(p), p)
+        assert not np.any(updates["w1"]) and np.any(updates["w2"])
+        pj.testing.assert_update_invariant(tx, loss, space, p, x, num_steps=2, rtol=1e-9)
+
+
 @pytest.mark.parametrize("name", list(_NOT_HOMOGENEOUS))
 def test_other_activations_pin_their_group(name):
     fn, params, x = _two_layer(_NOT_HOMOGENEOUS[name])
