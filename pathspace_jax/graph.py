@@ -119,9 +119,28 @@ def check_path_space(space, who: str) -> None:
         raise TypeError(f"{who}: space must be a PathSpace from pathspace_jax.trace(fn, params, *args), got {space!r}")
 
 
+# the note of a leaf that ``stop_gradient`` holds fixed (`pathspace_jax.tracer`): no gradient reaches it, so passing
+# it to the plain update changes nothing (`warn_if_plain` does not count it)
+FROZEN = "held fixed (a frozen layer)"
+
+
 def warn_if_plain(space: PathSpace, who: str) -> None:
     """A ``UserWarning`` (at the user's line) where ``space`` has no hidden node: a path-space optimiser there is its
-    plain form (G-SGD is SGD, Path-SGD a per-leaf rescaled SGD), which a user would otherwise not notice."""
+    plain form (G-SGD is SGD, Path-SGD a per-leaf rescaled SGD), which a user would otherwise not notice; and where
+    most parameters are in leaves that are no edge (kind ``"other"``, not frozen), which every optimiser passes
+    through to its plain update."""
+    other = [leaf for leaf in space.leaves if leaf.kind == "other" and FROZEN not in leaf.note]
+    other.sort(key=lambda leaf: -leaf.size)
+    n_other = sum(leaf.size for leaf in other)
+    if space.num_hidden and 2 * n_other > space.num_params:
+        named = "; ".join(f"{leaf.path}: {leaf.note}" for leaf in other[:3]) + ("; ..." if len(other) > 3 else "")
+        warnings.warn(
+            f"{who}: {n_other} of the network's {space.num_params} parameters are in leaves that are no edge of the "
+            f"traced network ({named}); this optimiser passes their gradients to its plain update, so most of the "
+            "network is not optimised in path space. See pathspace_jax.describe(space) for why.",
+            UserWarning,
+            stacklevel=user_stacklevel(),
+        )
     if space.num_hidden == 0:
         warnings.warn(
             f"{who}: the traced network has no hidden node that can be rescaled (every group is an input, an output "

@@ -36,6 +36,7 @@ import numpy as np
 from pathspace_jax import jaxpr as jx
 from pathspace_jax import rules
 from pathspace_jax.atoms import ACT, CONST, PARAM, Atoms, Val
+from pathspace_jax.graph import FROZEN
 from pathspace_jax.ir import Eqn, Recorder
 from pathspace_jax.shape_rules import ShapeRules
 
@@ -302,7 +303,7 @@ class Interpreter(ShapeRules):
         is held fixed (a frozen layer), no edge."""
         if ins[0].kind == ACT and not self.fully_pinned(ins[0]):
             return [dataclasses.replace(ins[0])]
-        self.mark_other(ins[0], "held fixed (a frozen layer)")
+        self.mark_other(ins[0], FROZEN)
         return [self.ew(CONST, ins, self.broadcast(eqn, ins, unify=False))]
 
     def broadcast(self, eqn, ins: Sequence[Val], *, unify: bool) -> list[list[int]]:

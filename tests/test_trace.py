@@ -993,6 +993,33 @@ def test_a_space_without_hidden_nodes_says_so_and_the_optimisers_warn():
         pj.g_sgd(pj.trace(mlp.fn, mlp.params, mlp.inputs(2)), 0.1)
 
 
+def test_the_optimisers_warn_where_most_parameters_are_no_edge_unless_they_are_frozen():
+    """An LSTM with a ReLU head: its kernels, concatenated into the fused gates, are fixed coefficients ("other"), so
+    every optimiser applies its plain update to most of the network: it says so at the user's line, naming the
+    leaves and why. A network whose largest layer is frozen by ``stop_gradient`` (no gradient: nothing to say) and
+    the MLP stay silent."""
+    lstm = ZOO["fused_lstm_relu_head"]
+    space = pj.trace(lstm.fn, lstm.params, lstm.inputs(2))
+    assert 2 * sum(leaf.size for leaf in space.leaves if leaf.kind == "other") > space.num_params > 0
+    makers = (lambda: pj.g_sgd(space, 0.1), lambda: pj.path_sgd(space, 0.1), lambda: pj.ddp_sgd(space, 0.1, alpha=0.5))
+    for make in makers:
+        with pytest.warns(UserWarning, match=r"parameters are in leaves that are no edge .*concatenated") as record:
+            make()
+        assert record[0].filename == __file__
+    k = jax.random.split(jax.random.key(0), 3)
+    p = {
+        "w1": jax.random.normal(k[0], (30, 40)),
+        "w2": jax.random.normal(k[1], (40, 5)),
+        "w3": jax.random.normal(k[2], (5, 2)),
+    }
+    fn = lambda p, x: jax.nn.relu(jax.nn.relu(x @ jax.lax.stop_gradient(p["w1"])) @ p["w2"]) @ p["w3"]  # noqa: E731
+    frozen = pj.trace(fn, p, jnp.ones((2, 30)))
+    assert [leaf.kind for leaf in frozen.leaves] == ["other", "weight", "weight"] and frozen.num_hidden == 5
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pj.path_sgd(frozen, 0.1)
+
+
 def test_every_pinned_group_of_the_zoo_says_what_the_user_can_do():
     """`describe` and ``strict=True`` follow each pinned group's reasons with a hint (`graph.PIN_HINTS`)."""
     from pathspace_jax.graph import pin_hint
