@@ -810,19 +810,22 @@ def test_relu_however_written_has_the_path_norm_and_kappas_of_jax_nn_relu(recurr
         chex.assert_trees_all_close(quantities(_RELUS[name]), expected, rtol=1e-12)
 
 
+def _frozen_first_layer(n_in: int, n_frozen: int):
+    """``relu(relu(x @ stop_gradient(w1)) @ w2) @ w3``, its params, a batch and its space."""
+    k = jax.random.split(jax.random.key(0), 4)
+    p = {"w1": jax.random.normal(k[0], (n_in, n_frozen)), "w2": jax.random.normal(k[1], (n_frozen, 5)),
+         "w3": jax.random.normal(k[2], (5, 2))}  # fmt: skip
+    fn = lambda p, x: jax.nn.relu(jax.nn.relu(x @ jax.lax.stop_gradient(p["w1"])) @ p["w2"]) @ p["w3"]  # noqa: E731
+    x = jax.random.normal(k[3], (6, n_in))
+    space = pj.trace(fn, p, x)
+    assert space.num_hidden == 5 and [leaf.kind for leaf in space.leaves] == ["other", "weight", "weight"]
+    return fn, p, x, space
+
+
 def test_a_layer_frozen_by_stop_gradient_is_no_edge_and_stays_frozen():
     """``x @ stop_gradient(w1)``: the frozen layer is fixed coefficients ("other", said so), the optimisers leave it
     as it is, and the layers after it are rescaled as usual."""
-    k = jax.random.split(jax.random.key(0), 4)
-    p = {
-        "w1": jax.random.normal(k[0], (3, 4)),
-        "w2": jax.random.normal(k[1], (4, 5)),
-        "w3": jax.random.normal(k[2], (5, 2)),
-    }
-    fn = lambda p, x: jax.nn.relu(jax.nn.relu(x @ jax.lax.stop_gradient(p["w1"])) @ p["w2"]) @ p["w3"]  # noqa: E731
-    x = jax.random.normal(k[3], (6, 3))
-    space = pj.trace(fn, p, x)
-    assert space.num_hidden == 5 and [leaf.kind for leaf in space.leaves] == ["other", "weight", "weight"]
+    fn, p, x, space = _frozen_first_layer(3, 4)
     assert "held fixed (a frozen layer)" in pj.describe(space)
     loss = lambda p, x: jnp.sum(fn(p, x) ** 2)  # noqa: E731
     for tx in (pj.g_sgd(space, 0.01), pj.path_sgd(space, 0.01)):
@@ -996,8 +999,8 @@ def test_a_space_without_hidden_nodes_says_so_and_the_optimisers_warn():
 def test_the_optimisers_warn_where_most_parameters_are_no_edge_unless_they_are_frozen():
     """An LSTM with a ReLU head: its kernels, concatenated into the fused gates, are fixed coefficients ("other"), so
     every optimiser applies its plain update to most of the network: it says so at the user's line, naming the
-    leaves and why. A network whose largest layer is frozen by ``stop_gradient`` (no gradient: nothing to say) and
-    the MLP stay silent."""
+    leaves and why. A network whose largest layer is frozen by ``stop_gradient`` (no gradient: nothing to say) stays
+    silent."""
     lstm = ZOO["fused_lstm_relu_head"]
     space = pj.trace(lstm.fn, lstm.params, lstm.inputs(2))
     assert 2 * sum(leaf.size for leaf in space.leaves if leaf.kind == "other") > space.num_params > 0
@@ -1006,15 +1009,7 @@ def test_the_optimisers_warn_where_most_parameters_are_no_edge_unless_they_are_f
         with pytest.warns(UserWarning, match=r"parameters are in leaves that are no edge .*concatenated") as record:
             make()
         assert record[0].filename == __file__
-    k = jax.random.split(jax.random.key(0), 3)
-    p = {
-        "w1": jax.random.normal(k[0], (30, 40)),
-        "w2": jax.random.normal(k[1], (40, 5)),
-        "w3": jax.random.normal(k[2], (5, 2)),
-    }
-    fn = lambda p, x: jax.nn.relu(jax.nn.relu(x @ jax.lax.stop_gradient(p["w1"])) @ p["w2"]) @ p["w3"]  # noqa: E731
-    frozen = pj.trace(fn, p, jnp.ones((2, 30)))
-    assert [leaf.kind for leaf in frozen.leaves] == ["other", "weight", "weight"] and frozen.num_hidden == 5
+    frozen = _frozen_first_layer(30, 40)[3]  # w1: 1200 of 1410 parameters
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         pj.path_sgd(frozen, 0.1)
