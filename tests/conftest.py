@@ -42,7 +42,8 @@ jax.config.update("jax_enable_x64", True)
 # and the stacked LM trimmed) took 10.8 (user 20.1): compare runs made side by side. On 2026-11-28 (thirtieth
 # session) 10.7 (760 tests, user 19.9) at the start, 10.0-10.1 (702 tests, user 18.5-18.8) after the zoo-wide
 # G-SGD step, DDP and ordinary-model tests ran fewer compiled programs (the unchanged tests within 3 % of each other),
-# and 9.0 (user 16.7) half an hour later, the same tests 11 % faster: the machine's faster state.
+# and 9.0 (user 16.7) half an hour later, the same tests 11 % faster: the machine's faster state; 9.2 (715 tests,
+# user 17.1) in the thirty-first session, after its tests of hand-written ReLUs, stack/tile, Python-loop RNNs.
 # PJ_TEST_CACHE=0 turns it off.
 if os.environ.get("PJ_TEST_CACHE", "1") != "0":
     _CACHE = {
