@@ -308,11 +308,12 @@ def _masks(prog: Program) -> set[int]:
     ReLU's gate, and a product raises them to p as it does any constant coefficient (`pathspace_jax.squared`)."""
     kinds, masks = prog.kinds, set()
     for e in prog.eqns:
-        acts = [x for x in e.ins if not isinstance(x, tuple) and kinds[x] == "act"]
-        degree0 = rule(e.prim.name).structure in ("compare", "degree0")
-        if acts and e.body is None and (degree0 or all(x in masks for x in acts)):
-            if not any(not isinstance(x, tuple) and kinds[x] == "param" for x in e.ins):
-                masks.update(o for o in e.outs if kinds[o] == "act")
+        ids = [x for x in e.ins if not isinstance(x, tuple)]
+        acts = [x for x in ids if kinds[x] == "act"]
+        if not acts or e.body is not None or any(kinds[x] == "param" for x in ids):
+            continue
+        if rule(e.prim.name).structure in ("compare", "degree0") or all(x in masks for x in acts):
+            masks.update(o for o in e.outs if kinds[o] == "act")
     return masks
 
 

@@ -218,23 +218,27 @@ class ShapeRules:
                 out.append(list(lists[0]))
                 continue
             new = self.atoms.new(d)
-            segs = [] if in_shapes is not None else None
-            for v, in_shape in zip(ins, in_shapes, strict=True) if in_shapes is not None else ():
-                fs = self.atoms.factors(v.axes[k])
-                if len(fs) == 1 and v.kind == ACT:
-                    segs.append(fs[0])
-                elif in_shape[k] > 0:
-                    segs = None
-                    break
-            if segs is None:
-                for v in ins:
-                    self.atoms.pin(v.axes[k], self.reason("concatenates along an axis of mixed structure"))
-                self.atoms.position[new] = True
-            else:
+            segs = None if in_shapes is None else self._side_by_side(ins, in_shapes, k)
+            if segs is not None:
                 self.atoms.alias[new] = segs
+            else:
+                self.atoms.position[new] = True
+                for v in ins if in_shapes is not None else ():  # (a stack's operands have no such axis)
+                    self.atoms.pin(v.axes[k], self.reason("concatenates along an axis of mixed structure"))
             out.append([new])
         zero = kind == CONST and all(v.zero for v in ins)
         return Val(kind, out, zero=zero)
+
+    def _side_by_side(self, ins: Sequence[Val], in_shapes, k: int) -> list[int] | None:
+        """The groups of the operands' axis ``k``, one atom each (empty operands left out), else None."""
+        segs = []
+        for v, in_shape in zip(ins, in_shapes, strict=True):
+            fs = self.atoms.factors(v.axes[k])
+            if len(fs) == 1 and v.kind == ACT:
+                segs.append(fs[0])
+            elif in_shape[k] > 0:
+                return None
+        return segs
 
     def _pieces(self, eqn, v: Val, axis: int, shapes) -> list[Val]:
         """``v`` cut along ``axis`` into consecutive pieces of ``shapes``: a stacked leaf's layers (`_layer`), else
