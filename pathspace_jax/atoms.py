@@ -62,10 +62,13 @@ class Atoms:
         return out
 
     def pin(self, atoms: Sequence[int], reason: str, *, random: bool = False) -> None:
+        """Pin the factors of ``atoms``, and the groups side by side in any of them (a concatenation's)."""
         for r in self.factors(atoms):
             if reason not in self.reasons[r]:
                 self.reasons[r].append(reason)
             self.random[r] |= random
+            if self.alias[r] is not None:
+                self.pin(self.alias[r], reason, random=random)
 
     def make_positions(self, atoms: Sequence[int]) -> None:
         """Mark the factors of ``atoms`` as positions (time, space, a shared batch axis): shared by the nodes."""
@@ -76,6 +79,15 @@ class Atoms:
         self.expand[r] = list(children)
         for c in self.factors(children):
             self.position[c] |= self.position[r]
+            self.input[c] |= self.input[r]
+            self.output[c] |= self.output[r]
+            self.random[c] |= self.random[r]
+            self.reasons[c].extend(x for x in self.reasons[r] if x not in self.reasons[c])
+
+    def set_alias(self, r: int, children: list[int]) -> None:
+        """Make ``r`` the groups ``children`` side by side (it was cut into them), each with ``r``'s marks."""
+        self.alias[r] = list(children)
+        for c in children:
             self.input[c] |= self.input[r]
             self.output[c] |= self.output[r]
             self.random[c] |= self.random[r]

@@ -169,6 +169,11 @@ def out_avals(j) -> list:
     return [v.aval for v in inner.outvars]
 
 
+def result_avals(eqn) -> list:
+    """The abstract values of an equation's results."""
+    return [v.aval for v in eqn.outvars]
+
+
 def call_body(eqn) -> ClosedJaxpr | None:
     """The jaxpr of a call-like equation (entered as if inlined), or None for every other primitive.
 

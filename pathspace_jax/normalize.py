@@ -144,6 +144,8 @@ def _nodes(space: PathSpace, prog: flat.Program) -> dict[int, _Node]:
                     "node, which a fixed skip connection is not: it is implemented for networks without them"
                 )
             chain[e.outs[0]] = set().union(*(chain[x] for x in acts if x in chain)) | params
+        elif name == "split" and acts and acts[0] in chain:  # a layer cut into node groups (`program._cut_nodes`)
+            chain.update(dict.fromkeys(e.outs, chain[acts[0]]))
     out: dict[int, _Node] = {}
     for v in prog.nodes:
         if v not in chain:
@@ -153,7 +155,9 @@ def _nodes(space: PathSpace, prog: flat.Program) -> dict[int, _Node]:
         if len(groups) != 1:
             raise DDPNormalizationError(
                 f"ddp_normalize: a pre-activation is computed from edges into several node groups "
-                f"({[space.leaves[j].path for j, _ in leaves]})"
+                f"({[space.leaves[j].path for j, _ in leaves]}: a kernel whose output is cut into pieces, as a "
+                "fused q, k, v projection or a gated unit's two halves); DDP-Normalization is implemented here for "
+                "one kernel and bias per node group: write one per piece"
             )
         g = groups.pop()
         if space.groups[g].kind != "hidden":

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from collections.abc import Sequence
 
 import jax
@@ -29,7 +30,7 @@ from pathspace_jax import jaxpr as jx
 from pathspace_jax.graph import PathSpace
 from pathspace_jax.ir import Eqn, Frame, Program
 from pathspace_jax.rules import rule
-from pathspace_jax.trace import record
+from pathspace_jax.trace import Cut, record
 
 # The scans that κ and γ² add run a recurrence step by step, often at a tiny size (Path-SGD's |·|^p network on
 # one all-ones example), where a GPU spends most of a loop iteration launching it: they are unrolled by up to
@@ -103,6 +104,7 @@ def _finish(
     tokens: set[int] = set()  # integer values computed from integer inputs (token ids), of kind "const"
     lookups: set[int] = set()
     fixed: set[int] = set()
+    cut: set[int] = set()
     in_ids = frame.in_ids
 
     def kind_of(x):
@@ -133,6 +135,8 @@ def _finish(
                 kinds[i] = k
                 if flags.get(i) is True and k == "act":
                     pinned.add(i)
+                elif isinstance(flags.get(i), Cut) and k == "act":
+                    cut.add(i)
                 elif flags.get(i) in ("const", True) and k == "param":
                     # parameters combined into fixed coefficients (not an edge), or into values the trace read as
                     # activations of pinned groups (a power iteration from a constant vector: spectral normalisation)
@@ -153,12 +157,90 @@ def _finish(
     in_flags = in_pinned if in_pinned is not None else [flags.get(i) for i in in_ids]
     pinned.update(i for i, f in zip(in_ids, in_flags, strict=True) if f is True and kinds[i] == "act")
     walk(frame.eqns)
+    eqns = _live(eqns, frame.out_ids)
     prog = Program(eqns, n_params, in_ids, frame.out_ids, frame.consts, kinds, [], [], who, err, pinned,
-                   lookups=lookups, fixed=fixed)  # fmt: skip
+                   lookups=lookups, fixed=fixed, cut=cut)  # fmt: skip
     body = in_kinds is not None
     prog.masks = _masks(prog)
-    _find_boundary(prog, _find_nodes(prog, body=body), body=body)
+    fresh = _find_nodes(prog, body=body)
+    if _cut_nodes(prog, flags):
+        fresh = _find_nodes(prog, body=body)
+    _find_boundary(prog, fresh, body=body)
     return prog
+
+
+# ids of the values `_cut_nodes` adds to a program: apart from the recorded ones (counted from 0 per recording)
+_NEW_IDS = itertools.count(1 << 48)
+
+
+def _cut_nodes(prog: Program, flags: dict) -> bool:
+    """Each node whose groups are pinned in part (a `pathspace_jax.trace.Cut`: a fused kernel's output, of which a
+    gate is pinned and a linear half not, read through slices or after a ReLU) cut into its groups right where it
+    is computed: ``split`` into pieces, which are the nodes (`_find_nodes`: a split is the only use of the value),
+    the pinned ones sinks. Slices that are pieces (``z[:, :h]``, ``z[:, h:]``) become them; where something else
+    reads the node, it reads the pieces ``concatenate``d back instead. Whether it cut any."""
+    cuts = {n: flags[n] for n in prog.nodes if n in prog.cut}
+    if not cuts:
+        return False
+    uses: dict[int, list[Eqn]] = {}
+    for e in prog.eqns:
+        for x in dict.fromkeys(x for x in e.ins if not isinstance(x, tuple)):
+            uses.setdefault(x, []).append(e)
+    eqns, renamed, dropped = [], {}, set()
+    for e in prog.eqns:
+        if id(e) in dropped:
+            continue
+        eqns.append(dataclasses.replace(e, ins=[renamed.get(x, x) if not isinstance(x, tuple) else x for x in e.ins]))
+        for n in (n for n in e.outs if n in cuts):
+            cut, aval = cuts[n], jx.result_avals(e.source)[e.outs.index(n)]
+            starts = np.cumsum((0,) + cut.sizes[:-1]).tolist()
+            boxes = [tuple((a, a + d) if k == cut.axis else (0, m) for k, m in enumerate(aval.shape))
+                     for a, d in zip(starts, cut.sizes, strict=True)]  # fmt: skip
+            shapes = tuple(tuple(b - a for a, b in box) for box in boxes)
+            [(prim, params, ins, pieces, _)], _ = jx.equations(_cut_into(aval.shape, aval.dtype, cut.axis, cut.sizes),
+                                                               [n], lambda: next(_NEW_IDS))  # fmt: skip
+            eqns.append(Eqn(prim, params, ins, pieces, e.source, e.callers))
+            prog.kinds.update(dict.fromkeys(pieces, "act"))
+            prog.pinned.update(x for x, pinned in zip(pieces, cut.pinned, strict=True) if pinned)
+            slices = {id(u): boxes.index(box) for u in uses[n] if (box := jx.slice_box(u.prim.name, u.params)) in boxes}
+            if len(slices) == len(uses[n]):  # read in pieces alone: the slices are the pieces
+                for u in uses[n]:
+                    dropped.add(id(u))
+                    renamed[u.outs[0]] = pieces[slices[id(u)]]
+                continue
+            # something reads the node whole: it reads the pieces concatenated back
+            found, [whole] = jx.equations(_joined(shapes, aval.dtype, cut.axis), pieces, lambda: next(_NEW_IDS))
+            eqns += [Eqn(*f[:4], e.source, e.callers) for f in found]
+            prog.kinds[whole] = "act"
+            prog.cut.add(whole)
+            renamed[n] = whole
+    prog.eqns = eqns
+    prog.out_ids = [renamed.get(x, x) if not isinstance(x, tuple) else x for x in prog.out_ids]
+    return True
+
+
+@functools.lru_cache(maxsize=64)
+def _cut_into(shape: tuple, dtype, axis: int, sizes: tuple):
+    """The jaxpr of ``split`` along ``axis`` into ``sizes`` (`_cut_nodes`)."""
+    return jax.make_jaxpr(lambda z: jax.lax.split(z, sizes, axis))(jax.ShapeDtypeStruct(shape, dtype))
+
+
+@functools.lru_cache(maxsize=64)
+def _joined(shapes: tuple, dtype, axis: int):
+    """The jaxpr of ``concatenate`` along ``axis`` (`_cut_nodes`)."""
+    return jax.make_jaxpr(lambda *z: jax.lax.concatenate(z, axis))(*[jax.ShapeDtypeStruct(s, dtype) for s in shapes])
+
+
+def _live(eqns: list[Eqn], out_ids) -> list[Eqn]:
+    """The equations that the outputs depend on: a value computed and never used (a jaxpr keeps it) would read as
+    one more consumer of a pre-activation, making it a node of its own (`_find_nodes`)."""
+    need = {x for x in out_ids if not isinstance(x, tuple)}
+    live = []
+    for e in reversed(eqns):
+        if any(o in need for o in e.outs):
+            live.append(e)
+            need.update(x for x in e.ins if not isinstance(x, tuple))
+    return live[::-1]
 
 
 def _kept_whole(e: Eqn, ks) -> bool:
@@ -212,12 +294,18 @@ def _find_nodes(prog: Program, body: bool = False) -> set[int]:
             if not isinstance(x, tuple):
                 uses.setdefault(x, []).append(e)
     fresh: set[int] = set()
+
+    def cut(e: Eqn) -> bool:  # a split that is its operand's only use: its pieces are the nodes (`_cut_nodes`)
+        return e.prim.name == "split" and uses.get(e.ins[0]) == [e]
+
     for e in prog.eqns:
         name, ids = e.prim.name, [x for x in e.ins if not isinstance(x, tuple)]
         if kinds[e.outs[0]] != "act":
             continue
         if prog.is_edge(e) or e.outs[0] in prog.lookups:
             fresh.add(e.outs[0])
+        elif cut(e) and ids[0] in fresh:
+            fresh.update(e.outs)
         elif rule(name).continues_node and not any(x in prog.masks for x in ids):  # a gate ends it, as ReLU does
             if any(x in fresh for x in ids):
                 fresh.add(e.outs[0])
@@ -233,7 +321,7 @@ def _find_nodes(prog: Program, body: bool = False) -> set[int]:
                 continue
             if v not in fresh:
                 continue
-            merged = len(us) == 1 and rule(us[0].prim.name).continues_node
+            merged = len(us) == 1 and (rule(us[0].prim.name).continues_node or cut(us[0]))
             if merged and us[0].prim.name in ("mul", "div"):  # by constant factors, or a gate (a pinned value)
                 other = [x for x in us[0].ins if x != v]
                 merged = all(isinstance(x, tuple) or kinds[x] == "const" or x in prog.pinned for x in other)

@@ -138,6 +138,12 @@ class ShapeRules:
         if layer is not None:
             return layer
         keep = [a == b for a, b in zip(in_shape, out_shape)]
+        cut = [k for k, same in enumerate(keep) if not same]
+        strides = jx.param(eqn, "strides", None) if start is not None else None
+        if start is not None and len(cut) == 1 and not any(s != 1 for s in strides or ()):
+            piece = self._cut_nodes(v, cut[0], start[cut[0]], out_shape)
+            if piece is not None:
+                return piece
         return self._reslice(eqn, v, keep, out_shape, "slices part of an axis")
 
     def rule_rev(self, eqn, ins):
@@ -241,16 +247,54 @@ class ShapeRules:
         return segs
 
     def _pieces(self, eqn, v: Val, axis: int, shapes) -> list[Val]:
-        """``v`` cut along ``axis`` into consecutive pieces of ``shapes``: a stacked leaf's layers (`_layer`), else
-        resliced (the cut axis pinned unless it is positions)."""
+        """``v`` cut along ``axis`` into consecutive pieces of ``shapes``: a stacked leaf's layers (`_layer`), the
+        groups a layer's output is cut into (`_cut_nodes`), else resliced (the cut axis pinned unless it is
+        positions)."""
         in_shape, start, out = eqn.invars[0].aval.shape, 0, []
         keep = [k != axis for k in range(len(in_shape))]
         for shape in shapes:
             out.append(
-                self._layer(v, in_shape, shape, axis, start) or self._reslice(eqn, v, keep, shape, "splits an axis")
+                self._layer(v, in_shape, shape, axis, start)
+                or self._cut_nodes(v, axis, start, shape)
+                or self._reslice(eqn, v, keep, shape, "splits an axis")
             )
             start += shape[axis]
         return out
+
+    def _cut_nodes(self, v: Val, axis: int, start: int, shape) -> Val | None:
+        """Entries ``start`` on of the node axis ``axis`` of an activation, a layer's output (a fused kernel's:
+        ``q, k, v = jnp.split(x @ w + b, 3, -1)``, a gated unit's two halves): the piece as a group of its own, the
+        layer's output axis those groups side by side, as a concatenation's is (`Atoms.set_alias`); else None."""
+        fs = self.atoms.factors(v.axes[axis])
+        if v.kind != ACT or len(fs) != 1 or self.atoms.position[fs[0]] or not self._written_by_a_layer(fs[0]):
+            return None
+        piece = self._cut(fs[0], start, start + shape[axis])
+        return dataclasses.replace(v, axes=[[piece] if k == axis else list(ax) for k, ax in enumerate(v.axes)])
+
+    def _written_by_a_layer(self, r: int) -> bool:
+        """Whether the root ``r`` is the output axis of a parameter's edges."""
+        return any(role == "out" and self.atoms.find(a) == r for uses in self.uses for a, role, _, _ in uses)
+
+    def _cut(self, a: int, lo: int, hi: int) -> int:
+        """The atom of entries ``lo:hi`` of node axis ``a``, cutting ``a`` (or the groups side by side in it) where
+        the range starts and ends."""
+        r = self.atoms.find(a)
+        n = self.atoms.size[r]
+        if (lo, hi) == (0, n):
+            return r
+        if self.atoms.alias[r] is None:
+            self.atoms.set_alias(r, [self.atoms.new(d) for d in (lo, hi - lo, n - hi) if d > 0])
+        out, at = [], 0
+        for s in self.atoms.alias[r]:
+            d = self.atoms.size[self.atoms.find(s)]
+            if max(lo, at) < min(hi, at + d):
+                out.append(self._cut(s, max(lo, at) - at, min(hi, at + d) - at))
+            at += d
+        if len(out) == 1:
+            return out[0]
+        whole = self.atoms.new(hi - lo)
+        self.atoms.alias[whole] = out
+        return whole
 
     def rule_split(self, eqn, ins):
         return self._pieces(eqn, ins[0], jx.param(eqn, "axis"), [var.aval.shape for var in eqn.outvars])

@@ -307,8 +307,10 @@ def _dense_of_ones(e: Eqn, ks, ms) -> list | None:
 
 def _boundary_op(prog: Program, e: Eqn, ks, vals) -> list:
     """An operation whose result is a boundary value (`_find_boundary`): 1 in the |·|^p network. A parameter
-    that multiplies it other than as an edge (an "other" leaf) lies on no path."""
-    outside = [x for k, x in enumerate(e.ins) if ks[k] == "act" and x not in prog.bnd and x not in prog.sinks]
+    that multiplies it other than as an edge (an "other" leaf) lies on no path. It may read the pinned part of a
+    value whose groups are pinned in part (``prog.cut``: a gate sliced out of a fused kernel's output)."""
+    inside = prog.bnd | set(prog.sinks) | prog.cut
+    outside = [x for k, x in enumerate(e.ins) if ks[k] == "act" and x not in inside]
     if outside and e.outs[0] not in prog.gates:  # (a gate computed from the inputs alone reads them)
         raise prog.err(
             f"{prog.who}: {e.prim.name} at {e.where} combines a value of the positively homogeneous part with a "

@@ -12,7 +12,7 @@ import copy
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -165,7 +165,7 @@ def _interpret(closed, param_specs, input_specs, paths) -> Interpreter:
     in_vals = [v.with_id(rec.new()) for v in in_vals]
     rec.top.in_ids = [v.id for v in in_vals]
     for v in in_vals[n_leaves:]:
-        rec.notes[v.id] = interp.all_atoms(v) if v.kind == ACT else None
+        rec.notes[v.id] = interp.axes_note(v) if v.kind == ACT else None
     interp.input_axes = [v.axes for v in in_vals[n_leaves:]]
     consts = [interp.const_val(c) for c in closed.consts]
     outs = interp.run(closed.jaxpr, consts, in_vals)
@@ -193,7 +193,7 @@ def _interpret(closed, param_specs, input_specs, paths) -> Interpreter:
     return interp
 
 
-def record(closed, n_params: int, paths: Sequence[str]) -> tuple[Frame, dict[int, bool | str]]:
+def record(closed, n_params: int, paths: Sequence[str]) -> tuple[Frame, dict[int, bool | str | Cut]]:
     """The flat program of ``closed`` as the interpreter records it (`pathspace_jax.ir`), and which of its
     values lie in a node group that is not positively homogeneous.
 
@@ -201,8 +201,9 @@ def record(closed, n_params: int, paths: Sequence[str]) -> tuple[Frame, dict[int
     interpreter runs on it once, and every recorded value gets a flag: True where its node axis belongs to a
     pinned group, or to an output group that meets an operation that is not positively homogeneous (a tanh
     head), or where fixed coefficients produce or read it (a kernel concatenated from parameters); ``"const"``
-    for a value that depends on no input (parameters combined into fixed coefficients included). Path-SGD and
-    DDP-SGD treat the flagged values as boundaries.
+    for a value that depends on no input (parameters combined into fixed coefficients included); a `Cut` where
+    its node axis is groups side by side of which some are pinned and some not (a fused kernel's output, cut
+    into a gate and a linear half). Path-SGD and DDP-SGD treat the flagged values as boundaries.
     """
     avals = jx.in_avals(closed)
     specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
@@ -211,12 +212,41 @@ def record(closed, n_params: int, paths: Sequence[str]) -> tuple[Frame, dict[int
     atoms = interp.atoms
     roots = interp.pinned_roots | {atoms.find(r) for r in _resolve_alias_roots(atoms, interp.fixed)}
 
-    def flag(al) -> bool | str:
-        if isinstance(al, str):
-            return al
-        return al is not None and any(atoms.find(r) in roots for r in _resolve_alias_roots(atoms, al))
+    def flag(axes) -> bool | str | Cut:
+        if axes is None or isinstance(axes, str):
+            return axes is not None and axes
+        cut = None
+        for k, ax in enumerate(axes[:-1]):
+            fs = atoms.factors(ax)
+            segs = _segments(atoms, fs[0]) if len(fs) == 1 and atoms.alias[fs[0]] is not None else [fs]
+            pins = [any(r in roots for r in seg) for seg in segs]
+            if len(segs) > 1 and any(pins) and not all(pins):
+                sizes = tuple(int(np.prod([atoms.size[r] for r in seg])) for seg in segs)
+                cut = Cut(k, sizes, tuple(pins))
+            elif any(pins):
+                return True
+        return cut or any(atoms.find(r) in roots for r in _resolve_alias_roots(atoms, axes[-1]))
 
     return interp.rec.top, {i: flag(a) for i, a in interp.rec.notes.items()}
+
+
+class Cut(NamedTuple):
+    """The flag of a value whose node axis ``axis`` is groups side by side, of ``sizes``, some ``pinned`` and some
+    not (`record`): the pinned ones are boundaries, the others not."""
+
+    axis: int
+    sizes: tuple[int, ...]
+    pinned: tuple[bool, ...]
+
+
+def _segments(atoms: Atoms, root: int) -> list[list[int]]:
+    """The groups side by side in the node axis ``root`` (a concatenation's, or a fused layer's cut into pieces),
+    in order: each as its factor roots (a piece reshaped into heads: two)."""
+    out = []
+    for s in atoms.alias[root]:
+        fs = atoms.factors([s])
+        out += _segments(atoms, fs[0]) if len(fs) == 1 and atoms.alias[fs[0]] is not None else [fs]
+    return out
 
 
 def _resolve_alias_roots(atoms: Atoms, xs: Sequence[int]) -> list[int]:
@@ -394,7 +424,7 @@ def _leaf_roles(interp: Interpreter, leaves, paths) -> list[tuple]:
             kind = "weight" if node_in else "bias"
             if not node_out:
                 note = "no output node axis"
-            elif any(atoms.alias[factors[k][0]] is not None for k in node_out):
+            elif len(node_out) > 1 and any(atoms.alias[factors[k][0]] is not None for k in node_out):
                 note = "its output axis is a concatenation"
         if note and interp.uses[i] and " at " not in note:  # where the leaf is first used as an edge
             note += f", used at {interp.line(interp.uses[i][0][3])}"
@@ -463,8 +493,8 @@ def _node_groups(interp: Interpreter, leaf_info) -> tuple[list[NodeGroup], dict,
 
     def add_key(key: tuple[int, ...], step: float, entered: bool, path: str):
         if len(key) == 1 and atoms.alias[key[0]] is not None:
-            for t in _resolve_alias_roots(atoms, [key[0]]):
-                add_key((t,), step, entered, path)
+            for seg in _segments(atoms, key[0]):
+                add_key(tuple(seg), step, entered, path)
             return
         canon = tuple(sorted(key))
         group_order[canon] = min(group_order.get(canon, np.inf), step)
@@ -524,11 +554,16 @@ def _edge_leaves(atoms: Atoms, leaves, paths, leaf_info, groups, key_index) -> l
     offsets = np.array([g.offset for g in groups])
 
     def node_ids(root: int) -> np.ndarray:
-        """Global node ids of the nodes along one (single-atom) group axis."""
-        if atoms.alias[root] is not None:
-            return np.concatenate([node_ids(t) for t in atoms.factors(atoms.alias[root])])
-        g = groups[key_index[(root,)]]
-        return g.offset + np.arange(g.size)
+        """Global node ids of the nodes along one (single-atom) group axis: of its groups side by side, in order,
+        each numbered row-major in its factors sorted by root (as `side` numbers a group of several factors)."""
+        ids = []
+        for seg in _segments(atoms, root) if atoms.alias[root] is not None else [[root]]:
+            sizes, local = [atoms.size[r] for r in seg], np.zeros((), np.int64)
+            grids = np.meshgrid(*[np.arange(n) for n in sizes], indexing="ij")
+            for k in sorted(range(len(seg)), key=lambda k: seg[k]):
+                local = local * sizes[k] + grids[k]
+            ids.append(groups[key_index[tuple(sorted(seg))]].offset + local.ravel())
+        return np.concatenate(ids)
 
     edge_leaves = []
     for i, (leaf, (kind, factors, node_in, node_out, note, _, ends)) in enumerate(zip(leaves, leaf_info)):

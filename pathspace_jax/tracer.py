@@ -138,6 +138,12 @@ class Interpreter(ShapeRules):
     def all_atoms(self, v: Val) -> list[int]:
         return [a for ax in v.axes for a in ax] + list(v.scalars)
 
+    @staticmethod
+    def axes_note(v: Val) -> list[list[int]]:
+        """An activation's atoms as the recording notes them (`pathspace_jax.ir.Recorder`): one list per axis, then
+        the squeezed ones."""
+        return [list(ax) for ax in v.axes] + [list(v.scalars)]
+
     # -- running jaxprs ------------------------------------------------------
     def read(self, env, x) -> Val:
         if jx.is_literal(x):
@@ -186,7 +192,7 @@ class Interpreter(ShapeRules):
         the program runs instead of the equation's own (a dynamic slice at known starts: a static one)."""
         outs = [v.with_id(self.rec.new()) for v in outs]
         for v in outs:
-            self.rec.notes[v.id] = self.all_atoms(v) if v.kind == ACT else "const" if v.kind == CONST else None
+            self.rec.notes[v.id] = self.axes_note(v) if v.kind == ACT else "const" if v.kind == CONST else None
         ids = [v.id for v in ins], [v.id for v in outs]
         prim, params = as_ or (eqn.primitive, dict(eqn.params))
         self.rec.emit(Eqn(prim, params, *ids, eqn, callers=tuple(self.callers), **extra))

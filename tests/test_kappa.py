@@ -896,6 +896,134 @@ def test_stack_and_tile_are_their_concatenations(op):
     chex.assert_trees_all_close(rest, rest_ref, rtol=1e-12)
 
 
+def _dense(x, w):
+    return x @ w
+
+
+def _conv(x, w):
+    return jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+
+def _attention(q, k, v, heads=2):
+    """Softmax attention over the positions of (batch, positions, units) queries, keys and values, in heads."""
+    split = lambda t: t.reshape(*t.shape[:2], heads, -1)  # noqa: E731
+    a = jax.nn.softmax(jnp.einsum("bthd,bshd->bhts", split(q), split(k)), axis=-1)
+    return jnp.einsum("bhts,bshd->bthd", a, split(v)).reshape(q.shape)
+
+
+# name: (layer, input shape, piece sizes, the head's leaves, the network of the pieces ``z`` and of the layer's whole
+# output, where the output is cut: "split", "slices", or "relu" (a split after a ReLU))
+_FUSED = {
+    "relu pieces": (_dense, (6, 3), (4, 3), {"u": (4, 2), "v": (3, 2)},
+                    lambda z, whole, p: jax.nn.relu(z[0]) @ p["u"] + jax.nn.relu(z[1]) @ p["v"], "split"),
+    "gated (split)": (_dense, (6, 3), (4, 4), {"u": (4, 2)},
+                      lambda z, whole, p: (z[0] * jax.nn.sigmoid(z[1])) @ p["u"], "split"),
+    "gated (slices)": (_dense, (6, 3), (4, 4), {"u": (4, 2)},
+                       lambda z, whole, p: (z[0] * jax.nn.sigmoid(z[1])) @ p["u"], "slices"),
+    "gated after a relu": (_dense, (6, 3), (4, 4), {"u": (4, 2)},
+                           lambda z, whole, p: (z[0] * jnp.tanh(z[1])) @ p["u"], "relu"),
+    "gated, read whole too": (_dense, (6, 3), (4, 4), {"u": (4, 2), "v": (8, 2)},
+                              lambda z, whole, p: (jax.nn.relu(z[0]) * jax.nn.sigmoid(z[1])) @ p["u"]
+                              + jax.nn.relu(whole) @ p["v"], "split"),
+    "attention (q, k, v)": (_dense, (3, 5, 4), (4, 4, 4), {"u": (4, 3), "v": (3, 2)},
+                            lambda z, whole, p: jax.nn.relu(_attention(*z) @ p["u"]).mean(1) @ p["v"], "split"),
+    "convolution, gated": (_conv, (2, 5, 5, 2), (3, 3), {"u": (3, 2)},
+                           lambda z, whole, p: (jax.nn.relu(z[0]) * jax.nn.sigmoid(z[1])).mean((1, 2)) @ p["u"],
+                           "split"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(_FUSED))
+def test_a_fused_kernel_cut_into_pieces_is_one_kernel_per_piece(name):
+    """One kernel and bias computing several layers at once, their output cut into pieces (``q, k, v =
+    jnp.split(x @ w + b, 3, -1)``, a gated unit's linear half and gate ``a, g = jnp.split(h, 2, -1)``, or slices):
+    each piece is a node group of its own, so the network has the structure, path norm, κ and DDP-SGD's κ (α 0.5
+    and 1) of the same network written with one kernel and bias per piece (the fused kernel's slices).
+    DDP-Normalization refuses it, saying so. Before, every piece was pinned ("split: splits an axis"); with the
+    pieces as groups but the layer's output flagged pinned as a whole, the path norm counted a gate's paths and
+    dropped the linear half's."""
+    layer, in_shape, sizes, head, net, cut = _FUSED[name]
+    ks = jax.random.split(jax.random.key(11), 4 + len(head))
+    x = _normal(ks[0], in_shape)
+    w = _normal(ks[1], (3, 3, in_shape[-1], sum(sizes)) if layer is _conv else (in_shape[-1], sum(sizes)))
+    head = {name: _normal(k, shape) for k, (name, shape) in zip(ks[4:], head.items(), strict=True)}
+    fused = {"w": w, "b": _normal(ks[2], (sum(sizes),), 0.1), **head}
+    bounds = list(itertools.pairwise(np.cumsum((0, *sizes)).tolist()))
+    apart = {"w": [w[..., a:b] for a, b in bounds], "b": [fused["b"][a:b] for a, b in bounds], **head}
+
+    def fused_fn(p, x):
+        z = layer(x, p["w"]) + p["b"]
+        z = jax.nn.relu(z) if cut == "relu" else z
+        if cut == "slices":
+            return net([z[..., a:b] for a, b in bounds], z, p)
+        return net(jnp.split(z, [b for _, b in bounds[:-1]], axis=-1), z, p)
+
+    def apart_fn(p, x):
+        z = [layer(x, w) + b for w, b in zip(p["w"], p["b"], strict=True)]
+        z = [jax.nn.relu(t) for t in z] if cut == "relu" else z
+        return net(z, jnp.concatenate(z, -1), p)
+
+    def quantities(fn, p, fuse):
+        space = pj.trace(fn, p, x)
+        out = {"norm": pj.path_norm(space, p), "kappa": fuse(pj.path_kappa(space, p))}
+        out |= {f"ddp {a}": fuse(pj.ddp_kappa(space, p, x, alpha=a)) for a in (0.5, 1.0)}
+        return space.num_hidden, sorted((g.kind, g.size) for g in space.groups), out
+
+    def fuse(t):  # a tree like the apart params as one like the fused params
+        return {**t, "w": jnp.concatenate(t["w"], -1), "b": jnp.concatenate(t["b"])}
+
+    h, groups, got = quantities(fused_fn, fused, lambda t: t)
+    h_ref, groups_ref, expected = quantities(apart_fn, apart, fuse)
+    assert (h, groups) == (h_ref, groups_ref) and h > 0
+    chex.assert_trees_all_close(got, expected, rtol=1e-12)
+    if name == "relu pieces":  # (the others have pinned groups, refused as such)
+        with pytest.raises(pj.DDPNormalizationError, match="one kernel and bias per node group"):
+            pj.ddp_normalize(pj.trace(fused_fn, fused, x), alpha=0.5)(fused, x)
+
+
+def test_a_concatenation_of_a_relu_group_and_a_pinned_one_is_its_two_layers():
+    """``concatenate([relu(x @ a), tanh(x @ b)]) @ w``: the ReLU group keeps its paths into the head, the tanh group
+    is a boundary; the path norm, κ and DDP-SGD's κ are those of the same network with the head in two halves
+    (``relu(x @ a) @ w_top + tanh(x @ b) @ w_bottom``). Before, the concatenation was a boundary value as a whole,
+    so the ReLU units' paths ended there."""
+    ks = jax.random.split(jax.random.key(12), 4)
+    p = {"a": _normal(ks[0], (3, 4)), "b": _normal(ks[1], (3, 5)), "w": _normal(ks[2], (9, 2))}
+    halves = {"a": p["a"], "b": p["b"], "w": [p["w"][:4], p["w"][4:]]}
+    x = _normal(ks[3], (6, 3))
+    joined_fn = lambda p, x: jnp.concatenate([jax.nn.relu(x @ p["a"]), jnp.tanh(x @ p["b"])], -1) @ p["w"]  # noqa: E731
+    halves_fn = lambda p, x: jax.nn.relu(x @ p["a"]) @ p["w"][0] + jnp.tanh(x @ p["b"]) @ p["w"][1]  # noqa: E731
+
+    def quantities(fn, p, fuse):
+        space = pj.trace(fn, p, x)
+        norm, kappa, ddp = pj.path_norm(space, p), pj.path_kappa(space, p), pj.ddp_kappa(space, p, x, alpha=0.5)
+        return space.num_hidden, [norm, fuse(kappa), fuse(ddp)]
+
+    (h, got), (h_ref, expected) = (
+        quantities(joined_fn, p, lambda t: t),
+        quantities(halves_fn, halves, lambda t: {**t, "w": jnp.concatenate(t["w"])}),
+    )
+    assert h == h_ref == 4
+    chex.assert_trees_all_close(got, expected, rtol=1e-12)
+
+
+def test_a_value_computed_and_never_used_changes_no_kappa():
+    """A jaxpr keeps what the function computes and drops (``_ = h + 1``): it read as one more consumer of the
+    pre-activation, which made it a node of its own and changed DDP-SGD's κ (α 0.5) of a gated unit."""
+    ks = jax.random.split(jax.random.key(13), 4)
+    p = {"a": _normal(ks[0], (3, 4)), "g": _normal(ks[1], (3, 4)), "u": _normal(ks[2], (4, 2))}
+    x = _normal(ks[3], (6, 3))
+
+    def fn(p, x, dead=False):
+        z = x @ p["a"]
+        if dead:
+            jnp.concatenate([z, x], -1)  # computed, never used
+        return (z * jax.nn.sigmoid(x @ p["g"])) @ p["u"]
+
+    spaces = [pj.trace(functools.partial(fn, dead=dead), p, x) for dead in (False, True)]
+    got, expected = (pj.ddp_kappa(space, p, x, alpha=0.5) for space in spaces[::-1])
+    chex.assert_trees_all_close(got, expected, rtol=1e-12)
+
+
 def test_time_major_inputs_are_refused_not_misread():
     """κ runs the network on one example along the inputs' first axis, and DDP averages its statistics over it:
     an RNN that scans the first axis (``time_major=True``) would give κ of a one-step sequence and statistics over

@@ -810,6 +810,56 @@ def test_relu_however_written_has_the_path_norm_and_kappas_of_jax_nn_relu(recurr
         chex.assert_trees_all_close(quantities(_RELUS[name]), expected, rtol=1e-12)
 
 
+class _FusedAttention(nn.Module):
+    """A Transformer-style block whose q, k and v come from one Dense, cut by ``jnp.split`` (as GPT ports write it),
+    and a ReLU feed-forward head."""
+
+    heads: int = 2
+
+    @nn.compact
+    def __call__(self, x):
+        q, k, v = jnp.split(nn.Dense(3 * 4)(x), 3, axis=-1)
+        split = lambda t: t.reshape(*t.shape[:2], self.heads, -1)  # noqa: E731
+        a = jax.nn.softmax(jnp.einsum("bthd,bshd->bhts", split(q), split(k)), axis=-1)
+        h = jnp.einsum("bhts,bshd->bthd", a, split(v)).reshape(v.shape)
+        return nn.Dense(2)(nn.relu(nn.Dense(5)(h)).mean(1))
+
+
+def test_a_fused_kernel_writes_into_the_groups_it_is_cut_into_and_steps_stay_invariant():
+    """``q, k, v = jnp.split(Dense(12)(x), 3, -1)``: the kernel's columns are edges into three groups (q and k pinned
+    by the softmax, v rescalable), not "other"; G-SGD, Path-SGD and DDP-SGD steps commute with rescaling v's units
+    (and the feed-forward layer's). Before, all twelve units were pinned and the kernel rescaled nothing."""
+    x = jax.random.normal(jax.random.key(0), (3, 5, 4), jnp.float64)
+    model = _FusedAttention()
+    params = jax.tree.map(lambda a: a.astype(jnp.float64) + 0.1, model.init(jax.random.key(1), x)["params"])
+    fn = lambda p, x: model.apply({"params": p}, x)  # noqa: E731
+    space = pj.trace(fn, params, x)
+    assert space.num_hidden == 4 + 5
+    assert sorted((g.kind, g.size) for g in space.groups if g.kind in ("hidden", "pinned")) == [
+        ("hidden", 4), ("hidden", 5), ("pinned", 4), ("pinned", 4)
+    ]  # fmt: skip
+    (kernel,) = [leaf for leaf in space.leaves if leaf.path == "Dense_0/kernel"]
+    assert kernel.kind == "weight" and len(kernel.dst_groups) == 3
+    y = jax.random.normal(jax.random.key(2), (3, 2), jnp.float64)
+    loss = lambda p, batch: jnp.mean((fn(p, batch[0]) - batch[1]) ** 2)  # noqa: E731
+    for tx, kwargs in [(pj.g_sgd(space, 0.05), None), (pj.path_sgd(space, 0.05), None),
+                       (pj.ddp_sgd(space, 0.05, alpha=0.5), {"inputs": x})]:  # fmt: skip
+        pj.testing.assert_update_invariant(tx, loss, space, params, (x, y), update_kwargs=kwargs, num_steps=2,
+                                           rtol=1e-8)  # fmt: skip
+
+
+def test_a_nonlinear_function_of_a_concatenation_pins_both_groups():
+    """``tanh(concatenate([relu(x @ a), relu(x @ b)]))``: both groups are pinned. Before, a pin of the concatenation
+    reached neither group, and their units were called rescalable (H 9) where rescaling them changes the function."""
+    ks = jax.random.split(jax.random.key(0), 4)
+    p = {"a": jax.random.normal(ks[0], (3, 4)), "b": jax.random.normal(ks[1], (3, 5)),
+         "w": jax.random.normal(ks[2], (9, 2))}  # fmt: skip
+    fn = lambda p, x: jnp.tanh(jnp.concatenate([jax.nn.relu(x @ p["a"]), jax.nn.relu(x @ p["b"])], -1)) @ p["w"]  # noqa: E731
+    space = pj.trace(fn, p, jax.random.normal(ks[3], (6, 3)))
+    assert space.num_hidden == 0
+    assert sorted(g.size for g in space.groups if g.kind == "pinned") == [4, 5]
+
+
 def _frozen_first_layer(n_in: int, n_frozen: int):
     """``relu(relu(x @ stop_gradient(w1)) @ w2) @ w3``, its params, a batch and its space."""
     k = jax.random.split(jax.random.key(0), 4)
