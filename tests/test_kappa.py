@@ -981,6 +981,47 @@ def test_a_fused_kernel_cut_into_pieces_is_one_kernel_per_piece(name):
             pj.ddp_normalize(pj.trace(fused_fn, fused, x), alpha=0.5)(fused, x)
 
 
+def test_a_fused_recurrent_kernel_cut_into_a_gate_and_a_relu_half_is_two_kernels():
+    """A recurrent cell whose input and recurrent kernels each compute a ReLU half and a sigmoid gate at once
+    (``a, g = jnp.split(x @ wx + h @ wh + b, 2, -1)``, ``h = relu(a) * sigmoid(g)``): the path norm, κ⁽¹⁾, κ⁽¹⁾ + κ⁽²⁾
+    and DDP-SGD's κ (α 0.5) are those of the cell with one kernel per half."""
+    ks = jax.random.split(jax.random.key(14), 5)
+    n = 4
+    fused = {"wx": _normal(ks[0], (3, 2 * n)), "wh": _normal(ks[1], (n, 2 * n), 0.4),
+             "b": _normal(ks[2], (2 * n,), 0.1), "wo": _normal(ks[3], (n, 2))}  # fmt: skip
+    apart = {k: [fused[k][..., :n], fused[k][..., n:]] for k in ("wx", "wh", "b")} | {"wo": fused["wo"]}
+    x = _normal(ks[4], (5, 6, 3))
+
+    def rnn(halves):
+        def fn(p, xs):
+            def step(h, xt):
+                a, g = halves(p, h, xt)
+                return jax.nn.relu(a) * jax.nn.sigmoid(g), None
+
+            h, _ = jax.lax.scan(step, jnp.zeros((xs.shape[0], n), xs.dtype), jnp.swapaxes(xs, 0, 1))
+            return h @ p["wo"]
+
+        return fn
+
+    fused_fn = rnn(lambda p, h, xt: jnp.split(xt @ p["wx"] + h @ p["wh"] + p["b"], 2, axis=-1))
+    apart_fn = rnn(lambda p, h, xt: [xt @ p["wx"][i] + h @ p["wh"][i] + p["b"][i] for i in range(2)])
+
+    def quantities(fn, p, fuse):
+        space = pj.trace(fn, p, x)
+        kappas = [pj.path_kappa(space, p, second_order=second) for second in (False, True)]
+        ddp = pj.ddp_kappa(space, p, x, alpha=0.5)
+        return space.num_hidden, [pj.path_norm(space, p), *map(fuse, kappas), fuse(ddp)]
+
+    (h, got), (h_ref, expected) = (
+        quantities(fused_fn, fused, lambda t: t),
+        quantities(
+            apart_fn, apart, lambda t: {k: jnp.concatenate(v, -1) if isinstance(v, list) else v for k, v in t.items()}
+        ),
+    )
+    assert h == h_ref == n
+    chex.assert_trees_all_close(got, expected, rtol=1e-12)
+
+
 def test_a_concatenation_of_a_relu_group_and_a_pinned_one_is_its_two_layers():
     """``concatenate([relu(x @ a), tanh(x @ b)]) @ w``: the ReLU group keeps its paths into the head, the tanh group
     is a boundary; the path norm, κ and DDP-SGD's κ are those of the same network with the head in two halves
