@@ -488,6 +488,7 @@ def _node_groups(interp: Interpreter, leaf_info) -> tuple[list[NodeGroup], dict,
     atoms = interp.atoms
     group_order: dict[tuple[int, ...], float] = {}
     fed: set[tuple[int, ...]] = set()  # groups that some edge enters
+    read: set[tuple[int, ...]] = set()  # groups that some edge leaves
 
     by: dict[tuple[int, ...], str] = {}  # a parameter whose edges enter or leave the group, for messages
 
@@ -499,8 +500,7 @@ def _node_groups(interp: Interpreter, leaf_info) -> tuple[list[NodeGroup], dict,
         canon = tuple(sorted(key))
         group_order[canon] = min(group_order.get(canon, np.inf), step)
         by.setdefault(canon, path)
-        if entered:
-            fed.add(canon)
+        (fed if entered else read).add(canon)
 
     for (kind, factors, node_in, node_out, _, step, ends), path in zip(leaf_info, interp.leaf_paths, strict=True):
         if kind == "other":
@@ -526,6 +526,10 @@ def _node_groups(interp: Interpreter, leaf_info) -> tuple[list[NodeGroup], dict,
             # rescaling nodes that no parameter enters would change the function (e.g. a unit channel axis
             # made by a reshape of a hidden layer's output, whose own kernel then has no node axis)
             reasons = reasons + ("no parameter edge enters these nodes (a node axis created by a reshape?)",)
+        elif key not in read and not any(atoms.output[r] for r in key):
+            # a layer's units that nothing reads (a slice leaves them out): no path through them reaches an output
+            reasons = reasons + (f"no parameter edge leaves these nodes, and they are no output (units of {by[key]} "
+                                 "that a slice leaves out?)",)  # fmt: skip
         if any(atoms.input[r] for r in key):
             kind = "input"
         elif any(atoms.output[r] for r in key):

@@ -848,6 +848,23 @@ def test_a_fused_kernel_writes_into_the_groups_it_is_cut_into_and_steps_stay_inv
                                            rtol=1e-8)  # fmt: skip
 
 
+def test_units_a_slice_leaves_out_are_pinned_and_the_rest_trains_invariantly():
+    """``relu(x @ w1)[:, :3] @ w2``: the three units read on are hidden, the two left out are a group of their own,
+    pinned (no path through them reaches an output: the skeleton method has no outgoing edge for them), and
+    G-SGD's and Path-SGD's steps stay invariant."""
+    ks = jax.random.split(jax.random.key(0), 4)
+    p = {"w1": jax.random.normal(ks[0], (3, 5), jnp.float64), "w2": jax.random.normal(ks[1], (3, 2), jnp.float64)}
+    fn = lambda p, x: jax.nn.relu(x @ p["w1"])[:, :3] @ p["w2"]  # noqa: E731
+    x, y = jax.random.normal(ks[2], (6, 3), jnp.float64), jax.random.normal(ks[3], (6, 2), jnp.float64)
+    space = pj.trace(fn, p, x)
+    assert space.num_hidden == 3
+    (left_out,) = [g for g in space.groups if g.kind == "pinned"]
+    assert left_out.size == 2 and "no parameter edge leaves these nodes" in left_out.reasons[0]
+    loss = lambda p, batch: jnp.mean((fn(p, batch[0]) - batch[1]) ** 2)  # noqa: E731
+    for tx in (pj.g_sgd(space, 0.05), pj.path_sgd(space, 0.05)):
+        pj.testing.assert_update_invariant(tx, loss, space, p, (x, y), num_steps=2, rtol=1e-8)
+
+
 def test_a_nonlinear_function_of_a_concatenation_pins_both_groups():
     """``tanh(concatenate([relu(x @ a), relu(x @ b)]))``: both groups are pinned. Before, a pin of the concatenation
     reached neither group, and their units were called rescalable (H 9) where rescaling them changes the function."""
