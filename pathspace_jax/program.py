@@ -163,8 +163,13 @@ def _finish(
     body = in_kinds is not None
     prog.masks = _masks(prog)
     fresh = _find_nodes(prog, body=body)
-    if _cut_nodes(prog, flags):
+    if (joined := _cut_nodes(prog, flags, fresh)) is not None:
         fresh = _find_nodes(prog, body=body)
+        # a cut output: its paths end at its pieces, the sinks (`_find_boundary`), and not again at their concatenation
+        pieces = [p for ps in joined.values() for p in ps]
+        prog.pinned.update(pieces)
+        prog.nodes = [v for v in prog.nodes if v not in joined] + [p for p in pieces if p not in prog.nodes]
+        prog.outputs = [v for v in prog.outputs if v not in joined]
     _find_boundary(prog, fresh, body=body)
     return prog
 
@@ -173,26 +178,37 @@ def _finish(
 _NEW_IDS = itertools.count(1 << 48)
 
 
-def _cut_nodes(prog: Program, flags: dict) -> bool:
+def _cut_nodes(prog: Program, flags: dict, fresh: set[int]) -> dict[int, list[int]] | None:
     """Each node whose groups are pinned in part (a `pathspace_jax.trace.Cut`: a fused kernel's output, of which a
     gate is pinned and a linear half not, read through slices or after a ReLU) cut into its groups right where it
     is computed: ``split`` into pieces, which are the nodes (`_find_nodes`: a split is the only use of the value),
     the pinned ones sinks. Slices that are pieces (``z[:, :h]``, ``z[:, h:]``) become them; where something else
-    reads the node, it reads the pieces ``concatenate``d back instead. Whether it cut any."""
+    reads the node, it reads the pieces ``concatenate``d back instead. An output that is no pre-activation is cut
+    where it is a concatenation of its groups (a ReLU head and a tanh head side by side), else a boundary as a whole.
+    Returns the outputs cut, with their pieces (None where nothing was cut)."""
     cuts = {n: flags[n] for n in prog.nodes if n in prog.cut}
     if not cuts:
-        return False
+        return None
+    outs = {x for x in prog.out_ids if not isinstance(x, tuple)}
     uses: dict[int, list[Eqn]] = {}
     for e in prog.eqns:
         for x in dict.fromkeys(x for x in e.ins if not isinstance(x, tuple)):
             uses.setdefault(x, []).append(e)
-    eqns, renamed, dropped = [], {}, set()
+    eqns, renamed, dropped, joined = [], {}, set(), {}
     for e in prog.eqns:
         if id(e) in dropped:
             continue
         eqns.append(dataclasses.replace(e, ins=[renamed.get(x, x) if not isinstance(x, tuple) else x for x in e.ins]))
         for n in (n for n in e.outs if n in cuts):
             cut, aval = cuts[n], jx.result_avals(e.source)[e.outs.index(n)]
+            if n not in fresh:  # an output computed from nodes
+                side_by_side = e.prim.name == "concatenate" and jx.param(e, "dimension") == cut.axis
+                ins = eqns[-1].ins  # (renamed)
+                if side_by_side and len(ins) == len(cut.sizes) and not any(isinstance(x, tuple) for x in ins):
+                    joined[n] = list(ins)
+                else:
+                    prog.pinned.add(n)
+                continue
             starts = np.cumsum((0,) + cut.sizes[:-1]).tolist()
             boxes = [tuple((a, a + d) if k == cut.axis else (0, m) for k, m in enumerate(aval.shape))
                      for a, d in zip(starts, cut.sizes, strict=True)]  # fmt: skip
@@ -202,9 +218,10 @@ def _cut_nodes(prog: Program, flags: dict) -> bool:
             eqns.append(Eqn(prim, params, ins, pieces, e.source, e.callers))
             prog.kinds.update(dict.fromkeys(pieces, "act"))
             prog.pinned.update(x for x, pinned in zip(pieces, cut.pinned, strict=True) if pinned)
-            slices = {id(u): boxes.index(box) for u in uses[n] if (box := jx.slice_box(u.prim.name, u.params)) in boxes}
-            if len(slices) == len(uses[n]):  # read in pieces alone: the slices are the pieces
-                for u in uses[n]:
+            us = uses.get(n, [])
+            slices = {id(u): boxes.index(box) for u in us if (box := jx.slice_box(u.prim.name, u.params)) in boxes}
+            if len(slices) == len(us) and n not in outs:  # read in pieces alone: the slices are the pieces
+                for u in us:
                     dropped.add(id(u))
                     renamed[u.outs[0]] = pieces[slices[id(u)]]
                 continue
@@ -214,9 +231,11 @@ def _cut_nodes(prog: Program, flags: dict) -> bool:
             prog.kinds[whole] = "act"
             prog.cut.add(whole)
             renamed[n] = whole
+            if n in outs:
+                joined[whole] = pieces
     prog.eqns = eqns
     prog.out_ids = [renamed.get(x, x) if not isinstance(x, tuple) else x for x in prog.out_ids]
-    return True
+    return joined
 
 
 @functools.lru_cache(maxsize=64)

@@ -1022,6 +1022,40 @@ def test_a_fused_recurrent_kernel_cut_into_a_gate_and_a_relu_half_is_two_kernels
     chex.assert_trees_all_close(got, expected, rtol=1e-12)
 
 
+@pytest.mark.parametrize("head", ["two heads side by side", "one kernel, cut and joined", "one kernel, returned whole"])
+def test_an_output_pinned_in_part_is_its_heads_apart(head):
+    """An output whose groups are pinned in part: ``concatenate([tanh(r @ a), r @ b])``; one kernel ``r @ w`` cut, its
+    first units through tanh and joined again; or ``r @ w`` returned whole next to ``tanh`` of its first units. The
+    path norm, κ and DDP-SGD's κ (α 0.5) are those of the same heads with one kernel each, returned apart. Before, the
+    output was a boundary as a whole and its linear units' paths counted as ones."""
+    ks = jax.random.split(jax.random.key(15), 4)
+    h, w = _normal(ks[0], (3, 3)), _normal(ks[1], (3, 6))
+    x = _normal(ks[2], (6, 3))
+    joined_fn = {
+        "two heads side by side": lambda p, r: jnp.concatenate([jnp.tanh(r @ p["w"][0]), r @ p["w"][1]], -1),
+        "one kernel, cut and joined": lambda p, r: (lambda z: jnp.concatenate([jnp.tanh(z[:, :2]), z[:, 2:]], -1))(
+            r @ p["w"]
+        ),
+        "one kernel, returned whole": lambda p, r: (lambda z: (jnp.tanh(z[:, :2]), z))(r @ p["w"]),
+    }[head]
+    apart_fn = {
+        "one kernel, returned whole": lambda p, r: (lambda za: (jnp.tanh(za), za, r @ p["w"][1]))(r @ p["w"][0]),
+    }.get(head, lambda p, r: (jnp.tanh(r @ p["w"][0]), r @ p["w"][1]))
+    apart = {"h": h, "w": [w[:, :2], w[:, 2:]]}
+    joined = apart if head == "two heads side by side" else {"h": h, "w": w}
+
+    def quantities(fn, p):
+        network = lambda p, x: fn(p, jax.nn.relu(x @ p["h"]))  # noqa: E731
+        space = pj.trace(network, p, x)
+        fuse = lambda t: {**t, "w": jnp.concatenate(t["w"], -1) if isinstance(t["w"], list) else t["w"]}  # noqa: E731
+        return space.num_hidden, [pj.path_norm(space, p), fuse(pj.path_kappa(space, p)),
+                                  fuse(pj.ddp_kappa(space, p, x, alpha=0.5))]  # fmt: skip
+
+    (n, got), (n_ref, expected) = quantities(joined_fn, joined), quantities(apart_fn, apart)
+    assert n == n_ref == 3
+    chex.assert_trees_all_close(got, expected, rtol=1e-12)
+
+
 def test_a_concatenation_of_a_relu_group_and_a_pinned_one_is_its_two_layers():
     """``concatenate([relu(x @ a), tanh(x @ b)]) @ w``: the ReLU group keeps its paths into the head, the tanh group
     is a boundary; the path norm, κ and DDP-SGD's κ are those of the same network with the head in two halves
