@@ -1026,8 +1026,9 @@ def test_a_fused_recurrent_kernel_cut_into_a_gate_and_a_relu_half_is_two_kernels
 def test_an_output_pinned_in_part_is_its_heads_apart(head):
     """An output whose groups are pinned in part: ``concatenate([tanh(r @ a), r @ b])``; one kernel ``r @ w`` cut, its
     first units through tanh and joined again; or ``r @ w`` returned whole next to ``tanh`` of its first units. The
-    path norm, κ and DDP-SGD's κ (α 0.5) are those of the same heads with one kernel each, returned apart. Before, the
-    output was a boundary as a whole and its linear units' paths counted as ones."""
+    path norm, κ and DDP-SGD's κ (α 0.5) are those of the same heads with one kernel each, returned apart. Before,
+    the heads side by side were a boundary as a whole, and the path norm counted the tanh units once more, as ones
+    (the one-kernel forms were right only because the whole kernel was pinned, its units never rescaled)."""
     ks = jax.random.split(jax.random.key(15), 4)
     h, w = _normal(ks[0], (3, 3)), _normal(ks[1], (3, 6))
     x = _normal(ks[2], (6, 3))
