@@ -139,9 +139,9 @@ class ShapeRules:
             return layer
         keep = [a == b for a, b in zip(in_shape, out_shape)]
         cut = [k for k, same in enumerate(keep) if not same]
-        strides = jx.param(eqn, "strides", None) if start is not None else None
-        if start is not None and len(cut) == 1 and not any(s != 1 for s in strides or ()):
-            piece = self._cut_nodes(v, cut[0], start[cut[0]], out_shape)
+        unit_strides = all(s in (None, 1) for s in jx.param(eqn, "strides", None) or ())
+        if start is not None and len(cut) == 1 and unit_strides:
+            piece = self._piece_of_layer(v, cut[0], start[cut[0]], out_shape)
             if piece is not None:
                 return piece
         return self._reslice(eqn, v, keep, out_shape, "slices part of an axis")
@@ -248,20 +248,20 @@ class ShapeRules:
 
     def _pieces(self, eqn, v: Val, axis: int, shapes) -> list[Val]:
         """``v`` cut along ``axis`` into consecutive pieces of ``shapes``: a stacked leaf's layers (`_layer`), the
-        groups a layer's output is cut into (`_cut_nodes`), else resliced (the cut axis pinned unless it is
+        groups a layer's output is cut into (`_piece_of_layer`), else resliced (the cut axis pinned unless it is
         positions)."""
         in_shape, start, out = eqn.invars[0].aval.shape, 0, []
         keep = [k != axis for k in range(len(in_shape))]
         for shape in shapes:
             out.append(
                 self._layer(v, in_shape, shape, axis, start)
-                or self._cut_nodes(v, axis, start, shape)
+                or self._piece_of_layer(v, axis, start, shape)
                 or self._reslice(eqn, v, keep, shape, "splits an axis")
             )
             start += shape[axis]
         return out
 
-    def _cut_nodes(self, v: Val, axis: int, start: int, shape) -> Val | None:
+    def _piece_of_layer(self, v: Val, axis: int, start: int, shape) -> Val | None:
         """Entries ``start`` on of the node axis ``axis`` of an activation, a layer's output (a fused kernel's:
         ``q, k, v = jnp.split(x @ w + b, 3, -1)``, a gated unit's two halves): the piece as a group of its own, the
         layer's output axis those groups side by side, as a concatenation's is (`Atoms.set_alias`); else None."""
