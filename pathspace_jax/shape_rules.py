@@ -97,9 +97,12 @@ class ShapeRules:
         shape = jx.param(eqn, "shape")
         out = self.fresh(shape)
         in_shape = eqn.invars[0].aval.shape
+        fresh = [a for ax in out for a in ax]
         for k, d in enumerate(jx.param(eqn, "broadcast_dimensions")):
             if in_shape[k] == shape[d]:
                 out[d] = list(v.axes[k])
+        if v.kind == ACT and self.fully_pinned(v):  # copies of a pinned value, along new axes: pinned too
+            self.atoms.pin([a for ax in out for a in ax if a in fresh], self.reason("a pinned value broadcast"))
         return [dataclasses.replace(v, axes=out)]
 
     def _reslice(self, eqn, v: Val, keep: Sequence[bool], out_shape, why: str) -> Val:

@@ -381,7 +381,10 @@ class Interpreter(ShapeRules):
             for v in acts:
                 self.pin(v, "elementwise product with a parameter")
         if acts:
-            return [self.ew(ACT, ins, self.broadcast(eqn, acts + params + consts, unify=len(acts) > 1))]
+            out = self.ew(ACT, ins, self.broadcast(eqn, acts + params + consts, unify=len(acts) > 1))
+            if not params and all(map(self.fully_pinned, acts)):  # (a top-k router's weights spread by a one-hot)
+                self.pin(out, "a product of pinned values and constants")
+            return [out]
         if len(params) == 1 and eqn.primitive.name == "mul" and not any(c.from_params for c in consts):
             # a parameter times a fixed coefficient is still a view of that parameter
             axes = self.broadcast(eqn, params + consts, unify=False)

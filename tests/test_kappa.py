@@ -1057,6 +1057,46 @@ def test_an_output_pinned_in_part_is_its_heads_apart(head):
     chex.assert_trees_all_close(got, expected, rtol=1e-12)
 
 
+class _RoutedMoE(nn.Module):
+    """Three experts (``nn.vmap``'d Dense layers) on shared hidden units, weighted by a softmax gate, or by its
+    ``top_k`` largest weights spread back over the experts with a one-hot (a routed mixture)."""
+
+    top_k: int | None = None
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.relu(nn.Dense(6)(x))
+        gate = jax.nn.softmax(nn.Dense(3)(h))
+        if self.top_k is not None:
+            weights, chosen = jax.lax.top_k(gate, self.top_k)
+            gate = jnp.sum(jax.nn.one_hot(chosen, 3, dtype=gate.dtype) * weights[..., None], axis=-2)
+        experts = nn.vmap(nn.Dense, variable_axes={"params": 0}, split_rngs={"params": True}, in_axes=None,
+                          out_axes=1, axis_size=3)  # fmt: skip
+        return nn.Dense(2)(jnp.einsum("be,bed->bd", gate, nn.relu(experts(4)(h))))
+
+
+def test_a_top_k_routed_mixture_keeps_its_experts_units():
+    """Top-2 routing (``jax.lax.top_k`` of the softmax gate, spread back with ``jax.nn.one_hot``): the routing weights
+    are computed from pinned values and constants alone, so they are a gate, and the experts' units stay hidden as in
+    the soft mixture. The |·|^p network takes a gate as 1, so the path norm and κ are the soft mixture's with the
+    same parameters, and G-SGD's, Path-SGD's and DDP-SGD's steps are invariant. Before, the one-hot's expert axis made
+    the weights an activation that was not fully pinned: the experts' units and the layer reading them were pinned
+    (H 6 instead of 10)."""
+    x = _normal(jax.random.key(16), (6, 5))
+    routed, soft = _RoutedMoE(top_k=2), _RoutedMoE()
+    params = _tree_normal(routed.init(jax.random.key(0), x)["params"], 17)
+    spaces = [pj.trace(lambda p, x, m=m: m.apply({"params": p}, x), params, x) for m in (routed, soft)]
+    assert [space.num_hidden for space in spaces] == [10, 10]
+    got, expected = ([pj.path_norm(space, params), pj.path_kappa(space, params)] for space in spaces)
+    chex.assert_trees_all_close(got, expected, rtol=1e-12)
+    y = _normal(jax.random.key(18), (6, 2))
+    fn = spaces[0].fn
+    loss = lambda p, batch: jnp.mean((fn(p, batch[0]) - batch[1]) ** 2)  # noqa: E731
+    for tx, kwargs in [(pj.g_sgd(spaces[0], 0.05), None), (pj.path_sgd(spaces[0], 0.05), None),
+                       (pj.ddp_sgd(spaces[0], 0.05, alpha=0.5), {"inputs": x})]:  # fmt: skip
+        assert_update_invariant(tx, loss, spaces[0], params, (x, y), update_kwargs=kwargs, num_steps=2, rtol=1e-8)
+
+
 def test_a_concatenation_of_a_relu_group_and_a_pinned_one_is_its_two_layers():
     """``concatenate([relu(x @ a), tanh(x @ b)]) @ w``: the ReLU group keeps its paths into the head, the tanh group
     is a boundary; the path norm, κ and DDP-SGD's κ are those of the same network with the head in two halves
