@@ -434,6 +434,17 @@ class GatedMLP(nn.Module):
         return nn.Dense(2)(nn.sigmoid(nn.Dense(4)(h)) * nn.Dense(4)(h))
 
 
+class FusedGatedMLP(nn.Module):
+    """`GatedMLP` with the gate and the branch computed by one Dense and cut by ``jnp.split`` (SwiGLU as written with
+    one kernel): the same path space, the kernel's columns edges into the gate's pinned group and the branch's."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.relu(nn.Dense(5)(x))
+        g, a = jnp.split(nn.Dense(8)(h), 2, axis=-1)
+        return nn.Dense(2)(nn.sigmoid(g) * a)
+
+
 class ConcatMLP(nn.Module):
     @nn.compact
     def __call__(self, x):
@@ -686,6 +697,7 @@ def _build() -> dict[str, Case]:
         _linen("layernorm_mlp_partly_pinned", LayerNormMLP(), _normal(3), hidden=4, pinned=1, extra_symmetries=4),
         norm_scale(batch=False),
         _linen("sigmoid_gated_mlp", GatedMLP(), _normal(3), hidden=9, pinned=1),
+        _linen("fused_gated_mlp_split", FusedGatedMLP(), _normal(3), hidden=9, pinned=1),
         _linen("concat_mlp", ConcatMLP(), _normal(3), hidden=7),
         _linen("fused_lstm_relu_head", FusedLSTMHead(), _normal(3, 2), hidden=5, pinned=1),
         _linen("unet_concat_skip", UNetSkip(), _normal(6, 6, 1), hidden=10),
