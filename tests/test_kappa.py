@@ -937,8 +937,8 @@ _FUSED = {
 def test_a_fused_kernel_cut_into_pieces_is_one_kernel_per_piece(name):
     """One kernel and bias computing several layers at once, their output cut into pieces (``q, k, v =
     jnp.split(x @ w + b, 3, -1)``, a gated unit's linear half and gate ``a, g = jnp.split(h, 2, -1)``, or slices):
-    each piece is a node group of its own, so the network has the structure, path norm, κ and DDP-SGD's κ (α 0.5
-    and 1) of the same network written with one kernel and bias per piece (the fused kernel's slices).
+    each piece is a node group of its own, so the network has the structure, path norm, κ and DDP-SGD's κ (α 0.5)
+    of the same network written with one kernel and bias per piece (the fused kernel's slices).
     DDP-Normalization refuses it, saying so. Before, every piece was pinned ("split: splits an axis"); with the
     pieces as groups but the layer's output flagged pinned as a whole, the path norm counted a gate's paths and
     dropped the linear half's."""
@@ -966,7 +966,7 @@ def test_a_fused_kernel_cut_into_pieces_is_one_kernel_per_piece(name):
     def quantities(fn, p, fuse):
         space = pj.trace(fn, p, x)
         out = {"norm": pj.path_norm(space, p), "kappa": fuse(pj.path_kappa(space, p))}
-        out |= {f"ddp {a}": fuse(pj.ddp_kappa(space, p, x, alpha=a)) for a in (0.5, 1.0)}
+        out["ddp"] = fuse(pj.ddp_kappa(space, p, x, alpha=0.5))
         return space.num_hidden, sorted((g.kind, g.size) for g in space.groups), out
 
     def fuse(t):  # a tree like the apart params as one like the fused params
@@ -1079,9 +1079,9 @@ def test_a_top_k_routed_mixture_keeps_its_experts_units():
     """Top-2 routing (``jax.lax.top_k`` of the softmax gate, spread back with ``jax.nn.one_hot``): the routing weights
     are computed from pinned values and constants alone, so they are a gate, and the experts' units stay hidden as in
     the soft mixture. The |·|^p network takes a gate as 1, so the path norm and κ are the soft mixture's with the
-    same parameters, and G-SGD's, Path-SGD's and DDP-SGD's steps are invariant. Before, the one-hot's expert axis made
-    the weights an activation that was not fully pinned: the experts' units and the layer reading them were pinned
-    (H 6 instead of 10)."""
+    same parameters, and DDP-SGD's steps (on the routing weights' values) are invariant. Before, the one-hot's expert
+    axis made the weights an activation that was not fully pinned: the experts' units and the layer reading them were
+    pinned (H 6 instead of 10)."""
     x = _normal(jax.random.key(16), (6, 5))
     routed, soft = _RoutedMoE(top_k=2), _RoutedMoE()
     params = _tree_normal(routed.init(jax.random.key(0), x)["params"], 17)
@@ -1092,9 +1092,8 @@ def test_a_top_k_routed_mixture_keeps_its_experts_units():
     y = _normal(jax.random.key(18), (6, 2))
     fn = spaces[0].fn
     loss = lambda p, batch: jnp.mean((fn(p, batch[0]) - batch[1]) ** 2)  # noqa: E731
-    for tx, kwargs in [(pj.g_sgd(spaces[0], 0.05), None), (pj.path_sgd(spaces[0], 0.05), None),
-                       (pj.ddp_sgd(spaces[0], 0.05, alpha=0.5), {"inputs": x})]:  # fmt: skip
-        assert_update_invariant(tx, loss, spaces[0], params, (x, y), update_kwargs=kwargs, num_steps=2, rtol=1e-8)
+    tx = pj.ddp_sgd(spaces[0], 0.05, alpha=0.5)  # (the optimiser that reads the routing weights' values)
+    assert_update_invariant(tx, loss, spaces[0], params, (x, y), update_kwargs={"inputs": x}, num_steps=2, rtol=1e-8)
 
 
 def test_a_concatenation_of_a_relu_group_and_a_pinned_one_is_its_two_layers():
