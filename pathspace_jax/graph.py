@@ -178,6 +178,11 @@ PIN_HINTS = (
      "it is an 'other' leaf and the units it touches stay fixed; expected for a tied embedding"),
     ("no parameter edge enters", "a reshape made a node axis that no kernel writes: reshape after the ReLU, or "
      "accept fixed units"),
+    ("no parameter edge leaves", "units that nothing reads: make the layer narrower, or accept fixed units"),
+    ("slices part of an axis", "a layer's output cut along an axis that a reshape made (qkv.reshape(b, t, 3, d)[:, "
+     ":, 0]) or with strides: cut its last axis with jnp.split or slices first, each piece a group of its own"),
+    ("splits an axis", "a layer's output cut along an axis that a reshape made: cut its last axis with jnp.split "
+     "first, each piece a group of its own"),
     ("not an edge tensor", "this parameter is no kernel or bias of the homogeneous part: it is an 'other' leaf "
      "(optax.partition with pj.path_labels trains it) and the units it touches stay fixed"),
 )  # fmt: skip

@@ -860,6 +860,7 @@ def test_units_a_slice_leaves_out_are_pinned_and_the_rest_trains_invariantly():
     assert space.num_hidden == 3
     (left_out,) = [g for g in space.groups if g.kind == "pinned"]
     assert left_out.size == 2 and "no parameter edge leaves these nodes" in left_out.reasons[0]
+    assert "what you can do: units that nothing reads" in pj.describe(space)
     loss = lambda p, batch: jnp.mean((fn(p, batch[0]) - batch[1]) ** 2)  # noqa: E731
     for tx in (pj.g_sgd(space, 0.05), pj.path_sgd(space, 0.05)):
         pj.testing.assert_update_invariant(tx, loss, space, p, (x, y), num_steps=2, rtol=1e-8)
