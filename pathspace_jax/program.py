@@ -326,7 +326,8 @@ def _find_nodes(prog: Program, body: bool = False) -> set[int]:
         elif cut(e) and ids[0] in fresh:
             fresh.update(e.outs)
         elif rule(name).continues_node and not any(x in prog.masks for x in ids):  # a gate ends it, as ReLU does
-            if any(x in fresh for x in ids):
+            # (a pre-activation read by anything else is a node there, and what it goes on to is no node again)
+            if any(x in fresh and all(u is e for u in uses[x]) for x in ids):
                 fresh.add(e.outs[0])
     outs = [x for x in prog.out_ids if not isinstance(x, tuple) and kinds[x] == "act"]
     nodes = []

@@ -25,6 +25,8 @@ class ShapeRules:
         """Factors are matched right to left (numpy's broadcasting convention), so
         ``(C,) -> (1, C)`` keeps the parameter's atom on the last axis."""
         v = ins[0]
+        if (pieces := self._reshaped_pieces(eqn, v)) is not None:
+            return [pieces]
         new_sizes = jx.param(eqn, "new_sizes")
         if (order := jx.param(eqn, "dimensions", None)) is not None:  # a transpose first (JAX's batching of conv)
             v = dataclasses.replace(v, axes=[v.axes[p] for p in order])
@@ -68,6 +70,62 @@ class ShapeRules:
             out.append(cur)
         scalars.extend(flat[: k + 1])
         return [dataclasses.replace(v, axes=out[::-1], scalars=scalars)]
+
+    def _reshaped_pieces(self, eqn, v: Val) -> Val | None:
+        """A layer's output whose last axis is reshaped into ``(k, ...)`` and then read only in pieces of ``w`` entries
+        of the k axis (``q, k, v = qkv.reshape(b, t, 3, h, d)[:, :, 0], ...``, or ``jnp.split`` along it): each piece
+        is a group of its own, as where the last axis is cut before the reshape (`_piece_of_layer`), and the result
+        carries the pieces' axes for the slices that read them (``Val.pieces``). Its k axis stands for the pieces'
+        groups side by side (an alias of them, for the flags of `pathspace_jax.trace.record`). Else None."""
+        in_shape, shape, n = eqn.invars[0].aval.shape, tuple(jx.param(eqn, "new_sizes")), len(v.axes) - 1
+        if v.kind != ACT or n < 0 or jx.param(eqn, "dimensions", None) is not None:
+            return None
+        k, rest = (shape[n], shape[n + 1 :]) if len(shape) > n + 1 else (0, ())
+        if shape[:n] != tuple(in_shape[:n]) or k < 2 or not rest or min(rest) < 2:
+            return None
+        fs = self.atoms.factors(v.axes[n])
+        if len(fs) != 1 or self.atoms.position[fs[0]]:
+            return None
+        reads = {self._piece_read(u, n, shape) for u in self.consumers[-1].get(eqn.outvars[0], [None])}
+        widths = {w for _, w in reads if w is not None}
+        if len(widths) != 1 or None in {w for _, w in reads} or any(a % w for a, w in reads):
+            return None
+        w = int(widths.pop())
+        if w == k or not self._written_by_a_layer(fs[0]):
+            return None
+        m, per, segs, want = int(np.prod(rest)), [], [], ((w,) if w > 1 else ()) + rest
+        for i in range(k // w):  # (cut as an earlier reshape of the same output was, if it was)
+            seg = self.atoms.find(self._cut(fs[0], i * w * m, (i + 1) * w * m))
+            if self.atoms.alias[seg] is not None:
+                return None
+            if len(want) > 1 and self.atoms.expand[seg] is None:
+                self.atoms.set_expand(seg, [self.atoms.new(d) for d in want])
+            axes = self.atoms.factors([seg])
+            if [self.atoms.size[a] for a in axes] != list(want):
+                return None
+            block = [[axes[0]], *[[a] for a in axes[1:]]] if w > 1 else [[self.atoms.new(1)], *[[a] for a in axes]]
+            per += [block] * w  # (indexed by the entry a piece starts at)
+            segs.append(seg)
+        ks = self.atoms.new(k)
+        self.atoms.alias[ks] = segs
+        axes = [*v.axes[:n], [ks], *[[self.atoms.new(d)] for d in rest]]
+        return dataclasses.replace(v, axes=axes, pieces=(n, per))
+
+    @staticmethod
+    def _piece_read(u, axis: int, shape) -> tuple[int, int | None]:
+        """``(start, width)`` of the entries of ``axis`` that the jaxpr equation ``u`` reads of its operand (of
+        ``shape``), whole elsewhere: a unit-stride slice, or a split into equal parts (start 0); width None for
+        anything else."""
+        if u is not None and u.primitive.name == "split" and jx.param(u, "axis") == axis:
+            sizes = set(jx.param(u, "sizes"))
+            return (0, sizes.pop()) if len(sizes) == 1 else (0, None)
+        box = None if u is None else jx.slice_box(u.primitive.name, u.params)
+        whole = box is not None and all((a, b) == (0, d) for j, ((a, b), d) in enumerate(zip(box, shape)) if j != axis)
+        return (box[axis][0], box[axis][1] - box[axis][0]) if whole else (0, None)
+
+    def _piece(self, v: Val, axis: int, start: int) -> Val:
+        """The piece from entry ``start`` of a value reshaped into pieces along ``axis`` (`_reshaped_pieces`)."""
+        return dataclasses.replace(v, axes=[*v.axes[:axis], *v.pieces[1][start]], pieces=None)
 
     def _ids(self, a: int) -> list[int]:
         """Like `Atoms.factors` but keeps atom ids where there is no product structure."""
@@ -142,6 +200,8 @@ class ShapeRules:
             return layer
         keep = [a == b for a, b in zip(in_shape, out_shape)]
         cut = [k for k, same in enumerate(keep) if not same]
+        if v.pieces is not None and start is not None and cut == [v.pieces[0]]:
+            return self._piece(v, cut[0], start[cut[0]])
         unit_strides = all(s in (None, 1) for s in jx.param(eqn, "strides", None) or ())
         if start is not None and len(cut) == 1 and unit_strides:
             piece = self._piece_of_layer(v, cut[0], start[cut[0]], out_shape)
@@ -256,6 +316,10 @@ class ShapeRules:
         in_shape, start, out = eqn.invars[0].aval.shape, 0, []
         keep = [k != axis for k in range(len(in_shape))]
         for shape in shapes:
+            if v.pieces is not None and axis == v.pieces[0]:
+                out.append(self._piece(v, axis, start))
+                start += shape[axis]
+                continue
             out.append(
                 self._layer(v, in_shape, shape, axis, start)
                 or self._piece_of_layer(v, axis, start, shape)

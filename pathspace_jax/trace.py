@@ -222,6 +222,8 @@ def record(closed, n_params: int, paths: Sequence[str]) -> tuple[Frame, dict[int
             pins = [any(r in roots for r in seg) for seg in segs]
             if len(segs) > 1 and any(pins) and not all(pins):
                 sizes = tuple(int(np.prod([atoms.size[r] for r in seg])) for seg in segs)
+                if sum(sizes) != atoms.size[fs[0]]:  # a reshaped output's pieces axis: w entries per group
+                    sizes = (atoms.size[fs[0]] // len(segs),) * len(segs)
                 cut = Cut(k, sizes, tuple(pins))
             elif any(pins):
                 return True

@@ -927,6 +927,12 @@ _FUSED = {
                               + jax.nn.relu(whole) @ p["v"], "split"),
     "attention (q, k, v)": (_dense, (3, 5, 4), (4, 4, 4), {"u": (4, 3), "v": (3, 2)},
                             lambda z, whole, p: jax.nn.relu(_attention(*z) @ p["u"]).mean(1) @ p["v"], "split"),
+    "attention (reshaped, indexed)": (_dense, (3, 5, 4), (4, 4, 4), {"u": (4, 3), "v": (3, 2)},
+                                      lambda z, whole, p: jax.nn.relu(_attention(*z) @ p["u"]).mean(1) @ p["v"],
+                                      "index"),
+    "attention (in heads, split)": (_dense, (3, 5, 4), (4, 4, 4), {"u": (4, 3), "v": (3, 2)},
+                                    lambda z, whole, p: jax.nn.relu(_attention(*z) @ p["u"]).mean(1) @ p["v"],
+                                    "heads"),
     "convolution, gated": (_conv, (2, 5, 5, 2), (3, 3), {"u": (3, 2)},
                            lambda z, whole, p: (jax.nn.relu(z[0]) * jax.nn.sigmoid(z[1])).mean((1, 2)) @ p["u"],
                            "split"),
@@ -938,7 +944,8 @@ def test_a_fused_kernel_cut_into_pieces_is_one_kernel_per_piece(name):
     """One kernel and bias computing several layers at once, their output cut into pieces (``q, k, v =
     jnp.split(x @ w + b, 3, -1)``, a gated unit's linear half and gate ``a, g = jnp.split(h, 2, -1)``, or slices):
     each piece is a node group of its own, so the network has the structure, path norm, κ and DDP-SGD's κ (α 0.5)
-    of the same network written with one kernel and bias per piece (the fused kernel's slices).
+    of the same network written with one kernel and bias per piece (the fused kernel's slices), also where the output
+    is reshaped first and cut along the new axis (``qkv.reshape(b, t, 3, d)[:, :, i]``, or split along the heads).
     DDP-Normalization refuses it, saying so. Before, every piece was pinned ("split: splits an axis"); with the
     pieces as groups but the layer's output flagged pinned as a whole, the path norm counted a gate's paths and
     dropped the linear half's."""
@@ -956,6 +963,11 @@ def test_a_fused_kernel_cut_into_pieces_is_one_kernel_per_piece(name):
         z = jax.nn.relu(z) if cut == "relu" else z
         if cut == "slices":
             return net([z[..., a:b] for a, b in bounds], z, p)
+        if cut == "index":  # qkv.reshape(b, t, 3, d)[:, :, i]
+            return net([z.reshape(*z.shape[:-1], len(sizes), -1)[..., i, :] for i in range(len(sizes))], z, p)
+        if cut == "heads":  # qkv.reshape(b, t, 3 * heads, d // heads), split along the heads
+            parts = jnp.split(z.reshape(*z.shape[:-1], 2 * len(sizes), -1), len(sizes), axis=-2)
+            return net([t.reshape(z.shape[:-1] + (-1,)) for t in parts], z, p)
         return net(jnp.split(z, [b for _, b in bounds[:-1]], axis=-1), z, p)
 
     def apart_fn(p, x):
