@@ -43,7 +43,9 @@ jax.config.update("jax_enable_x64", True)
 # session) 10.7 (760 tests, user 19.9) at the start, 10.0-10.1 (702 tests, user 18.5-18.8) after the zoo-wide
 # G-SGD step, DDP and ordinary-model tests ran fewer compiled programs (the unchanged tests within 3 % of each other),
 # and 9.0 (user 16.7) half an hour later, the same tests 11 % faster: the machine's faster state; 9.2 (715 tests,
-# user 17.1) in the thirty-first session, after its tests of hand-written ReLUs, stack/tile, Python-loop RNNs.
+# user 17.1) in the thirty-first session, after its tests of hand-written ReLUs, stack/tile, Python-loop RNNs; 10.0
+# (740 tests, user 18.5) and 10.3 (742 tests, user 19.2) in the thirty-second, whose fused-kernel, routed-mixture
+# and cut-output tests take ~40 s of worker time from an empty cache (trimmed after: the suite is at its budget).
 # PJ_TEST_CACHE=0 turns it off.
 if os.environ.get("PJ_TEST_CACHE", "1") != "0":
     _CACHE = {
