@@ -86,7 +86,7 @@ class ShapeRules:
         fs = self.atoms.factors(v.axes[n])
         if len(fs) != 1 or self.atoms.position[fs[0]]:
             return None
-        reads = {self._piece_read(u, n, shape) for u in self.consumers[-1].get(eqn.outvars[0], [None])}
+        reads = self._piece_reads(eqn.outvars[0], n, shape)
         widths = {w for _, w in reads if w is not None}
         if len(widths) != 1 or None in {w for _, w in reads} or any(a % w for a, w in reads):
             return None
@@ -104,28 +104,39 @@ class ShapeRules:
             if [self.atoms.size[a] for a in axes] != list(want):
                 return None
             block = [[axes[0]], *[[a] for a in axes[1:]]] if w > 1 else [[self.atoms.new(1)], *[[a] for a in axes]]
-            per += [block] * w  # (indexed by the entry a piece starts at)
+            per += [[*v.axes[:n], *block]] * w  # (indexed by the entry a piece starts at)
             segs.append(seg)
         ks = self.atoms.new(k)
         self.atoms.alias[ks] = segs
         axes = [*v.axes[:n], [ks], *[[self.atoms.new(d)] for d in rest]]
         return dataclasses.replace(v, axes=axes, pieces=(n, per))
 
-    @staticmethod
-    def _piece_read(u, axis: int, shape) -> tuple[int, int | None]:
-        """``(start, width)`` of the entries of ``axis`` that the jaxpr equation ``u`` reads of its operand (of
-        ``shape``), whole elsewhere: a unit-stride slice, or a split into equal parts (start 0); width None for
-        anything else."""
-        if u is not None and u.primitive.name == "split" and jx.param(u, "axis") == axis:
-            sizes = set(jx.param(u, "sizes"))
-            return (0, sizes.pop()) if len(sizes) == 1 else (0, None)
-        box = None if u is None else jx.slice_box(u.primitive.name, u.params)
-        whole = box is not None and all((a, b) == (0, d) for j, ((a, b), d) in enumerate(zip(box, shape)) if j != axis)
-        return (box[axis][0], box[axis][1] - box[axis][0]) if whole else (0, None)
+    def _piece_reads(self, var, axis: int, shape) -> set[tuple[int, int | None]]:
+        """``(start, width)`` of the entries of ``axis`` that each reader of the jaxpr variable ``var`` (of ``shape``)
+        takes, whole elsewhere: a unit-stride slice, a split into equal parts or an unstack (start 0), or the same
+        through a transpose (``qkv.transpose(2, 0, 3, 1, 4)[0]``); width None for anything else."""
+        out = set()
+        for u in self.consumers[-1].get(var, [None]):
+            name = None if u is None else u.primitive.name
+            if name == "transpose":
+                perm = tuple(jx.param(u, "permutation"))
+                out |= self._piece_reads(u.outvars[0], perm.index(axis), tuple(shape[p] for p in perm))
+            elif name == "split" and jx.param(u, "axis") == axis:
+                sizes = set(jx.param(u, "sizes"))
+                out.add((0, sizes.pop()) if len(sizes) == 1 else (0, None))
+            elif name == "unstack" and jx.param(u, "axis") % len(shape) == axis:
+                out.add((0, 1))
+            else:
+                box = None if u is None else jx.slice_box(name, u.params)
+                whole = box is not None and all((a, b) == (0, d) for j, ((a, b), d) in enumerate(zip(box, shape))
+                                                if j != axis)  # fmt: skip
+                out.add((box[axis][0], box[axis][1] - box[axis][0]) if whole else (0, None))
+        return out
 
-    def _piece(self, v: Val, axis: int, start: int) -> Val:
-        """The piece from entry ``start`` of a value reshaped into pieces along ``axis`` (`_reshaped_pieces`)."""
-        return dataclasses.replace(v, axes=[*v.axes[:axis], *v.pieces[1][start]], pieces=None)
+    @staticmethod
+    def _piece(v: Val, start: int) -> Val:
+        """The piece from entry ``start`` of a value reshaped into pieces (`_reshaped_pieces`)."""
+        return dataclasses.replace(v, axes=[list(ax) for ax in v.pieces[1][start]], pieces=None)
 
     def _ids(self, a: int) -> list[int]:
         """Like `Atoms.factors` but keeps atom ids where there is no product structure."""
@@ -147,8 +158,11 @@ class ShapeRules:
         )
 
     def rule_transpose(self, eqn, ins):
-        v = ins[0]
-        return [dataclasses.replace(v, axes=[v.axes[p] for p in jx.param(eqn, "permutation")])]
+        v, perm = ins[0], jx.param(eqn, "permutation")
+        if v.pieces is not None:  # (`_reshaped_pieces`)
+            k, per = v.pieces
+            v = dataclasses.replace(v, pieces=(list(perm).index(k), [[axes[p] for p in perm] for axes in per]))
+        return [dataclasses.replace(v, axes=[v.axes[p] for p in perm])]
 
     def rule_broadcast_in_dim(self, eqn, ins):
         v = ins[0]
@@ -201,7 +215,7 @@ class ShapeRules:
         keep = [a == b for a, b in zip(in_shape, out_shape)]
         cut = [k for k, same in enumerate(keep) if not same]
         if v.pieces is not None and start is not None and cut == [v.pieces[0]]:
-            return self._piece(v, cut[0], start[cut[0]])
+            return self._piece(v, start[cut[0]])
         unit_strides = all(s in (None, 1) for s in jx.param(eqn, "strides", None) or ())
         if start is not None and len(cut) == 1 and unit_strides:
             piece = self._piece_of_layer(v, cut[0], start[cut[0]], out_shape)
@@ -317,7 +331,7 @@ class ShapeRules:
         keep = [k != axis for k in range(len(in_shape))]
         for shape in shapes:
             if v.pieces is not None and axis == v.pieces[0]:
-                out.append(self._piece(v, axis, start))
+                out.append(self._piece(v, start))
                 start += shape[axis]
                 continue
             out.append(

@@ -247,7 +247,7 @@ def evaluate(
             outs = bind(e, vals)
         elif e.outs[0] in prog.masks:  # (`pathspace_jax.program._masks`): evaluated as it is, with no exponent
             outs = [V(m, None) for m in bind(e, align(vals)[0])]
-        elif e.outs[0] in prog.bnd:
+        elif all(o in prog.bnd for o in e.outs):
             outs = _boundary_op(prog, e, ks, vals)
         elif e.outs[0] in prog.lookups:
             outs = [_lookup(prog, e, vals)]
@@ -274,15 +274,22 @@ def evaluate(
                 tap.shapes[idx] = jax.ShapeDtypeStruct(jnp.shape(res[0]), res[0].dtype)
             norm = renorm if _rescales(rule(e.prim.name)) else (lambda v: v)
             outs = [norm(V(m, top if is_float(m) else None)) for m in res]
+            if any(o in prog.bnd for o in e.outs):  # the pinned pieces of a value cut into groups: 1
+                outs = [_ones(v) if o in prog.bnd else v for o, v in zip(e.outs, outs, strict=True)]
         for o, v in zip(e.outs, outs, strict=True):
             if post is not None and out_kind != "const":
                 v = post(o, v)
             if o in sink_set:
                 if sinks is not None:
                     sinks.append(V(jnp.sum(v.m), v.e))  # `total` aligns them: no renormalisation
-                v = V(jnp.ones_like(v.m), None if v.e is None else jnp.zeros((), jnp.int32))
+                v = _ones(v)
             env[o] = v
     return [rd(x) for x in prog.out_ids]
+
+
+def _ones(v: V) -> V:
+    """A boundary value in the |·|^p network: 1 where ``v`` is."""
+    return V(jnp.ones_like(v.m), None if v.e is None else jnp.zeros((), jnp.int32))
 
 
 def _rescales(r) -> bool:

@@ -923,13 +923,13 @@ _FUSED = {
     "gated after a relu": (_dense, (6, 3), (4, 4), {"u": (4, 2)},
                            lambda z, whole, p: (z[0] * jnp.tanh(z[1])) @ p["u"], "relu"),
     "gated, read whole too": (_dense, (6, 3), (4, 4), {"u": (4, 2), "v": (8, 2)},
-                              lambda z, whole, p: (jax.nn.relu(z[0]) * jax.nn.sigmoid(z[1])) @ p["u"]
-                              + jax.nn.relu(whole) @ p["v"], "split"),
+                              lambda z, whole, p: (jax.nn.sigmoid(z[0]) * jax.nn.relu(z[1])) @ p["u"]
+                              + jax.nn.relu(whole) @ p["v"], "split"),  # (the gate first)
     "attention (q, k, v)": (_dense, (3, 5, 4), (4, 4, 4), {"u": (4, 3), "v": (3, 2)},
                             lambda z, whole, p: jax.nn.relu(_attention(*z) @ p["u"]).mean(1) @ p["v"], "split"),
-    "attention (reshaped, indexed)": (_dense, (3, 5, 4), (4, 4, 4), {"u": (4, 3), "v": (3, 2)},
-                                      lambda z, whole, p: jax.nn.relu(_attention(*z) @ p["u"]).mean(1) @ p["v"],
-                                      "index"),
+    "attention (reshaped, moved, unpacked)": (_dense, (3, 5, 4), (4, 4, 4), {"u": (4, 3), "v": (3, 2)},
+                                              lambda z, whole, p: jax.nn.relu(_attention(*z) @ p["u"]).mean(1)
+                                              @ p["v"], "moved"),
     "attention (in heads, split)": (_dense, (3, 5, 4), (4, 4, 4), {"u": (4, 3), "v": (3, 2)},
                                     lambda z, whole, p: jax.nn.relu(_attention(*z) @ p["u"]).mean(1) @ p["v"],
                                     "heads"),
@@ -945,7 +945,8 @@ def test_a_fused_kernel_cut_into_pieces_is_one_kernel_per_piece(name):
     jnp.split(x @ w + b, 3, -1)``, a gated unit's linear half and gate ``a, g = jnp.split(h, 2, -1)``, or slices):
     each piece is a node group of its own, so the network has the structure, path norm, κ and DDP-SGD's κ (α 0.5)
     of the same network written with one kernel and bias per piece (the fused kernel's slices), also where the output
-    is reshaped first and cut along the new axis (``qkv.reshape(b, t, 3, d)[:, :, i]``, or split along the heads).
+    is reshaped first and cut along the new axis (``jnp.moveaxis(qkv.reshape(b, t, 3, d), 2, 0)`` unpacked, or split
+    along the heads).
     DDP-Normalization refuses it, saying so. Before, every piece was pinned ("split: splits an axis"); with the
     pieces as groups but the layer's output flagged pinned as a whole, the path norm counted a gate's paths and
     dropped the linear half's."""
@@ -963,8 +964,8 @@ def test_a_fused_kernel_cut_into_pieces_is_one_kernel_per_piece(name):
         z = jax.nn.relu(z) if cut == "relu" else z
         if cut == "slices":
             return net([z[..., a:b] for a, b in bounds], z, p)
-        if cut == "index":  # qkv.reshape(b, t, 3, d)[:, :, i]
-            return net([z.reshape(*z.shape[:-1], len(sizes), -1)[..., i, :] for i in range(len(sizes))], z, p)
+        if cut == "moved":  # q, k, v = jnp.moveaxis(qkv.reshape(b, t, 3, d), 2, 0), as PyTorch ports write it
+            return net(list(jnp.moveaxis(z.reshape(*z.shape[:-1], len(sizes), -1), -2, 0)), z, p)
         if cut == "heads":  # qkv.reshape(b, t, 3 * heads, d // heads), split along the heads
             parts = jnp.split(z.reshape(*z.shape[:-1], 2 * len(sizes), -1), len(sizes), axis=-2)
             return net([t.reshape(z.shape[:-1] + (-1,)) for t in parts], z, p)
