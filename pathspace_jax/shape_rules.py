@@ -209,18 +209,11 @@ class ShapeRules:
 
     def _slice(self, eqn, v: Val, start) -> Val:
         in_shape, out_shape = eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
-        layer = None if start is None else self._layer(v, in_shape, out_shape, 0, start[0])
-        if layer is not None:
-            return layer
         keep = [a == b for a, b in zip(in_shape, out_shape)]
         cut = [k for k, same in enumerate(keep) if not same]
-        if v.pieces is not None and start is not None and cut == [v.pieces[0]]:
-            return self._piece(v, start[cut[0]])
-        unit_strides = all(s in (None, 1) for s in jx.param(eqn, "strides", None) or ())
-        if start is not None and len(cut) == 1 and unit_strides:
-            piece = self._piece_of_layer(v, cut[0], start[cut[0]], out_shape)
-            if piece is not None:
-                return piece
+        strides = jx.param(eqn, "strides", None) or ()
+        if start is not None and len(cut) == 1 and (out_shape[cut[0]] == 1 or all(s in (None, 1) for s in strides)):
+            return self._piece_at(eqn, v, cut[0], start[cut[0]], out_shape, "slices part of an axis")
         return self._reslice(eqn, v, keep, out_shape, "slices part of an axis")
 
     def rule_rev(self, eqn, ins):
@@ -324,23 +317,23 @@ class ShapeRules:
         return segs
 
     def _pieces(self, eqn, v: Val, axis: int, shapes) -> list[Val]:
-        """``v`` cut along ``axis`` into consecutive pieces of ``shapes``: a stacked leaf's layers (`_layer`), the
-        groups a layer's output is cut into (`_piece_of_layer`), else resliced (the cut axis pinned unless it is
-        positions)."""
-        in_shape, start, out = eqn.invars[0].aval.shape, 0, []
+        """``v`` cut along ``axis`` into consecutive pieces of ``shapes`` (`_piece_at`)."""
+        starts = np.cumsum([0] + [shape[axis] for shape in shapes[:-1]]).tolist()
+        return [self._piece_at(eqn, v, axis, a, shape, "splits an axis") for a, shape in zip(starts, shapes)]
+
+    def _piece_at(self, eqn, v: Val, axis: int, start: int, shape, why: str) -> Val:
+        """The piece of ``v`` of ``shape`` from entry ``start`` of ``axis``: a reshaped value's piece (`_piece`), a
+        stacked leaf's layer (`_layer`), a group of a layer's output (`_piece_of_layer`), else resliced (the cut axis
+        pinned unless it is positions)."""
+        if v.pieces is not None and axis == v.pieces[0]:
+            return self._piece(v, start)
+        in_shape = eqn.invars[0].aval.shape
         keep = [k != axis for k in range(len(in_shape))]
-        for shape in shapes:
-            if v.pieces is not None and axis == v.pieces[0]:
-                out.append(self._piece(v, start))
-                start += shape[axis]
-                continue
-            out.append(
-                self._layer(v, in_shape, shape, axis, start)
-                or self._piece_of_layer(v, axis, start, shape)
-                or self._reslice(eqn, v, keep, shape, "splits an axis")
-            )
-            start += shape[axis]
-        return out
+        return (
+            self._layer(v, in_shape, shape, axis, start)
+            or self._piece_of_layer(v, axis, start, shape)
+            or self._reslice(eqn, v, keep, shape, why)
+        )
 
     def _piece_of_layer(self, v: Val, axis: int, start: int, shape) -> Val | None:
         """Entries ``start`` on of the node axis ``axis`` of an activation, a layer's output (a fused kernel's:
