@@ -171,8 +171,8 @@ class Val:
     # a constant computed from parameters (weight normalisation's v/‖v‖, a power iteration's vectors): a coefficient,
     # not a fixed input of the network
     from_params: bool = False
-    # a layer's output reshaped into pieces along axis k and read piece by piece: (k, each piece's axes), as
-    # `pathspace_jax.shape_rules.ShapeRules._reshaped_pieces` makes it
+    # a layer's output seen in pieces along axis k and read piece by piece: (k, each piece's axes, the layer's node
+    # atom), as `pathspace_jax.shape_rules.ShapeRules._cut_in_pieces` makes it
     pieces: tuple | None = None
     id: Any = None  # the value's id in the recorded program (`pathspace_jax.ir`), or ("lit", value)
 

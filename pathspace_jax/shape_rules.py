@@ -75,27 +75,36 @@ class ShapeRules:
         """A layer's output whose last axis is reshaped into ``(k, ...)`` and then read only in pieces of ``w`` entries
         of the k axis (``q, k, v = qkv.reshape(b, t, 3, h, d)[:, :, 0], ...``, or ``jnp.split`` along it): each piece
         is a group of its own, as where the last axis is cut before the reshape (`_piece_of_layer`), and the result
-        carries the pieces' axes for the slices that read them (``Val.pieces``). Its k axis stands for the pieces'
-        groups side by side (an alias of them, for the flags of `pathspace_jax.trace.record`). Else None."""
+        carries the pieces' axes for the slices that read them (``Val.pieces``, `_cut_in_pieces`). Else None."""
         in_shape, shape, n = eqn.invars[0].aval.shape, tuple(jx.param(eqn, "new_sizes")), len(v.axes) - 1
         if v.kind != ACT or n < 0 or jx.param(eqn, "dimensions", None) is not None:
             return None
-        k, rest = (shape[n], shape[n + 1 :]) if len(shape) > n + 1 else (0, ())
-        if shape[:n] != tuple(in_shape[:n]) or k < 2 or not rest or min(rest) < 2:
+        if shape[:n] != tuple(in_shape[:n]) or len(shape) < n + 2:
             return None
         fs = self.atoms.factors(v.axes[n])
-        if len(fs) != 1 or self.atoms.position[fs[0]]:
+        if len(fs) != 1 or self.atoms.position[fs[0]] or not self._written_by_a_layer(fs[0]):
             return None
-        reads = self._piece_reads(eqn.outvars[0], n, shape)
-        widths = {w for _, w in reads if w is not None}
-        if len(widths) != 1 or None in {w for _, w in reads} or any(a % w for a, w in reads):
+        return self._cut_in_pieces(v, fs[0], eqn.outvars[0], n, shape)
+
+    def _cut_in_pieces(self, v: Val, flat: int, var, n: int, shape) -> Val | None:
+        """``v`` with its node axis ``flat`` (one atom, a layer's output) seen as the axes ``n`` on of ``shape``, as
+        the jaxpr variable ``var`` holds it, where every reader of ``var`` takes pieces of ``w`` entries of axis
+        ``n`` (`_piece_reads`): ``flat`` cut into a group per piece (`_cut`), each the product of the pieces' axes,
+        and ``v`` with axes ``shape``: its axis n stands for the groups side by side (an alias of them, for the
+        flags of `pathspace_jax.trace.record`), and ``Val.pieces`` carries each piece's axes. Else None."""
+        k, rest = shape[n], tuple(shape[n + 1 :])
+        if k < 2 or not rest or min(rest) < 2:
+            return None
+        reads = self._piece_reads(var, n, shape)
+        widths = {w for _, w in reads}
+        if len(widths) != 1 or None in widths or any(a % w for a, w in reads):
             return None
         w = int(widths.pop())
-        if w == k or not self._written_by_a_layer(fs[0]):
+        if w == k:
             return None
         m, per, segs, want = int(np.prod(rest)), [], [], ((w,) if w > 1 else ()) + rest
         for i in range(k // w):  # (cut as an earlier reshape of the same output was, if it was)
-            seg = self.atoms.find(self._cut(fs[0], i * w * m, (i + 1) * w * m))
+            seg = self.atoms.find(self._cut(flat, i * w * m, (i + 1) * w * m))
             if self.atoms.alias[seg] is not None:
                 return None
             if len(want) > 1 and self.atoms.expand[seg] is None:
@@ -109,7 +118,7 @@ class ShapeRules:
         ks = self.atoms.new(k)
         self.atoms.alias[ks] = segs
         axes = [*v.axes[:n], [ks], *[[self.atoms.new(d)] for d in rest]]
-        return dataclasses.replace(v, axes=axes, pieces=(n, per))
+        return dataclasses.replace(v, axes=axes, pieces=(n, per, flat))
 
     def _piece_reads(self, var, axis: int, shape) -> set[tuple[int, int | None]]:
         """``(start, width)`` of the entries of ``axis`` that each reader of the jaxpr variable ``var`` (of ``shape``)
@@ -159,9 +168,9 @@ class ShapeRules:
 
     def rule_transpose(self, eqn, ins):
         v, perm = ins[0], jx.param(eqn, "permutation")
-        if v.pieces is not None:  # (`_reshaped_pieces`)
-            k, per = v.pieces
-            v = dataclasses.replace(v, pieces=(list(perm).index(k), [[axes[p] for p in perm] for axes in per]))
+        if v.pieces is not None:  # (`_cut_in_pieces`)
+            k, per, flat = v.pieces
+            v = dataclasses.replace(v, pieces=(list(perm).index(k), [[axes[p] for p in perm] for axes in per], flat))
         return [dataclasses.replace(v, axes=[v.axes[p] for p in perm])]
 
     def rule_broadcast_in_dim(self, eqn, ins):

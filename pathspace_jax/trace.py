@@ -411,6 +411,8 @@ def _leaf_roles(interp: Interpreter, leaves, paths) -> list[tuple]:
                 before, now = interp.line(sites[a]), interp.line(site)
                 note = f"one axis used with two roles ({roles[a]} at {before}, {role} at {now})"
             roles[a], sites[a] = role, site
+            if a in interp.apart.get(i, ()) and not note:  # (`Interpreter.flattened`)
+                note = f"read as one node axis cut into pieces and again with its axes apart, at {interp.line(site)}"
         first_step = min((s for _, _, s, _ in interp.uses[i]), default=0)
         factors = [f for ax in interp.leaf_axes[i] for a in ax for f in expand_roles(a, None, roles)]
         kind = "other"

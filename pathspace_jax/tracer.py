@@ -68,6 +68,7 @@ class Interpreter(ShapeRules):
         self.shared_inputs: set[int] = set()  # input atoms that a layer shares its weights along (`shared_along`)
         # layer i's slice of a params leaf that a scan slices (`layer_slice`): a leaf of its own, after the real ones
         self.slices: dict[tuple[int, int], int] = {}  # (stacked leaf, layer) -> slice leaf
+        self.apart: dict[int, set[int]] = {}  # leaf -> its axes' atoms before they were flattened (`flattened`)
         # a params leaf's batch axis in a dot_general or a grouped convolution's groups (its atoms, the input side)
         # -> the atoms of the result's axis (`diagonal_ends`)
         self.diagonal: dict[tuple[int, tuple[int, ...]], list[int]] = {}
@@ -333,6 +334,8 @@ class Interpreter(ShapeRules):
 
     # -- elementwise arithmetic -------------------------------------------------
     def rule_add(self, eqn, ins):
+        if any(v.pieces is not None for v in ins) and (biased := self.bias_of_pieces(ins)) is not None:
+            return [biased]
         acts = [v for v in ins if v.kind == ACT]
         params = [v for v in ins if v.kind == PARAM]
         consts = [v for v in ins if v.kind == CONST]
@@ -606,11 +609,12 @@ class Interpreter(ShapeRules):
                 # is part of the nodes on both sides, the result's its own atoms (`diagonal`)
                 self.atoms.unify(x.axes[b], p.axes[a], self.reason())
                 out[j] = self.diagonal_ends(p, p.axes[a])
-            for a in pfree:
+            pieces = self.kernel_pieces(eqn, p, pfree, out) if len(pfree) > 1 else None
+            for a in pfree if pieces is None else ():
                 self.use(p, p.axes[a], "out")
             if x.kind == ACT:
                 self.shared_along(x, xc, [k for k in range(len(x.axes)) if k not in xc and k not in xb])
-            return [Val(ACT, out)]
+            return [pieces or Val(ACT, out)]
         if kinds == (CONST, CONST):
             return [Val(CONST, out)]
         if kinds == (ACT, ACT) and (summed := self.weighted_sum(ins, (lc, rc), (lb, rb), (lfree, rfree))):
@@ -637,6 +641,44 @@ class Interpreter(ShapeRules):
                 self.atoms.unify(lhs.axes[a], rhs.axes[b], self.reason())
             return [Val(ACT, out)]
         return [Val(CONST, out)]
+
+    def kernel_pieces(self, eqn, p: Val, pfree: Sequence[int], out: list[list[int]]) -> Val | None:
+        """A kernel with several output axes whose output (plus perhaps a bias) is read only in pieces along the first
+        (``nn.DenseGeneral(features=(3, heads, d))``, then ``qkv[:, :, 0]``, ...: queries, keys and values): its
+        output axes are one node axis, flattened in the leaf (`flattened`), cut into a group per piece as a
+        ``Dense``'s output reshaped and read in pieces is (`_cut_in_pieces`). Else None."""
+        leaf, shape, n = p.leaf, eqn.outvars[0].aval.shape, len(out) - len(pfree)
+        own = self.leaf_axes[leaf]
+        if p.scaled or p.axes != own or any(u[2] != self.step for u in self.uses[leaf]) or list(pfree) != list(range(len(own) - len(pfree), len(own))):
+            return None
+        var, readers = eqn.outvars[0], self.consumers[-1].get(eqn.outvars[0], [])
+        if len(readers) == 1 and readers[0] is not None and readers[0].primitive.name in ("add", "add_any"):
+            var = readers[0].outvars[0]  # through the bias (`bias_of_pieces`)
+        flat = self.atoms.new(int(np.prod(shape[n:])))
+        if (cut := self._cut_in_pieces(Val(ACT, [*out[:n], [flat]]), flat, var, n, shape)) is not None:
+            self.use(p, [flat], "out")
+            self.flattened(leaf, len(pfree), flat)
+        return cut
+
+    def flattened(self, leaf: int, m: int, flat: int) -> None:
+        """The last ``m`` axes of ``leaf`` are the one node axis ``flat`` (`kernel_pieces`): its other reads, which
+        see the axes apart, make it no edge tensor (`pathspace_jax.trace`)."""
+        own = self.leaf_axes[leaf]
+        self.apart[leaf] = {a for ax in own[-m:] for a in ax}
+        self.leaf_axes[leaf] = [*own[:-m], [flat], *[[] for _ in range(m - 1)]]
+
+    def bias_of_pieces(self, ins: Sequence[Val]) -> Val | None:
+        """A bias added to a kernel's output cut in pieces (`kernel_pieces`), along all of its axes: its axes are
+        the kernel's node axis too, flattened (`flattened`). Else None."""
+        (x, b), acts = (ins if ins[0].kind == ACT else ins[::-1]), [v for v in ins if v.kind == ACT]
+        if len(ins) != 2 or len(acts) != 1 or x.pieces is None or b.kind != PARAM or b.scaled or self.uses[b.leaf]:
+            return None
+        n, own = x.pieces[0], self.leaf_axes[b.leaf]
+        if len(own) != len(x.axes) - n or b.axes[n:] != own:  # (its other axes: broadcast)
+            return None
+        self.use(b, [x.pieces[2]], "out")
+        self.flattened(b.leaf, len(own), x.pieces[2])
+        return dataclasses.replace(x, scalars=list(dict.fromkeys(a for v in ins for a in v.scalars)))
 
     def coefficient_product(self, ins: Sequence[Val]) -> bool:
         """Whether a product of a parameter and a constant computed from parameters (a power iteration's vector

@@ -994,6 +994,66 @@ def test_a_fused_kernel_cut_into_pieces_is_one_kernel_per_piece(name):
             pj.ddp_normalize(pj.trace(fused_fn, fused, x), alpha=0.5)(fused, x)
 
 
+# name: (the kernel's output axes, the pieces' first; how the pieces are read; the head's leaves; the network of the
+# pieces, each flattened to one axis of units)
+_PIECES_AXIS = {
+    "attention (indexed)": ((3, 2, 2), "index", {"u": (4, 3), "v": (3, 2)},
+                            lambda z, p: jax.nn.relu(_attention(*z) @ p["u"]).mean(1) @ p["v"]),
+    "gated (unstacked)": ((2, 4), "unstack", {"u": (4, 2)}, lambda z, p: (z[0] * jax.nn.sigmoid(z[1])) @ p["u"]),
+    "relu pieces, no bias (split)": ((2, 3), "split", {"u": (3, 2), "v": (3, 2)},
+                                     lambda z, p: jax.nn.relu(z[0]) @ p["u"] + jax.nn.relu(z[1]) @ p["v"]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(_PIECES_AXIS))
+def test_a_kernel_with_a_pieces_axis_is_one_kernel_per_piece(name):
+    """A kernel with an axis of pieces of its own before the units (``nn.DenseGeneral(features=(3, heads, d))``,
+    then ``q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]``, as MaxText's fused projection reads it; or two
+    halves unstacked or split along that axis) is the network with one kernel and bias per piece: the same
+    structure, path norm, κ and DDP-SGD's κ (α 0.5), and the function is unchanged by rescalings of its groups.
+    Before, the pieces shared the kernel's head and unit axes, so the pinned queries and keys pinned the values."""
+    axes, read, head, net = _PIECES_AXIS[name]
+    ks = jax.random.split(jax.random.key(15), 4 + len(head))
+    x = _normal(ks[0], (3, 5, 4) if read == "index" else (6, 3))
+    head = {n: _normal(k, shape) for k, (n, shape) in zip(ks[4:], head.items(), strict=True)}
+    fused = {"w": _normal(ks[1], (x.shape[-1], *axes)), **head}
+    if "no bias" not in name:
+        fused["b"] = _normal(ks[2], axes, 0.1)
+    apart = {k: list(v) if k == "b" else list(jnp.moveaxis(v, 1, 0)) if k == "w" else v for k, v in fused.items()}
+    dense = lambda x, w: jax.lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())))  # noqa: E731  (DenseGeneral's)
+    units = lambda t: t.reshape(*t.shape[: x.ndim - 1], -1)  # noqa: E731
+
+    def fused_fn(p, x):
+        z, a = dense(x, p["w"]), x.ndim - 1
+        z = z + p["b"] if "b" in p else z  # (nn.DenseGeneral(use_bias=False): no addition)
+        if read == "index":
+            parts = [z[(slice(None),) * a + (i,)] for i in range(axes[0])]
+        elif read == "unstack":
+            parts = list(jnp.moveaxis(z, a, 0))
+        else:
+            parts = [t.squeeze(a) for t in jnp.split(z, axes[0], axis=a)]
+        return net([units(t) for t in parts], p)
+
+    def apart_fn(p, x):
+        z = [dense(x, w) + (p["b"][i] if "b" in p else 0.0) for i, w in enumerate(p["w"])]
+        return net([units(t) for t in z], p)
+
+    def quantities(fn, p, fuse):
+        space = pj.trace(fn, p, x)
+        out = {"norm": pj.path_norm(space, p), "kappa": fuse(pj.path_kappa(space, p))}
+        out["ddp"] = fuse(pj.ddp_kappa(space, p, x, alpha=0.5))
+        return space, sorted((g.kind, g.size) for g in space.groups), out
+
+    def fuse(t):  # a tree like the apart params as one like the fused params
+        return {**t, "w": jnp.stack(t["w"], 1)} | ({"b": jnp.stack(t["b"])} if "b" in t else {})
+
+    space, groups, got = quantities(fused_fn, fused, lambda t: t)
+    space_ref, groups_ref, expected = quantities(apart_fn, apart, fuse)
+    assert (space.num_hidden, groups) == (space_ref.num_hidden, groups_ref) and space.num_hidden > 0
+    chex.assert_trees_all_close(got, expected, rtol=1e-12)
+    pj.testing.assert_function_invariant(fused_fn, space, fused, x, rtol=1e-10)
+
+
 def test_a_fused_recurrent_kernel_cut_into_a_gate_and_a_relu_half_is_two_kernels():
     """A recurrent cell whose input and recurrent kernels each compute a ReLU half and a sigmoid gate at once
     (``a, g = jnp.split(x @ wx + h @ wh + b, 2, -1)``, ``h = relu(a) * sigmoid(g)``): the path norm, κ⁽¹⁾ + κ⁽²⁾ and
