@@ -334,8 +334,15 @@ class Interpreter(ShapeRules):
 
     # -- elementwise arithmetic -------------------------------------------------
     def rule_add(self, eqn, ins):
-        if any(v.pieces is not None for v in ins) and (biased := self.bias_of_pieces(ins)) is not None:
-            return [biased]
+        if any(v.pieces is not None for v in ins):  # a kernel's output cut in pieces (`kernel_pieces`)
+            if (biased := self.bias_of_pieces(ins)) is not None:
+                return [biased]
+            why = "adds to a kernel's output cut into pieces something other than its bias"
+            for v in ins:
+                self.mark_other(v, why) if v.kind == PARAM else self.pin(v, why)
+            out = Val(ACT, self.fresh(eqn.outvars[0].aval.shape))
+            self.pin(out, why)
+            return [out]
         acts = [v for v in ins if v.kind == ACT]
         params = [v for v in ins if v.kind == PARAM]
         consts = [v for v in ins if v.kind == CONST]
@@ -649,8 +656,9 @@ class Interpreter(ShapeRules):
         ``Dense``'s output reshaped and read in pieces is (`_cut_in_pieces`). Else None."""
         leaf, shape, n = p.leaf, eqn.outvars[0].aval.shape, len(out) - len(pfree)
         own = self.leaf_axes[leaf]
-        if p.scaled or p.axes != own or any(u[2] != self.step for u in self.uses[leaf]) or list(pfree) != list(range(len(own) - len(pfree), len(own))):
-            return None
+        trailing = list(pfree) == list(range(len(own) - len(pfree), len(own)))  # its output axes last
+        if p.scaled or p.axes != own or any(u[2] != self.step for u in self.uses[leaf]) or not trailing:
+            return None  # (read before: its axes have uses of their own)
         var, readers = eqn.outvars[0], self.consumers[-1].get(eqn.outvars[0], [])
         if len(readers) == 1 and readers[0] is not None and readers[0].primitive.name in ("add", "add_any"):
             var = readers[0].outvars[0]  # through the bias (`bias_of_pieces`)

@@ -13,7 +13,7 @@ import optax
 from pathspace_jax import gsgd
 from pathspace_jax.ddp import check_ddp_space, check_inputs, check_options, ddp_kappa_canonical
 from pathspace_jax.frames import on_mesh_of
-from pathspace_jax.graph import check_path_space, warn_if_plain
+from pathspace_jax.graph import check_path_space, compute_dtype, warn_if_plain
 from pathspace_jax.kappa import check_kappa_space, kappa_canonical
 from pathspace_jax.scaling import (
     PackedKappa,
@@ -407,9 +407,6 @@ def in_path_space(
     inner = optax.with_extra_args_support(inner)
     normalize, rebalance = bool(normalize), bool(rebalance)
 
-    def chart(params, grads):
-        return gsgd.chart_at(space, params, grads, normalize, rebalance)
-
     def init_fn(params):
         gsgd.check_chart(space, params, "in_path_space")
         return InPathSpaceState(inner_state=inner.init(_chart_coords(space, normalize, rebalance, params)))
@@ -417,15 +414,36 @@ def in_path_space(
     def update_fn(updates, state, params=None, **extra_args):
         if params is None:
             raise ValueError("in_path_space needs params: call tx.update(grads, state, params)")
-        w, g, ct, gphi, phi, nodes, alpha = chart(params, updates)
-        gphi = space.unflatten_like(updates, [x.astype(jnp.result_type(y)) for x, y in zip(gphi, g)])
+        gphi, phi, nodes, alpha = _chart_step(space, normalize, rebalance, params, updates)
         dphi, inner_state = inner.update(gphi, state.inner_state, phi, **extra_args)
-        dphi = space.leaves_of(dphi, "inner updates")
-        u = gsgd.allocate(space, w, dphi, nodes, ct, min_ratio, min_share, alpha if rebalance else None)
-        out = [x.astype(jnp.result_type(y)) for x, y in zip(u, g)]
+        w, dphi = space.leaves_of(params, "params"), space.leaves_of(dphi, "inner updates")
+        ct = compute_dtype(list(w) + space.leaves_of(updates, "updates"))
+        alpha = alpha if rebalance else None
+        if all(isinstance(x, (int, float)) for x in (min_ratio, min_share)):
+            u = _allocate(space, normalize, ct, min_ratio, min_share, w, dphi, nodes, alpha)
+        else:  # injected hyperparameters (`optax.inject_hyperparams`): arrays
+            u = gsgd.allocate(space, w, dphi, nodes._replace(guard=not normalize), ct, min_ratio, min_share, alpha)
+        out = [x.astype(jnp.result_type(y)) for x, y in zip(u, space.leaves_of(updates, "updates"))]
         return space.unflatten_like(updates, out), InPathSpaceState(inner_state=inner_state)
 
     return _accept_masked(space, "in_path_space", optax.GradientTransformationExtraArgs(init_fn, update_fn))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _chart_step(space, normalize, rebalance, params, grads):
+    """G-SGD's chart at ``params`` for ``grads`` (`gsgd.chart_at`): ``(∂L/∂φ as a tree like grads, φ as a tree like
+    params, the chart's node vectors, the balanced frame α)``. Jitted (compiled once per space and options), as
+    `_allocate` is, so that a step called outside ``jit`` runs two programs and the inner optimizer's operations
+    rather than dispatching each of the chart's many small operations alone (and compiling it the first time)."""
+    _, g, _, gphi, phi, nodes, alpha = gsgd.chart_at(space, params, grads, normalize, rebalance)
+    gphi = space.unflatten_like(grads, [x.astype(jnp.result_type(y)) for x, y in zip(gphi, g)])
+    return gphi, phi, nodes._replace(guard=None), alpha  # (guard: a Python bool, `not normalize`)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
+def _allocate(space, normalize, ct, min_ratio, min_share, w, dphi, nodes, alpha):
+    """`gsgd.allocate` at the chart `_chart_step` gives, jitted (see there)."""
+    return gsgd.allocate(space, w, dphi, nodes._replace(guard=not normalize), ct, min_ratio, min_share, alpha)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))

@@ -878,6 +878,28 @@ def test_a_nonlinear_function_of_a_concatenation_pins_both_groups():
     assert sorted(g.size for g in space.groups if g.kind == "pinned") == [4, 5]
 
 
+@pytest.mark.parametrize("case", ["shared bias", "read again"])
+def test_a_kernel_cut_along_its_pieces_axis_and_read_otherwise_is_pinned_saying_why(case):
+    """A kernel with a pieces axis (``nn.DenseGeneral((2, 4))``, its halves read apart: one group each) whose output
+    also gets a bias shared by the pieces, or that is read again whole: its units are pinned, and the trace says
+    why (no quiet mix of the pieces' groups and the kernel's own axes)."""
+    ks = jax.random.split(jax.random.key(0), 4)
+    p = {"w": jax.random.normal(ks[0], (3, 2, 4)), "u": jax.random.normal(ks[1], (4, 2))}
+    dense = lambda x, w: jax.lax.dot_general(x, w, (((1,), (0,)), ((), ())))  # noqa: E731
+
+    def fn(p, x):
+        z = dense(x, p["w"]) + p["b"] if case == "shared bias" else dense(x, p["w"])
+        out = (jax.nn.relu(z[:, 0]) * jax.nn.sigmoid(z[:, 1])) @ p["u"]
+        return out if case == "shared bias" else out + jax.nn.relu(dense(x, p["w"])).sum(1) @ p["u"]
+
+    p = p | {"b": jax.random.normal(ks[2], (4,))} if case == "shared bias" else p
+    space = pj.trace(fn, p, jax.random.normal(ks[3], (6, 3)))
+    assert space.num_hidden == 0
+    why = {"shared bias": "adds to a kernel's output cut into pieces something other than its bias",
+           "read again": "read as one node axis cut into pieces and again with its axes apart"}[case]  # fmt: skip
+    assert why in pj.describe(space)
+
+
 def _frozen_first_layer(n_in: int, n_frozen: int):
     """``relu(relu(x @ stop_gradient(w1)) @ w2) @ w3``, its params, a batch and its space."""
     k = jax.random.split(jax.random.key(0), 4)
