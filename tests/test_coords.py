@@ -611,6 +611,17 @@ def test_public_functions_called_with_concrete_arrays_run_as_one_program():
         del lowered[:]
         chex.assert_trees_all_equal(pj.g_adam(space, 1e-3).init(params), state)
         assert not lowered  # another transformation on the space: nothing compiled again
+        # G-SGD's step called eagerly: its chart and allocation are two programs, and SGD's operations; op by op,
+        # the chart's many operations were compiled one by one (an RNN's G-Adam step: 5.9 s the first time, then
+        # 26 ms; now 2.2 s, then 3 ms)
+        grads = jax.tree_util.tree_map(lambda a: jnp.cos(a) / 8, params)
+        tx = pj.g_sgd(space, 0.1)
+        state = tx.init(params)
+        del lowered[:]
+        eager, _ = tx.update(grads, state, params)
+        shapes = {a.shape for a in jax.tree_util.tree_leaves(params)}  # SGD's scaling: one operation per shape
+        assert len(lowered) <= 2 + len(shapes), len(lowered)  # (op by op: 105)
+        chex.assert_trees_all_close(eager, jax.jit(tx.update)(grads, state, params)[0], rtol=1e-6)
     finally:
         jax.monitoring.unregister_event_duration_listener(listen)
 
