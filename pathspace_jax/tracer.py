@@ -616,7 +616,8 @@ class Interpreter(ShapeRules):
                 # is part of the nodes on both sides, the result's its own atoms (`diagonal`)
                 self.atoms.unify(x.axes[b], p.axes[a], self.reason())
                 out[j] = self.diagonal_ends(p, p.axes[a])
-            pieces = self.kernel_pieces(eqn, p, pfree, out) if len(pfree) > 1 else None
+            at = len(pb) + (len(lfree) if p is rhs else 0)  # where p's free axes begin in the result
+            pieces = self.kernel_pieces(eqn, p, x, (pc, xc, pb), pfree, out, at) if len(pfree) > 1 else None
             for a in pfree if pieces is None else ():
                 self.use(p, p.axes[a], "out")
             if x.kind == ACT:
@@ -649,24 +650,48 @@ class Interpreter(ShapeRules):
             return [Val(ACT, out)]
         return [Val(CONST, out)]
 
-    def kernel_pieces(self, eqn, p: Val, pfree: Sequence[int], out: list[list[int]]) -> Val | None:
-        """A kernel with several output axes whose output (plus perhaps a bias) is read only in pieces along the first
-        (``nn.DenseGeneral(features=(3, heads, d))``, then ``qkv[:, :, 0]``, ...: queries, keys and values): its
-        output axes are one node axis, flattened in the leaf (`flattened`), cut into a group per piece as a
-        ``Dense``'s output reshaped and read in pieces is (`_cut_in_pieces`). Else None."""
-        leaf, shape, n = p.leaf, eqn.outvars[0].aval.shape, len(out) - len(pfree)
+    def kernel_pieces(self, eqn, p: Val, x: Val, dims, pfree: Sequence[int], out: list[list[int]], at: int):
+        """A kernel with several output axes whose output (plus perhaps a bias) is read only in pieces along the first,
+        ``out[at]``: queries, keys and values from ``nn.DenseGeneral(features=(3, heads, d))`` read as ``qkv[:, :,
+        0]``, ..., or from Gemma's ``jnp.einsum("BTD,SNDH->SBTNH", x, w)`` unpacked. Its output axes are one node
+        axis, flattened in the leaf (`flattened`), cut into a group per piece as a ``Dense``'s output reshaped and
+        read in pieces is (`_cut_in_pieces`); or, where the pieces axis is the kernel's first and its output axes are
+        not its last, each piece's slice is a leaf of its own (`layer_slice`), as layers stacked in one leaf are.
+        Else None."""
+        (pc, xc, pb), leaf, shape = dims, p.leaf, eqn.outvars[0].aval.shape
         own = self.leaf_axes[leaf]
-        trailing = list(pfree) == list(range(len(own) - len(pfree), len(own)))  # its output axes last
-        if p.scaled or p.axes != own or any(u[2] != self.step for u in self.uses[leaf]) or not trailing:
+        if p.scaled or p.axes != own or pb or any(u[2] != self.step for u in self.uses[leaf]):
             return None  # (read before: its axes have uses of their own)
         var, readers = eqn.outvars[0], self.consumers[-1].get(eqn.outvars[0], [])
         if len(readers) == 1 and readers[0] is not None and readers[0].primitive.name in ("add", "add_any"):
             var = readers[0].outvars[0]  # through the bias (`bias_of_pieces`)
-        flat = self.atoms.new(int(np.prod(shape[n:])))
-        if (cut := self._cut_in_pieces(Val(ACT, [*out[:n], [flat]]), flat, var, n, shape)) is not None:
-            self.use(p, [flat], "out")
-            self.flattened(leaf, len(pfree), flat)
-        return cut
+        if list(pfree) == list(range(len(own) - len(pfree), len(own))) and at + len(pfree) == len(out):
+            flat = self.atoms.new(int(np.prod(shape[at:])))
+            if (cut := self._cut_in_pieces(Val(ACT, [*out[:at], [flat]]), flat, var, at, shape)) is not None:
+                self.use(p, [flat], "out")
+                self.flattened(leaf, len(pfree), flat)
+            return cut
+        if pfree[0] != 0 or {w for _, w in self._piece_reads(var, at, shape)} != {1}:
+            return None
+        self.uses[leaf] = []  # read by its slices instead
+        axes, per, segs = [list(ax) for ax in out], [], []
+        for i in range(shape[at]):
+            piece = Val(PARAM, [], leaf=self.layer_slice(leaf, i))
+            mine = self.leaf_axes[piece.leaf]  # (the leaf's axes but the first)
+            for a, b in zip(pc, xc, strict=True):
+                self.atoms.unify(x.axes[b], mine[a - 1], self.reason())
+                self.use(piece, mine[a - 1], "in")
+            units = [a for k in pfree[1:] for a in mine[k - 1]]
+            self.use(piece, units, "out")
+            segs.append(self.atoms.new(int(np.prod(shape[at + 1 : at + len(pfree)]))))
+            self.atoms.set_expand(segs[-1], units)
+            own_axes = [list(mine[k - 1]) for k in pfree[1:]]
+            per.append([*out[:at], [self.atoms.new(1)], *own_axes, *out[at + len(pfree) :]])
+        axes[at] = [self.atoms.new(shape[at])]
+        self.atoms.alias[axes[at][0]] = segs
+        for j in range(at + 1, at + len(pfree)):
+            axes[j] = [self.atoms.new(shape[j])]
+        return Val(ACT, axes, pieces=(at, per, None))
 
     def flattened(self, leaf: int, m: int, flat: int) -> None:
         """The last ``m`` axes of ``leaf`` are the one node axis ``flat`` (`kernel_pieces`): its other reads, which
@@ -679,7 +704,9 @@ class Interpreter(ShapeRules):
         """A bias added to a kernel's output cut in pieces (`kernel_pieces`), along all of its axes: its axes are
         the kernel's node axis too, flattened (`flattened`). Else None."""
         (x, b), acts = (ins if ins[0].kind == ACT else ins[::-1]), [v for v in ins if v.kind == ACT]
-        if len(ins) != 2 or len(acts) != 1 or x.pieces is None or b.kind != PARAM or b.scaled or self.uses[b.leaf]:
+        if len(ins) != 2 or len(acts) != 1 or x.pieces is None or x.pieces[2] is None:
+            return None  # (None: a kernel read in slices, `kernel_pieces`)
+        if b.kind != PARAM or b.scaled or self.uses[b.leaf]:
             return None
         n, own = x.pieces[0], self.leaf_axes[b.leaf]
         if len(own) != len(x.axes) - n or b.axes[n:] != own:  # (its other axes: broadcast)

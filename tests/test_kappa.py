@@ -1002,28 +1002,35 @@ _PIECES_AXIS = {
     "gated (unstacked)": ((2, 4), "unstack", {"u": (4, 2)}, lambda z, p: (z[0] * jax.nn.sigmoid(z[1])) @ p["u"]),
     "relu pieces, no bias (split)": ((2, 3), "split", {"u": (3, 2), "v": (3, 2)},
                                      lambda z, p: jax.nn.relu(z[0]) @ p["u"] + jax.nn.relu(z[1]) @ p["v"]),
+    "attention (Gemma's einsum, no bias)": ((3, 2, 2), "einsum", {"u": (4, 3), "v": (3, 2)},
+                                            lambda z, p: jax.nn.relu(_attention(*z) @ p["u"]).mean(1) @ p["v"]),
 }  # fmt: skip
 
 
 @pytest.mark.parametrize("name", list(_PIECES_AXIS))
 def test_a_kernel_with_a_pieces_axis_is_one_kernel_per_piece(name):
     """A kernel with an axis of pieces of its own before the units (``nn.DenseGeneral(features=(3, heads, d))``,
-    then ``q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]``, as MaxText's fused projection reads it; or two
-    halves unstacked or split along that axis) is the network with one kernel and bias per piece: the same
+    then ``q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]``, as MaxText's fused projection reads it; two halves
+    unstacked or split along that axis; or Gemma's ``q, k, v = jnp.einsum("BTD,SNDH->SBTNH", x, w)``, the pieces
+    axis first in the kernel, its units' axes apart) is the network with one kernel and bias per piece: the same
     structure, path norm, κ and DDP-SGD's κ (α 0.5), and the function is unchanged by rescalings of its groups.
     Before, the pieces shared the kernel's head and unit axes, so the pinned queries and keys pinned the values."""
     axes, read, head, net = _PIECES_AXIS[name]
     ks = jax.random.split(jax.random.key(15), 4 + len(head))
-    x = _normal(ks[0], (3, 5, 4) if read == "index" else (6, 3))
+    x = _normal(ks[0], (3, 5, 4) if read in ("index", "einsum") else (6, 3))
     head = {n: _normal(k, shape) for k, (n, shape) in zip(ks[4:], head.items(), strict=True)}
-    fused = {"w": _normal(ks[1], (x.shape[-1], *axes)), **head}
+    w = (*axes[:2], x.shape[-1], *axes[2:]) if read == "einsum" else (x.shape[-1], *axes)  # (3, heads, F, d)
+    fused = {"w": _normal(ks[1], w), **head}
     if "no bias" not in name:
         fused["b"] = _normal(ks[2], axes, 0.1)
-    apart = {k: list(v) if k == "b" else list(jnp.moveaxis(v, 1, 0)) if k == "w" else v for k, v in fused.items()}
+    at = 0 if read == "einsum" else 1  # the kernel's pieces axis
+    apart = {k: list(v) if k == "b" else list(jnp.moveaxis(v, at, 0)) if k == "w" else v for k, v in fused.items()}
     dense = lambda x, w: jax.lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())))  # noqa: E731  (DenseGeneral's)
     units = lambda t: t.reshape(*t.shape[: x.ndim - 1], -1)  # noqa: E731
 
     def fused_fn(p, x):
+        if read == "einsum":
+            return net([units(t) for t in jnp.einsum("btf,snfh->sbtnh", x, p["w"])], p)
         z, a = dense(x, p["w"]), x.ndim - 1
         z = z + p["b"] if "b" in p else z  # (nn.DenseGeneral(use_bias=False): no addition)
         if read == "index":
@@ -1035,6 +1042,8 @@ def test_a_kernel_with_a_pieces_axis_is_one_kernel_per_piece(name):
         return net([units(t) for t in parts], p)
 
     def apart_fn(p, x):
+        if read == "einsum":
+            return net([units(jnp.einsum("btf,nfh->btnh", x, w)) for w in p["w"]], p)
         z = [dense(x, w) + (p["b"][i] if "b" in p else 0.0) for i, w in enumerate(p["w"])]
         return net([units(t) for t in z], p)
 
@@ -1045,7 +1054,7 @@ def test_a_kernel_with_a_pieces_axis_is_one_kernel_per_piece(name):
         return space, sorted((g.kind, g.size) for g in space.groups), out
 
     def fuse(t):  # a tree like the apart params as one like the fused params
-        return {**t, "w": jnp.stack(t["w"], 1)} | ({"b": jnp.stack(t["b"])} if "b" in t else {})
+        return {**t, "w": jnp.stack(t["w"], at)} | ({"b": jnp.stack(t["b"])} if "b" in t else {})
 
     space, groups, got = quantities(fused_fn, fused, lambda t: t)
     space_ref, groups_ref, expected = quantities(apart_fn, apart, fuse)
