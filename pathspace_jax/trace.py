@@ -513,6 +513,8 @@ def _node_groups(interp: Interpreter, leaf_info) -> tuple[list[NodeGroup], dict,
             add_key(tuple(factors[k] for k in node_in), step - 0.5, False, path)
         add_key(tuple(ends[k] for k in node_out), step, True, path)
     for key, other in _clashes(group_order):
+        if all(any(atoms.reasons[r] for r in k) for k in (key, other)):
+            continue  # both pinned already (attention's queries and keys, their heads tied by the scores)
         atoms.pin(
             list(key) + list(other),
             f"one array axis belongs to node groups of different shapes (those of {by[other]} and {by[key]}): a "

@@ -1014,7 +1014,8 @@ def test_a_kernel_with_a_pieces_axis_is_one_kernel_per_piece(name):
     unstacked or split along that axis; or Gemma's ``q, k, v = jnp.einsum("BTD,SNDH->SBTNH", x, w)``, the pieces
     axis first in the kernel, its units' axes apart) is the network with one kernel and bias per piece: the same
     structure, path norm, κ and DDP-SGD's κ (α 0.5), and the function is unchanged by rescalings of its groups.
-    Before, the pieces shared the kernel's head and unit axes, so the pinned queries and keys pinned the values."""
+    Before, the pieces shared the kernel's head and unit axes, so the pinned queries and keys pinned the values
+    (and with the pieces apart, ``describe`` also called the queries and keys "node groups of different shapes")."""
     axes, read, head, net = _PIECES_AXIS[name]
     ks = jax.random.split(jax.random.key(15), 4 + len(head))
     x = _normal(ks[0], (3, 5, 4) if read in ("index", "einsum") else (6, 3))
@@ -1061,6 +1062,8 @@ def test_a_kernel_with_a_pieces_axis_is_one_kernel_per_piece(name):
     assert (space.num_hidden, groups) == (space_ref.num_hidden, groups_ref) and space.num_hidden > 0
     chex.assert_trees_all_close(got, expected, rtol=1e-12)
     pj.testing.assert_function_invariant(fused_fn, space, fused, x, rtol=1e-10)
+    # the queries and keys, pinned by the softmax, say so, not also that their heads (tied by the scores) clash
+    assert "different shapes" not in pj.describe(space)
 
 
 def test_a_fused_recurrent_kernel_cut_into_a_gate_and_a_relu_half_is_two_kernels():
