@@ -220,10 +220,21 @@ def _cut_nodes(prog: Program, flags: dict, fresh: set[int]) -> dict[int, list[in
             prog.pinned.update(x for x, pinned in zip(pieces, cut.pinned, strict=True) if pinned)
             us = uses.get(n, [])
             slices = {id(u): boxes.index(box) for u in us if (box := jx.slice_box(u.prim.name, u.params)) in boxes}
-            if len(slices) == len(us) and n not in outs:  # read in pieces alone: the slices are the pieces
+            unstacks = [u for u in us if u.prim.name == "unstack" and set(cut.sizes) == {1}
+                        and jx.param(u, "axis") % len(aval.shape) == cut.axis]  # fmt: skip
+            if len(slices) + len(unstacks) == len(us) and n not in outs:  # read in pieces alone: they are the pieces
                 for u in us:
                     dropped.add(id(u))
-                    renamed[u.outs[0]] = pieces[slices[id(u)]]
+                    if id(u) in slices:
+                        renamed[u.outs[0]] = pieces[slices[id(u)]]
+                for u in unstacks:  # (JAX 0.12's `list(z)`): each result is its piece, squeezed
+                    for o, piece, pinned in zip(u.outs, pieces, cut.pinned, strict=True):
+                        found, [renamed[o]] = jx.equations(_squeezed(shapes[0], aval.dtype, cut.axis), [piece],
+                                                           lambda: next(_NEW_IDS))  # fmt: skip
+                        eqns += [Eqn(*f[:4], e.source, e.callers) for f in found]
+                        prog.kinds[renamed[o]] = "act"
+                        if pinned:
+                            prog.pinned.add(renamed[o])
                 continue
             # something reads the node whole: it reads the pieces concatenated back
             found, [whole] = jx.equations(_joined(shapes, aval.dtype, cut.axis), pieces, lambda: next(_NEW_IDS))
@@ -242,6 +253,12 @@ def _cut_nodes(prog: Program, flags: dict, fresh: set[int]) -> dict[int, list[in
 def _cut_into(shape: tuple, dtype, axis: int, sizes: tuple):
     """The jaxpr of ``split`` along ``axis`` into ``sizes`` (`_cut_nodes`)."""
     return jax.make_jaxpr(lambda z: jax.lax.split(z, sizes, axis))(jax.ShapeDtypeStruct(shape, dtype))
+
+
+@functools.lru_cache(maxsize=64)
+def _squeezed(shape: tuple, dtype, axis: int):
+    """The jaxpr of ``squeeze`` of ``axis`` (`_cut_nodes`)."""
+    return jax.make_jaxpr(lambda z: jax.lax.squeeze(z, (axis,)))(jax.ShapeDtypeStruct(shape, dtype))
 
 
 @functools.lru_cache(maxsize=64)

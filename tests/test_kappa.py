@@ -995,11 +995,12 @@ def test_a_fused_kernel_cut_into_pieces_is_one_kernel_per_piece(name):
 
 
 # name: (the kernel's output axes, the pieces' first; how the pieces are read; the head's leaves; the network of the
-# pieces, each flattened to one axis of units)
+# pieces, each flattened to one axis of units). The unstacked case first: the fast set runs it on the newest JAX,
+# whose `list(z)` is an `unstack` (JAX 0.10: slices)
 _PIECES_AXIS = {
+    "gated (unstacked)": ((2, 4), "unstack", {"u": (4, 2)}, lambda z, p: (z[0] * jax.nn.sigmoid(z[1])) @ p["u"]),
     "attention (indexed)": ((3, 2, 2), "index", {"u": (4, 3), "v": (3, 2)},
                             lambda z, p: jax.nn.relu(_attention(*z) @ p["u"]).mean(1) @ p["v"]),
-    "gated (unstacked)": ((2, 4), "unstack", {"u": (4, 2)}, lambda z, p: (z[0] * jax.nn.sigmoid(z[1])) @ p["u"]),
     "relu pieces, no bias (split)": ((2, 3), "split", {"u": (3, 2), "v": (3, 2)},
                                      lambda z, p: jax.nn.relu(z[0]) @ p["u"] + jax.nn.relu(z[1]) @ p["v"]),
     "attention (Gemma's einsum, no bias)": ((3, 2, 2), "einsum", {"u": (4, 3), "v": (3, 2)},
