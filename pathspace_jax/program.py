@@ -227,7 +227,8 @@ def _cut_nodes(prog: Program, flags: dict, fresh: set[int]) -> dict[int, list[in
                     dropped.add(id(u))
                     if id(u) in slices:
                         renamed[u.outs[0]] = pieces[slices[id(u)]]
-                for u in unstacks:  # (JAX 0.12's `list(z)`): each result is its piece, squeezed
+                        continue
+                    # an unstack (JAX 0.12's `list(z)`): each result is its piece, squeezed
                     for o, piece, pinned in zip(u.outs, pieces, cut.pinned, strict=True):
                         found, [renamed[o]] = jx.equations(_squeezed(shapes[0], aval.dtype, cut.axis), [piece],
                                                            lambda: next(_NEW_IDS))  # fmt: skip

@@ -144,7 +144,7 @@ class ShapeRules:
 
     @staticmethod
     def _piece(v: Val, start: int) -> Val:
-        """The piece from entry ``start`` of a value reshaped into pieces (`_reshaped_pieces`)."""
+        """The piece from entry ``start`` of a value seen in pieces (`_cut_in_pieces`, `kernel_pieces`)."""
         return dataclasses.replace(v, axes=[list(ax) for ax in v.pieces[1][start]], pieces=None)
 
     def _ids(self, a: int) -> list[int]:

@@ -339,7 +339,10 @@ class Interpreter(ShapeRules):
                 return [biased]
             why = "adds to a kernel's output cut into pieces something other than its bias"
             for v in ins:
-                self.mark_other(v, why) if v.kind == PARAM else self.pin(v, why)
+                if v.kind == PARAM:
+                    self.mark_other(v, why)
+                else:
+                    self.pin(v, why)
             out = Val(ACT, self.fresh(eqn.outvars[0].aval.shape))
             self.pin(out, why)
             return [out]
@@ -685,8 +688,8 @@ class Interpreter(ShapeRules):
             self.use(piece, units, "out")
             segs.append(self.atoms.new(int(np.prod(shape[at + 1 : at + len(pfree)]))))
             self.atoms.set_expand(segs[-1], units)
-            own_axes = [list(mine[k - 1]) for k in pfree[1:]]
-            per.append([*out[:at], [self.atoms.new(1)], *own_axes, *out[at + len(pfree) :]])
+            piece_axes = [list(mine[k - 1]) for k in pfree[1:]]
+            per.append([*out[:at], [self.atoms.new(1)], *piece_axes, *out[at + len(pfree) :]])
         axes[at] = [self.atoms.new(shape[at])]
         self.atoms.alias[axes[at][0]] = segs
         for j in range(at + 1, at + len(pfree)):
@@ -704,7 +707,7 @@ class Interpreter(ShapeRules):
         """A bias added to a kernel's output cut in pieces (`kernel_pieces`), along all of its axes: its axes are
         the kernel's node axis too, flattened (`flattened`). Else None."""
         (x, b), acts = (ins if ins[0].kind == ACT else ins[::-1]), [v for v in ins if v.kind == ACT]
-        if len(ins) != 2 or len(acts) != 1 or x.pieces is None or x.pieces[2] is None:
+        if len(acts) != 1 or x.pieces is None or x.pieces[2] is None:
             return None  # (None: a kernel read in slices, `kernel_pieces`)
         if b.kind != PARAM or b.scaled or self.uses[b.leaf]:
             return None

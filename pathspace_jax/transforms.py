@@ -416,14 +416,12 @@ def in_path_space(
             raise ValueError("in_path_space needs params: call tx.update(grads, state, params)")
         gphi, phi, nodes, alpha = _chart_step(space, normalize, rebalance, params, updates)
         dphi, inner_state = inner.update(gphi, state.inner_state, phi, **extra_args)
-        w, dphi = space.leaves_of(params, "params"), space.leaves_of(dphi, "inner updates")
-        ct = compute_dtype(list(w) + space.leaves_of(updates, "updates"))
-        alpha = alpha if rebalance else None
-        if all(isinstance(x, (int, float)) for x in (min_ratio, min_share)):
-            u = _allocate(space, normalize, ct, min_ratio, min_share, w, dphi, nodes, alpha)
-        else:  # injected hyperparameters (`optax.inject_hyperparams`): arrays
-            u = gsgd.allocate(space, w, dphi, nodes._replace(guard=not normalize), ct, min_ratio, min_share, alpha)
-        out = [x.astype(jnp.result_type(y)) for x, y in zip(u, space.leaves_of(updates, "updates"))]
+        w, g = space.leaves_of(params, "params"), space.leaves_of(updates, "updates")
+        dphi, ct = space.leaves_of(dphi, "inner updates"), compute_dtype(list(w) + list(g))
+        static = all(isinstance(x, (int, float)) for x in (min_ratio, min_share))  # (else injected: arrays)
+        allocate = _allocate if static else _allocate_at
+        u = allocate(space, normalize, ct, min_ratio, min_share, w, dphi, nodes, alpha if rebalance else None)
+        out = [x.astype(jnp.result_type(y)) for x, y in zip(u, g)]
         return space.unflatten_like(updates, out), InPathSpaceState(inner_state=inner_state)
 
     return _accept_masked(space, "in_path_space", optax.GradientTransformationExtraArgs(init_fn, update_fn))
@@ -440,10 +438,13 @@ def _chart_step(space, normalize, rebalance, params, grads):
     return gphi, phi, nodes._replace(guard=None), alpha  # (guard: a Python bool, `not normalize`)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
-def _allocate(space, normalize, ct, min_ratio, min_share, w, dphi, nodes, alpha):
-    """`gsgd.allocate` at the chart `_chart_step` gives, jitted (see there)."""
+def _allocate_at(space, normalize, ct, min_ratio, min_share, w, dphi, nodes, alpha):
+    """`gsgd.allocate` at the chart `_chart_step` gives; `_allocate` is it jitted (see there), for hyperparameters
+    that are Python numbers."""
     return gsgd.allocate(space, w, dphi, nodes._replace(guard=not normalize), ct, min_ratio, min_share, alpha)
+
+
+_allocate = jax.jit(_allocate_at, static_argnums=(0, 1, 2, 3, 4))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
