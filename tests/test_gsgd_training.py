@@ -167,6 +167,7 @@ CASES = [
 
 
 @pytest.mark.slow
+@pytest.mark.optimised
 @pytest.mark.parametrize("name, family", CASES)
 def test_trains_from_standard_init_like_the_plain_optimiser(name, family):
     model, x, y = _problem(name)

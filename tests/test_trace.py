@@ -68,6 +68,7 @@ def _jacobian(fn, flat, x):
         return jax.jit(jax.jacrev(fn))(flat)
 
 
+@pytest.mark.optimised
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_num_coords_is_jacobian_rank(case, spaces):
     """The independent check: m - H is the rank of d f(x) / d w over many inputs (float64)."""
