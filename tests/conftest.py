@@ -109,7 +109,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _optimised(request):
     """A test marked ``optimised`` compiles its programs with XLA's optimisations (see above)."""
-    if request.node.get_closest_marker("optimised") is None or not jax.config.jax_disable_most_optimizations:
+    if request.node.get_closest_marker("optimised") is None or not jax.config.values["jax_disable_most_optimizations"]:
         yield
         return
     jax.config.update("jax_disable_most_optimizations", False)
