@@ -174,6 +174,10 @@ PIN_HINTS = (
     ("selects on an activation", "a jnp.where on activations: write it as relu or leaky_relu if it is one"),
     ("mixes nodes with fixed coefficients", "a fixed, non-parameter matrix mixes units: make it a parameter if it "
      "should be learned; otherwise these units stay fixed"),
+    ("coefficients computed from parameters", "a kernel computed from parameters (concatenated, as "
+     "nn.OptimizedLSTMCell's gates; normalised, as nn.WeightNorm's v/|v| or nn.SpectralNorm's W/sigma(W)) mixes "
+     "units: rescaling them would change it, so they stay fixed (expected); a learned per-unit scale of its output "
+     "(nn.WeightNorm's) is an edge into units of their own"),
     ("two roles", "one parameter read on both sides of layers (a tied embedding, a kernel and its transpose): "
      "it is an 'other' leaf and the units it touches stay fixed; expected for a tied embedding"),
     ("no parameter edge enters", "a reshape made a node axis that no kernel writes: reshape after the ReLU, or "

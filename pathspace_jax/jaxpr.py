@@ -23,6 +23,7 @@ and the source line of the user's code that produced the equation.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -52,6 +53,8 @@ __all__ = [
     "loop_counter",
     "param",
     "primitive_names",
+    "product",
+    "reshape",
     "scan",
     "scan_split",
     "static_row",
@@ -421,6 +424,23 @@ def static_row(eqn, row: int) -> tuple[tuple[Any, dict], tuple[Any, dict]]:
     whole row ``row`` of its operand's first axis (``jnp.take(ws, i, axis=0)``) is."""
     starts = (row, *[0] * (len(eqn.invars[0].aval.shape) - 1))
     return static_slice(eqn, starts), (jax.lax.squeeze_p, {"dimensions": (0,)})
+
+
+@functools.lru_cache(maxsize=256)
+def reshape(shape: tuple, new_shape: tuple, dtype) -> tuple[Any, dict]:
+    """``(primitive, params)`` of the ``reshape`` of a ``shape`` array of ``dtype`` to ``new_shape`` (the same
+    number of entries), as the installed JAX writes it."""
+    (eqn,) = jax.make_jaxpr(lambda a: jax.lax.reshape(a, new_shape))(jax.ShapeDtypeStruct(shape, dtype)).eqns
+    return eqn.primitive, dict(eqn.params)
+
+
+@functools.lru_cache(maxsize=256)
+def product(shape: tuple, other: tuple, dtype) -> tuple[Any, dict]:
+    """``(primitive, params)`` of the elementwise product of a ``shape`` array and an ``other`` one of one rank and
+    ``dtype`` (its size-1 axes broadcast), as the installed JAX writes it."""
+    spec = [jax.ShapeDtypeStruct(s, dtype) for s in (shape, other)]
+    (eqn,) = jax.make_jaxpr(jax.lax.mul)(*spec).eqns
+    return eqn.primitive, dict(eqn.params)
 
 
 def varying_axes(x) -> frozenset:

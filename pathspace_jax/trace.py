@@ -531,7 +531,8 @@ def _node_groups(interp: Interpreter, leaf_info) -> tuple[list[NodeGroup], dict,
         if key not in fed and not any(atoms.input[r] or atoms.output[r] for r in key):
             # rescaling nodes that no parameter enters would change the function (e.g. a unit channel axis
             # made by a reshape of a hidden layer's output, whose own kernel then has no node axis)
-            reasons = reasons + ("no parameter edge enters these nodes (a node axis created by a reshape?)",)
+            guess = "" if reasons else " (a node axis created by a reshape?)"  # (else the reasons say how)
+            reasons = reasons + (f"no parameter edge enters these nodes{guess}",)
         elif not reasons and key not in read and not any(atoms.output[r] for r in key):
             # a layer's units that nothing reads (a slice leaves them out): no path through them reaches an output
             reasons = reasons + (f"no parameter edge leaves these nodes, and they are no output (units of {by[key]} "

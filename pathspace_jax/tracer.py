@@ -41,6 +41,9 @@ from pathspace_jax.ir import Eqn, Recorder
 from pathspace_jax.shape_rules import ShapeRules
 
 
+MIXES_COMPUTED = "mixes nodes with coefficients computed from parameters"
+
+
 class Recorded(list):
     """A rule's results that are recorded already (a call's body inlined, a scan): `Interpreter.run` keeps
     their ids and records nothing more for the equation."""
@@ -398,6 +401,8 @@ class Interpreter(ShapeRules):
             if not params and all(map(self.fully_pinned, acts)):  # (a top-k router's weights spread by a one-hot)
                 self.pin(out, "a product of pinned values and constants")
             return [out]
+        if not acts and (held := self.kernel_scale(eqn, params, consts)) is not None:
+            return [held]
         if len(params) == 1 and eqn.primitive.name == "mul" and not any(c.from_params for c in consts):
             # a parameter times a fixed coefficient is still a view of that parameter
             axes = self.broadcast(eqn, params + consts, unify=False)
@@ -449,7 +454,7 @@ class Interpreter(ShapeRules):
             self.mark_other(v.factors[1], "elementwise product of a parameter and an activation")
         return None
 
-    def per_unit_scale(self, eqn, ins, x: Val, p: Val) -> Recorded | None:
+    def per_unit_scale(self, eqn, ins, x: Val, p: Val, as_=None) -> Recorded | None:
         """``x * p`` with ``p`` a parameter that varies along some of ``x``'s axes only (a learned per-unit scale:
         LayerScale, a gain after a ReLU, a normalisation's scale): a diagonal edge, entry c from node c of x's
         group (pinned or not) to node c of a group of its own (`diagonal_ends`), the other axes broadcast. None
@@ -472,7 +477,75 @@ class Interpreter(ShapeRules):
                 out.append(list(x.axes[k]))
         if not diagonal:
             return None
-        return self.record(eqn, ins, [self.ew(ACT, ins, out)], edge=True)
+        return self.record(eqn, ins, [self.ew(ACT, ins, out)], as_=as_, edge=True)
+
+    def kernel_scale(self, eqn, params: Sequence[Val], consts: Sequence[Val]) -> Val | None:
+        """``c * p`` with ``c`` coefficients computed from parameters and ``p`` a parameter that varies along some of
+        c's axes only, read once, as the kernel of a ``dot_general`` or a convolution: ``nn.WeightNorm``'s g·v/‖v‖,
+        g one entry per output unit. Held as its factors (`Val.factors`) for `scaled_kernel`; None otherwise."""
+        shape = eqn.outvars[0].aval.shape
+        if eqn.primitive.name != "mul" or len(params) != 1 or len(consts) != 1:
+            return None
+        (p,), (c,) = params, consts
+        if not c.from_params or c.random or p.scaled or len(p.axes) != len(shape):
+            return None
+        if len(c.axes) != len(shape) or any(self.size(ax) != d for ax, d in zip(c.axes, shape, strict=True)):
+            return None  # (c broadcast: x·c is no product with the kernel's shape)
+        own = {f for ax in self.leaf_axes[p.leaf] for f in self.atoms.factors(ax)}
+        varying = [k for k, ax in enumerate(p.axes) if self.size(ax) > 1]
+        if not varying or any(self.size(p.axes[k]) != shape[k] or not set(self.atoms.factors(p.axes[k])) <= own
+                              for k in varying):  # fmt: skip
+            return None
+        uses = self.consumers[-1].get(eqn.outvars[0], [])
+        if len(uses) != 1 or uses[0] is None or uses[0].primitive.name not in ("dot_general", "conv_general_dilated"):
+            return None
+        return self.ew(CONST, [c, p], self.broadcast(eqn, [c, p], unify=False), from_params=True, factors=(c, p))
+
+    def scaled_kernel(self, eqn, ins: Sequence[Val]) -> Recorded | None:
+        """A ``dot_general`` or convolution of an activation ``x`` with a kernel ``c * p`` held by `kernel_scale`,
+        where p varies along output axes only: ``x·(c * p) = (x·c) * p``, recorded so. ``x·c`` is a product with
+        fixed coefficients (new nodes, pinned: rescaling a unit that c reads changes ‖v‖), and p a learned per-unit
+        scale of its result (`per_unit_scale`): a diagonal edge into units of their own, which p, a bias added next
+        and the next layer's weights rescale. None where p varies along another axis: p is then no edge."""
+        k = 0 if ins[0].factors is not None else 1
+        x, (c, p), shape = ins[1 - k], ins[k].factors, eqn.outvars[0].aval.shape
+        varying = [j for j, ax in enumerate(p.axes) if self.size(ax) > 1]
+        dtype = eqn.invars[k].aval.dtype
+        if x.kind != ACT or eqn.outvars[0].aval.dtype != dtype:
+            return None
+        if eqn.primitive.name == "dot_general":
+            (lc, rc), (lb, rb) = jx.param(eqn, "dimension_numbers")
+            free = [[j for j in range(len(v.axes)) if j not in (lc, rc)[i] and j not in (lb, rb)[i]]
+                    for i, v in enumerate(ins)]  # fmt: skip
+            if not set(varying) <= set(free[k]):
+                return None
+            first = len(lb) + (len(free[0]) if k == 1 else 0)  # where the kernel's free axes are in the result
+            at = [first + free[k].index(j) for j in varying]
+        else:
+            dn = jx.param(eqn, "dimension_numbers")
+            if k != 1 or varying != [dn.rhs_spec[0]] or jx.param(eqn, "batch_group_count") != 1:
+                return None
+            at = [dn.out_spec[1]]
+        ins = [c if i == k else v for i, v in enumerate(ins)]
+        (y,) = self.record(eqn, ins, self.apply(eqn, ins))
+        new_shape, axes = [1] * len(shape), [[self.atoms.new(1)] for _ in shape]
+        for j, o in zip(varying, at, strict=True):
+            new_shape[o], axes[o] = shape[o], list(p.axes[j])
+        old_shape = tuple(self.size(ax) for ax in p.axes)
+        q = Val(PARAM, axes, leaf=p.leaf, id=p.id)
+        if tuple(new_shape) != old_shape:
+            (q,) = self.record(eqn, [p], [q], as_=jx.reshape(old_shape, tuple(new_shape), dtype))
+        scaled = self.per_unit_scale(eqn, [y, q], y, q, as_=jx.product(shape, tuple(new_shape), dtype))
+        assert scaled is not None, "kernel_scale and scaled_kernel check what per_unit_scale needs"
+        return scaled
+
+    def unscaled(self, ins: Sequence[Val]) -> list[Val]:
+        """``ins`` with a kernel held by `kernel_scale` that `scaled_kernel` did not take as the product it is: its
+        parameter is combined into fixed coefficients (no edge)."""
+        for v in ins:
+            if v.factors is not None:
+                self.mark_other(v.factors[1], "product of parameters")
+        return [dataclasses.replace(v, factors=None) if v.factors is not None else v for v in ins]
 
     def rule_div(self, eqn, ins):
         num, den = ins
@@ -596,6 +669,10 @@ class Interpreter(ShapeRules):
     def rule_dot_general(self, eqn, ins):
         if zeros := self.zero_product(eqn, ins):
             return zeros
+        if any(v.factors is not None for v in ins):
+            if (scaled := self.scaled_kernel(eqn, ins)) is not None:
+                return scaled
+            ins = self.unscaled(ins)
         lhs, rhs = ins
         (lc, rc), (lb, rb) = jx.param(eqn, "dimension_numbers")
         lfree = [k for k in range(len(lhs.axes)) if k not in lc and k not in lb]
@@ -637,11 +714,11 @@ class Interpreter(ShapeRules):
                 for v in ins:
                     self.pin(v, "product of activations")
             else:  # fixed coefficients (a constant, or parameters that are not an edge): new nodes, pinned
-                why = self.reason("mixes nodes with fixed coefficients")
                 if lhs.kind == ACT:
                     x, xc, c, cfree, first = lhs, lc, rhs, rfree, len(lb) + len(lfree)
                 else:
                     x, xc, c, cfree, first = rhs, rc, lhs, lfree, len(lb)
+                why = self.reason(MIXES_COMPUTED if c.from_params else "mixes nodes with fixed coefficients")
                 for b in xc:
                     self.atoms.pin(x.axes[b], why)
                 mixed = [a for b in xc for a in x.axes[b]]
@@ -809,6 +886,10 @@ class Interpreter(ShapeRules):
     def rule_conv_general_dilated(self, eqn, ins):
         if zeros := self.zero_product(eqn, ins):
             return zeros
+        if any(v.factors is not None for v in ins):
+            if (scaled := self.scaled_kernel(eqn, ins)) is not None:
+                return scaled
+            ins = self.unscaled(ins)
         lhs, rhs = ins
         dn = jx.param(eqn, "dimension_numbers")
         lspec, rspec, ospec = dn.lhs_spec, dn.rhs_spec, dn.out_spec
@@ -854,6 +935,8 @@ class Interpreter(ShapeRules):
             out[ospec[1]] = list(lhs.axes[lspec[1]]) + [self.atoms.new(taps, position=True)]
             return [Val(ACT, out)]
         why = "batch-grouped convolution" if grouped else "convolution without a parameter kernel"
+        if not grouped and rhs.kind == CONST and rhs.from_params:
+            why = MIXES_COMPUTED
         for v in ins:
             self.mark_other(v, why)
             if v.kind == ACT:

@@ -1366,7 +1366,7 @@ class _ComputedCoefficient(nn.Module):
     """Three ReLU layers with a coefficient computed from parameters: a learned gain ``exp(s)`` (a scalar) or
     ``softplus(s)`` (one per unit) after the first layer, or the second layer weight-normalised (``nn.WeightNorm``:
     its kernel g·v/‖v‖). ``const``: the same network with the coefficient's value (the gain, or the normalised
-    kernel) as a constant."""
+    kernel; for weight normalisation v/‖v‖, and g a per-unit scale after it) as a constant."""
 
     kind: str
     const: Any = None
@@ -1384,7 +1384,11 @@ class _ComputedCoefficient(nn.Module):
             elif self.const is None:
                 h = nn.relu(nn.SpectralNorm(nn.Dense(5, param_dtype=F64))(h, update_stats=False))
             else:
-                h = nn.relu(h @ self.const + self.param("Dense_1_bias", nn.initializers.zeros, (5,), F64))
+                if self.kind == "weight_norm":
+                    h = (h @ self.const) * self.param("scale", nn.initializers.ones, (5,), F64)
+                else:
+                    h = h @ self.const
+                h = nn.relu(h + self.param("Dense_1_bias", nn.initializers.zeros, (5,), F64))
         else:
             if self.const is not None:
                 h = h * self.const
@@ -1410,7 +1414,9 @@ def test_coefficients_computed_from_parameters_are_raised_where_they_are_read(ki
     p, stats = variables["params"], {k: v for k, v in variables.items() if k != "params"}  # (the power iteration's u)
     if kind == "weight_norm":
         v, g = p["Dense_1"]["kernel"], p["WeightNorm_0"]["Dense_1/kernel/scale"]
-        value = v * jax.lax.rsqrt(jnp.sum(v * v, axis=0) + 1e-12) * g  # flax's normalisation, written out
+        g = g * jnp.asarray([0.5, 2.0, 1.5, 0.75, 1.25], F64)  # not all ones: a scale the paths do go through
+        p = {**p, "WeightNorm_0": {"Dense_1/kernel/scale": g}}
+        value = v * jax.lax.rsqrt(jnp.sum(v * v, axis=0) + 1e-12)  # flax's normalisation written out, before g
     if kind == "spectral_norm":  # one step of power iteration from u (float32), written out
         w, u = p["Dense_1"]["kernel"], stats["batch_stats"]["SpectralNorm_0"]["Dense_1/kernel/u"].astype(F64)
         v = u @ w.T
@@ -1426,6 +1432,10 @@ def test_coefficients_computed_from_parameters_are_raised_where_they_are_read(ki
         q = {"Dense_0": p["Dense_0"], "Dense_1_bias": p["Dense_1"]["bias"], "Dense_2": p["Dense_2"]}
         shared = lambda k: {"Dense_0": k["Dense_0"], "Dense_1/bias": k["Dense_1"]["bias"], "Dense_2": k["Dense_2"]}  # noqa: E731
         shared_ref = lambda k: {"Dense_0": k["Dense_0"], "Dense_1/bias": k["Dense_1_bias"], "Dense_2": k["Dense_2"]}  # noqa: E731
+        if kind == "weight_norm":  # g: a per-unit scale of v/‖v‖'s outputs
+            q["scale"] = g
+            shared = lambda k, s=shared: {**s(k), "g": k["WeightNorm_0"]["Dense_1/kernel/scale"]}  # noqa: E731
+            shared_ref = lambda k, s=shared_ref: {**s(k), "g": k["scale"]}  # noqa: E731
     else:
         value = jnp.exp(p["s"]) if kind == "exp" else jax.nn.softplus(p["s"])
         q = {k: v for k, v in p.items() if k != "s"}
@@ -1434,7 +1444,7 @@ def test_coefficients_computed_from_parameters_are_raised_where_they_are_read(ki
     fn, fn_ref = (lambda p, x: model.apply({"params": p, **stats}, x)), (lambda q, x: ref.apply({"params": q}, x))
     np.testing.assert_allclose(fn(p, x), fn_ref(q, x), rtol=1e-12)
     space, space_ref = pj.trace(fn, p, x), pj.trace(fn_ref, q, x)
-    assert space.num_hidden == space_ref.num_hidden == (11 if kind in ("exp", "softplus") else 0)
+    assert space.num_hidden == space_ref.num_hidden == {"exp": 11, "softplus": 11, "weight_norm": 5}.get(kind, 0)
     np.testing.assert_allclose(pj.path_norm(space, p), pj.path_norm(space_ref, q), rtol=1e-12)
     kappa = shared(pj.path_kappa(space, p))
     chex.assert_trees_all_close(kappa, shared_ref(pj.path_kappa(space_ref, q)), rtol=1e-12)

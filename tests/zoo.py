@@ -200,6 +200,32 @@ class LayerScaleMLP(nn.Module):
         return nn.Dense(2)(x)
 
 
+class WeightNormNet(nn.Module):
+    """``nn.WeightNorm`` on a convolution and on a Dense layer, each followed by a plain layer: the kernel g·v/‖v‖ is
+    the fixed coefficients v/‖v‖ (new nodes, pinned: rescaling a unit that v reads changes its column norms), then
+    g a per-unit scale, an edge into units of their own that g, the bias and the next layer's kernel rescale. H =
+    3 + 5; pinned: v/‖v‖'s two outputs and the plain convolution's channels, which the weight-normalised Dense reads.
+    Beyond rescaling, v/‖v‖ is invariant to scaling each of v's columns (3 + 5), and a channel that v reads can be
+    rescaled with v's rows where g takes up the change in v's column norms (4): a symmetry, but no node-wise
+    rescaling (g's factor depends on v), 12 in all."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.WeightNorm(nn.Conv(3, (2, 2)))(x))
+        x = nn.relu(nn.Conv(4, (2, 2), padding="VALID")(x))
+        x = nn.relu(nn.WeightNorm(nn.Dense(5))(x.reshape(x.shape[0], -1)))
+        return nn.Dense(2)(x)
+
+
+def _weight_norm() -> Case:
+    """`WeightNormNet` with its gains g drawn around 1 (as `_gains` draws per-unit scales)."""
+    case = _linen("weight_norm_conv_dense", WeightNormNet(), _normal(4, 4, 1), hidden=8, pinned=3, extra_symmetries=12)
+    rng = np.random.default_rng(7)
+    params = {k: {n: 1.0 + 0.3 * rng.standard_normal(np.shape(g)) for n, g in v.items()} if k.startswith("Weight")
+              else v for k, v in case.params.items()}  # fmt: skip
+    return dataclasses.replace(case, params=_f64(params))
+
+
 class SharedReadout(nn.Module):
     """A first layer whose kernel writes two axes, read by a second layer along one of them with weights shared
     along the other: ``nn.DenseGeneral((2, 4))`` then ``nn.Dense`` on the last axis (``members=False``), or three
@@ -668,6 +694,7 @@ def _build() -> dict[str, Case]:
         _linen("local_cnn_convlocal", LocalCNN(), _normal(5, 5, 1), hidden=11),
         _gains(_linen("layer_scale_mlp", LayerScaleMLP(), _normal(3), hidden=19, seed=1), "gain", "layer_scale"),
         _prelu_mlp(),
+        _weight_norm(),
         _linen("dense_general_shared_readout", SharedReadout(), _normal(3), hidden=4),
         _linen("vmap_members_shared_head", SharedReadout(members=True), _normal(3), hidden=4),
         _linen("positionwise_dense_flatten_head", PositionwiseHead(), _normal(4, 3), hidden=6),
