@@ -40,7 +40,6 @@ from pathspace_jax.graph import FROZEN
 from pathspace_jax.ir import Eqn, Recorder
 from pathspace_jax.shape_rules import ShapeRules
 
-
 MIXES_COMPUTED = "mixes nodes with coefficients computed from parameters"
 
 

@@ -255,7 +255,8 @@ def test_a_weight_normalised_kernel_is_fixed_coefficients_times_a_per_unit_gain(
     g, the bias and the next kernel rescale (H = 5; g was "other" and the units pinned). Where g is no gain per
     output unit (one for the whole kernel, one per input row: no node-wise symmetry), or the kernel is read by two
     products (g would be an edge twice), g stays "other" and the units pinned (H = 4, the next layer's). The
-    function is invariant under the rescalings the space allows, in each case. (A convolution: the zoo's ``weight_norm_conv_dense``.)"""
+    function is invariant under the rescalings the space allows, in each case. (On a convolution: the zoo's
+    ``weight_norm_conv_dense``.)"""
     model = _WeightNormed(how)
     x = jax.random.normal(jax.random.key(0), (6, 3), jnp.float64)
     params = model.init(jax.random.key(1), x)["params"]
