@@ -226,6 +226,9 @@ class Interpreter(ShapeRules):
         if method is not None:
             return method(eqn, ins)
         if structure == "relabel":
+            if ins[0].factors is not None and ins[0].kind == CONST:  # a held kernel cast (`kernel_scale`)
+                c, p = (self.record(eqn, [v], [dataclasses.replace(v)])[0] for v in ins[0].factors)
+                return [dataclasses.replace(ins[0], factors=(c, p))]
             return [dataclasses.replace(v) for v in ins[: len(eqn.outvars)]]
         if structure == "nonlinear":
             return [self.nonlinear(eqn, ins)]
@@ -480,8 +483,9 @@ class Interpreter(ShapeRules):
 
     def kernel_scale(self, eqn, params: Sequence[Val], consts: Sequence[Val]) -> Val | None:
         """``c * p`` with ``c`` coefficients computed from parameters and ``p`` a parameter that varies along some of
-        c's axes only, read once, as the kernel of a ``dot_general`` or a convolution: ``nn.WeightNorm``'s g·v/‖v‖,
-        g one entry per output unit. Held as its factors (`Val.factors`) for `scaled_kernel`; None otherwise."""
+        c's axes only, read once, as the kernel of a ``dot_general`` or a convolution (`read_as_kernel`; a cast on the
+        way casts both factors, `apply`): ``nn.WeightNorm``'s g·v/‖v‖, g one entry per output unit. Held as its
+        factors (`Val.factors`) for `scaled_kernel`; None otherwise."""
         shape = eqn.outvars[0].aval.shape
         if eqn.primitive.name != "mul" or len(params) != 1 or len(consts) != 1:
             return None
@@ -495,10 +499,19 @@ class Interpreter(ShapeRules):
         if not varying or any(self.size(p.axes[k]) != shape[k] or not set(self.atoms.factors(p.axes[k])) <= own
                               for k in varying):  # fmt: skip
             return None
-        uses = self.consumers[-1].get(eqn.outvars[0], [])
-        if len(uses) != 1 or uses[0] is None or uses[0].primitive.name not in ("dot_general", "conv_general_dilated"):
+        if not self.read_as_kernel(eqn.outvars[0]):
             return None
         return self.ew(CONST, [c, p], self.broadcast(eqn, [c, p], unify=False), from_params=True, factors=(c, p))
+
+    def read_as_kernel(self, var) -> bool:
+        """Whether the jaxpr variable ``var`` is read once, by a ``dot_general`` or a convolution, or cast first (a
+        kernel in a layer's compute dtype: mixed precision)."""
+        uses = self.consumers[-1].get(var, [])
+        if len(uses) != 1 or uses[0] is None:
+            return False
+        if uses[0].primitive.name == "convert_element_type":
+            return self.read_as_kernel(uses[0].outvars[0])
+        return uses[0].primitive.name in ("dot_general", "conv_general_dilated")
 
     def scaled_kernel(self, eqn, ins: Sequence[Val]) -> Recorded | None:
         """A ``dot_general`` or convolution of an activation ``x`` with a kernel ``c * p`` held by `kernel_scale`,

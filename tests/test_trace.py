@@ -230,16 +230,17 @@ def test_a_normalisation_scale_is_an_edge_into_units_of_its_own():
 
 class _WeightNormed(nn.Module):
     """A Dense layer whose kernel is v/‖v‖ times a gain g, then two ReLU layers: ``nn.WeightNorm`` (g one entry per
-    output unit, ``how="units"``; one for the whole kernel, ``"whole"``), or written by hand with g one per input
+    output unit, ``how="units"``, also computed in float32, ``"units_cast"``; one for the whole kernel, ``"whole"``),
+    or written by hand with g one per input
     row (``"rows"``), or per output unit with the kernel read by two products (``"twice"``)."""
 
     how: str
 
     @nn.compact
     def __call__(self, x):
-        if self.how in ("units", "whole"):
-            wn = nn.WeightNorm(nn.Dense(5, param_dtype=jnp.float64), feature_axes=-1 if self.how == "units" else None)
-            h = nn.relu(wn(x))
+        if self.how in ("units", "whole", "units_cast"):
+            dense = nn.Dense(5, param_dtype=jnp.float64, dtype=jnp.float32 if self.how == "units_cast" else None)
+            h = nn.relu(nn.WeightNorm(dense, feature_axes=None if self.how == "whole" else -1)(x))
         else:
             v = self.param("v", nn.initializers.lecun_normal(), (3, 5), jnp.float64)
             g = self.param("g", nn.initializers.constant(1.5), (3, 1) if self.how == "rows" else (5,), jnp.float64)
@@ -248,14 +249,17 @@ class _WeightNormed(nn.Module):
         return nn.Dense(2, param_dtype=jnp.float64)(nn.relu(nn.Dense(4, param_dtype=jnp.float64)(h)))
 
 
-@pytest.mark.parametrize("how, hidden", [("units", 5 + 4), ("whole", 4), ("rows", 4), ("twice", 4)])
+@pytest.mark.parametrize(
+    "how, hidden", [("units", 5 + 4), ("units_cast", 5 + 4), ("whole", 4), ("rows", 4), ("twice", 4)]
+)
 def test_a_weight_normalised_kernel_is_fixed_coefficients_times_a_per_unit_gain(how, hidden):
     """``nn.WeightNorm``'s kernel v/‖v‖·g, g one entry per output unit multiplied in last (as Flax does), read by a
     ``dot_general`` is ``(x·v/‖v‖)·g``: g an edge from v/‖v‖'s (pinned) outputs into hidden units of their own, which
     g, the bias and the next kernel rescale (H = 5; g was "other" and the units pinned). Where g is no gain per
     output unit (one for the whole kernel, one per input row: no node-wise symmetry), or the kernel is read by two
     products (g would be an edge twice), g stays "other" and the units pinned (H = 4, the next layer's). The
-    function is invariant under the rescalings the space allows, in each case. (On a convolution: the zoo's
+    function is invariant under the rescalings the space allows, in each case. Cast between v/‖v‖·g and the product
+    (a layer computing in float32 from float64 params), both factors are cast. (On a convolution: the zoo's
     ``weight_norm_conv_dense``.)"""
     model = _WeightNormed(how)
     x = jax.random.normal(jax.random.key(0), (6, 3), jnp.float64)
@@ -264,12 +268,19 @@ def test_a_weight_normalised_kernel_is_fixed_coefficients_times_a_per_unit_gain(
     space = pj.trace(fn, params, x)
     assert space.num_hidden == hidden
     (g,) = [leaf for leaf in space.leaves if leaf.path in ("g", "WeightNorm_0/Dense_0/kernel/scale")]
-    assert g.kind == ("weight" if how == "units" else "other"), g
-    if how == "units":
+    assert g.kind == ("weight" if hidden > 4 else "other"), g
+    if hidden > 4:
         (src,), (dst,) = g.src_groups, g.dst_groups
         assert (space.groups[src].kind, space.groups[dst].kind, space.groups[dst].size) == ("pinned", "hidden", 5)
         assert "coefficients computed from parameters" in " ".join(space.groups[src].reasons)
     pj.testing.assert_function_invariant(fn, space, params, x)
+    if how == "units_cast":  # κ and DDP-SGD's κ those of the network computed in float64 (same params), to float32's
+        full = pj.trace(lambda p, x: _WeightNormed("units").apply({"params": p}, x), params, x)
+        for got, want in (
+            (pj.path_kappa(space, params), pj.path_kappa(full, params)),
+            (pj.ddp_kappa(space, params, x, alpha=0.5), pj.ddp_kappa(full, params, x, alpha=0.5)),
+        ):
+            chex.assert_trees_all_close(got, want, rtol=1e-5)
 
 
 def test_a_sum_weighted_by_pinned_values_keeps_units_along_positions_and_pins_them_across_nodes():
