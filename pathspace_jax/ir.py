@@ -35,6 +35,8 @@ class Eqn:
     inner: list[Eqn] | None = None  # for a custom_jvp/custom_vjp call: its body's equations, as recorded
     edge: bool = False  # an elementwise product the trace made an edge (a learned per-unit scale, `Interpreter`)
     coefficient: bool = False  # a product by a learned scalar, a coefficient on the paths (`Interpreter.rule_mul`)
+    # a maximum over entries that different weights feed (maxout by a reshape, max pooling after nn.ConvLocal)
+    exclusive: bool = False
 
     @property
     def where(self) -> str:

@@ -618,7 +618,9 @@ def refuse_tying(prog: Program, space: PathSpace, who: str, what: str) -> None:
 
 def refuse_exclusive_branches(prog: Program, space: PathSpace, what: str) -> None:
     """Raise ``prog.err`` for a ``max`` (maxout) or a ``select_n`` on a condition computed from the inputs (a branch
-    written with ``jnp.where``) between activations that different edge parameters feed (``what``: what to do).
+    written with ``jnp.where``) between activations that different edge parameters feed, or a maximum over pieces
+    that different weights feed (``Eqn.exclusive``: maxout by a reshape, max pooling after ``nn.ConvLocal``)
+    (``what``: what to do).
     The |·|^p network evaluates it on its own all-ones input and keeps one operand per entry, so the path sums
     would leave out the weights of the others, which the data still trains: κ would be 0 there and Path-SGD would
     never update them. A ReLU, a leaky ReLU, ``nn.PReLU`` (its slope is a coefficient, not an edge: kind
@@ -647,12 +649,19 @@ def refuse_exclusive_branches(prog: Program, space: PathSpace, what: str) -> Non
                 continue
             which, cases = (ups[0], ups[1:]) if e.prim.name == "select_n" else (frozenset([data]), ups)
             acts = {r for r in cases if data in r}
-            if e.prim.name in ("max", "select_n") and data in which and len(acts) > 1:
+            if e.exclusive and data in ups[0]:  # (`Eqn.exclusive`)
+                op, which = "a maximum over pieces", "pieces that different weights feed (a maxout unit, max pooling "
+                which, instead = which + "after nn.ConvLocal)", "."
+            elif e.prim.name in ("max", "select_n") and data in which and len(acts) > 1:
                 op = "a max" if e.prim.name == "max" else "a jnp.where on a condition computed from the inputs"
+                which = "activations that different parameters feed (a maxout unit, or a branch)"
+                instead = ", or choose the branch in Python."
+            else:
+                op = None
+            if op is not None:
                 raise prog.err(
-                    f"{prog.who}: {op} at {e.where} chooses between activations that different parameters feed (a "
-                    "maxout unit, or a branch): the |w|^p network keeps one of them per entry, so κ would be 0 on "
-                    f"the others' weights and they would never be updated. {what}, or choose the branch in Python."
+                    f"{prog.who}: {op} at {e.where} chooses between {which}: the |w|^p network keeps one of them per "
+                    f"entry, so κ would be 0 on the others' weights and they would never be updated. {what}{instead}"
                 )
             made = all(pr.kinds[x] != "act" for x in e.ins if not isinstance(x, tuple))  # a lookup, a cast
             up = frozenset().union(*ups) | ({data} if made else set())

@@ -610,17 +610,26 @@ class Interpreter(ShapeRules):
 
     # -- reductions and pooling ------------------------------------------------
     def _reduce(self, eqn, ins, why):
+        """A sum or maximum along ``axes``: over the nodes of a group it pins them, except along an axis that one
+        kernel wrote along with units that the result keeps (maxout, ``z.reshape(b, units, k).max(-1)``, or a sum over
+        ``nn.DenseGeneral((k, units))``'s first output axis): each unit is one node shared along it, as by positions
+        (the pieces of a unit rescale together, and their maximum or sum with them)."""
         v = ins[0]
         axes = set(jx.param(eqn, "axes"))
         self.mark_other(v, "reduced")
-        gone = []
+        kept = [v.axes[k] for k in range(len(v.axes)) if k not in axes]
+        gone, exclusive = [], False
         for k in axes:
-            if self.size(v.axes[k]) > 1:
+            if self.size(v.axes[k]) > 1 and v.kind == ACT and self.written_with(v.axes[k], kept):
+                self.atoms.make_positions(v.axes[k])
+                exclusive |= eqn.primitive.name != "reduce_sum"  # (a maximum keeps one piece: `weighted_along`)
+            elif self.size(v.axes[k]) > 1:
                 self.atoms.pin(v.axes[k], self.reason(why))
             else:
                 gone += v.axes[k]
         kind = v.kind if v.kind != PARAM else CONST
-        return [Val(kind, [ax for k, ax in enumerate(v.axes) if k not in axes], zero=v.zero, scalars=v.scalars + gone)]
+        out = Val(kind, [ax for k, ax in enumerate(v.axes) if k not in axes], zero=v.zero, scalars=v.scalars + gone)
+        return self.record(eqn, ins, [out], exclusive=True) if exclusive else [out]
 
     def rule_reduce_sum(self, eqn, ins):
         return self._reduce(eqn, ins, "sums over the nodes of a group")
@@ -664,9 +673,19 @@ class Interpreter(ShapeRules):
                 for a in self.atoms.factors(v.axes[k]):
                     self.atoms.position[a] = True
         kind = v.kind if v.kind != PARAM else CONST
-        return [
-            dataclasses.replace(self._reslice(eqn, v, keep, out_shape, "pools over the nodes of a group"), kind=kind)
-        ]
+        out = dataclasses.replace(self._reslice(eqn, v, keep, out_shape, "pools over the nodes of a group"), kind=kind)
+        exclusive = eqn.primitive.name != "reduce_window_sum" and v.kind == ACT
+        if exclusive and any(self.weighted_along(v.axes[k]) for k, trivial in enumerate(keep) if not trivial):
+            return self.record(eqn, ins, [out], exclusive=True)  # (max pooling after nn.ConvLocal)
+        return [out]
+
+    def weighted_along(self, axis: Sequence[int]) -> bool:
+        """Whether a parameter's entries differ along ``axis``: a kernel's output axis, or the result's side of a
+        parameter's batch axis (`diagonal`; nn.ConvLocal's positions). A maximum along it keeps, per entry, the
+        piece of one parameter's entries; `pathspace_jax.program.refuse_exclusive_branches` says what that means."""
+        written = {f for uses in self.uses for a, role, _, _ in uses if role == "out" for f in self.atoms.factors([a])}
+        written |= {f for ends in self.diagonal.values() for f in self.atoms.factors(ends)}
+        return bool(written & set(self.atoms.factors(axis)))
 
     rule_reduce_window_sum = rule_reduce_window_max = rule_reduce_window_min = _pool
 

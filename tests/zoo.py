@@ -200,6 +200,20 @@ class LayerScaleMLP(nn.Module):
         return nn.Dense(2)(x)
 
 
+class MaxoutMLP(nn.Module):
+    """A maxout layer written as a reshape and a maximum (``Dense(5 * 3)`` to ``(5, 3)``, the maximum over the last
+    axis) on the inputs, then a ReLU layer: each maxout unit is one node whose 3 pieces rescale together (the
+    kernel's pieces axis is shared by the unit, as positions are). H = 5 + 4. Beyond rescaling, one affine function of
+    the inputs added to every piece of a unit shifts its output by it: a constant shift the next layer's bias takes
+    up (5), a linear one where the next kernel's rows cancel the shifts (5 × 3 − 4 × 3 = 3). (After a ReLU layer, a
+    piece that wins only where some of its inputs are 0 has weights the data never reaches: a rank deficit too.)"""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(5 * 3)(x).reshape(x.shape[0], 5, 3).max(-1)
+        return nn.Dense(2)(nn.relu(nn.Dense(4)(x)))
+
+
 class WeightNormNet(nn.Module):
     """``nn.WeightNorm`` on a convolution and on a Dense layer, each followed by a plain layer: the kernel g·v/‖v‖ is
     the fixed coefficients v/‖v‖ (new nodes, pinned: rescaling a unit that v reads changes its column norms), then
@@ -695,6 +709,7 @@ def _build() -> dict[str, Case]:
         _gains(_linen("layer_scale_mlp", LayerScaleMLP(), _normal(3), hidden=19, seed=1), "gain", "layer_scale"),
         _prelu_mlp(),
         _weight_norm(),
+        _linen("maxout_reshape_mlp", MaxoutMLP(), _normal(3), hidden=9, extra_symmetries=8),
         _linen("dense_general_shared_readout", SharedReadout(), _normal(3), hidden=4),
         _linen("vmap_members_shared_head", SharedReadout(members=True), _normal(3), hidden=4),
         _linen("positionwise_dense_flatten_head", PositionwiseHead(), _normal(4, 3), hidden=6),
