@@ -649,7 +649,7 @@ def refuse_exclusive_branches(prog: Program, space: PathSpace, what: str) -> Non
                 continue
             which, cases = (ups[0], ups[1:]) if e.prim.name == "select_n" else (frozenset([data]), ups)
             acts = {r for r in cases if data in r}
-            if e.exclusive and data in ups[0]:  # (`Eqn.exclusive`)
+            if e.exclusive and data in ups[0] and e.ins[0] not in pr.pinned:  # (`Eqn.exclusive`)
                 op, which = "a maximum over pieces", "pieces that different weights feed (a maxout unit, max pooling "
                 which, instead = which + "after nn.ConvLocal)", "."
             elif e.prim.name in ("max", "select_n") and data in which and len(acts) > 1:

@@ -610,26 +610,35 @@ class Interpreter(ShapeRules):
 
     # -- reductions and pooling ------------------------------------------------
     def _reduce(self, eqn, ins, why):
-        """A sum or maximum along ``axes``: over the nodes of a group it pins them, except along an axis that one
-        kernel wrote along with units that the result keeps (maxout, ``z.reshape(b, units, k).max(-1)``, or a sum over
-        ``nn.DenseGeneral((k, units))``'s first output axis): each unit is one node shared along it, as by positions
-        (the pieces of a unit rescale together, and their maximum or sum with them)."""
+        """A sum or maximum along ``axes``: over the nodes of a group it pins them, except along a factor of a
+        kernel's output axis that a reshape split off the units the result keeps (maxout, ``z.reshape(b, units,
+        k).max(-1)``): each unit is one node shared along it, as by positions (its pieces rescale together, and
+        their maximum or sum with them). A maximum over entries that different weights feed is flagged for
+        `pathspace_jax.program.refuse_exclusive_branches` (`weighted_along`)."""
         v = ins[0]
         axes = set(jx.param(eqn, "axes"))
         self.mark_other(v, "reduced")
-        kept = [v.axes[k] for k in range(len(v.axes)) if k not in axes]
+        kept = [f for k in range(len(v.axes)) if k not in axes for f in self.atoms.factors(v.axes[k])]
         gone, exclusive = [], False
         for k in axes:
-            if self.size(v.axes[k]) > 1 and v.kind == ACT and self.written_with(v.axes[k], kept):
-                self.atoms.make_positions(v.axes[k])
-                exclusive |= eqn.primitive.name != "reduce_sum"  # (a maximum keeps one piece: `weighted_along`)
-            elif self.size(v.axes[k]) > 1:
-                self.atoms.pin(v.axes[k], self.reason(why))
-            else:
+            if self.size(v.axes[k]) == 1:
                 gone += v.axes[k]
+                continue
+            exclusive |= v.kind == ACT and eqn.primitive.name != "reduce_sum" and self.weighted_along(v.axes[k])
+            if v.kind == ACT and self.split_from_units(v.axes[k], kept):
+                self.atoms.make_positions(v.axes[k])
+            else:
+                self.atoms.pin(v.axes[k], self.reason(why))
         kind = v.kind if v.kind != PARAM else CONST
         out = Val(kind, [ax for k, ax in enumerate(v.axes) if k not in axes], zero=v.zero, scalars=v.scalars + gone)
         return self.record(eqn, ins, [out], exclusive=True) if exclusive else [out]
+
+    def split_from_units(self, axis: Sequence[int], kept: Sequence[int]) -> bool:
+        """Whether ``axis`` is a factor of a kernel's output axis that a reshape split, whose other factors include
+        some of the atoms ``kept`` (`_reduce`)."""
+        outs = {self.atoms.find(a) for uses in self.uses for a, role, _, _ in uses if role == "out"}
+        reduced = set(self.atoms.factors(axis))
+        return any(reduced < (fs := set(self.atoms.factors([r]))) and fs & set(kept) for r in outs)
 
     def rule_reduce_sum(self, eqn, ins):
         return self._reduce(eqn, ins, "sums over the nodes of a group")
