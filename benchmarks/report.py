@@ -17,7 +17,7 @@ import jax
 
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
-ORDER = tuple("scale peers gsgd path_sgd ddp kernels buffers eager ddp_norm trace memory collectives".split())
+ORDER = tuple("scale peers gsgd path_sgd ddp kernels buffers eager ddp_norm trace depth memory collectives".split())
 CAPTIONS = {
     "scale": "Every optimiser on the shapes users train (`bench_scale.py`): step time as a ratio to `optax.sgd` "
     "and to `optax.adam` in the same rounds, optimizer state, and the compiled step's peak memory as a ratio "
@@ -41,6 +41,8 @@ CAPTIONS = {
     "ddp_norm": "An SGD step on the DDP-normalised network against the plain one and against BatchNorm "
     "(`bench_ddp_norm.py`).",
     "trace": "`pj.trace` in seconds (`bench_trace.py`).",
+    "depth": "Building and compiling one train step of a Transformer LM whose blocks are stacked with `nn.scan`, "
+    "against depth (`bench_depth.py`): seconds, lines of StableHLO, and `x_sgd` the compile time over SGD's.",
     "memory": "Peak host memory of trace + init + the first step, one process per run (`bench_memory.py`): "
     "`over_sgd_x` is the excess over `optax.sgd`'s peak in units of the params' bytes, `over_plain_x` over the "
     "plain counterpart's (Adam for G-Adam); `host_peak_mb` the library's Python/numpy allocations; set-up seconds.",
