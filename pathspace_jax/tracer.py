@@ -610,10 +610,11 @@ class Interpreter(ShapeRules):
 
     # -- reductions and pooling ------------------------------------------------
     def _reduce(self, eqn, ins, why):
-        """A sum or maximum along ``axes``: over the nodes of a group it pins them, except along a factor of a
-        kernel's output axis that a reshape split off the units the result keeps (maxout, ``z.reshape(b, units,
-        k).max(-1)``): each unit is one node shared along it, as by positions (its pieces rescale together, and
-        their maximum or sum with them). A maximum over entries that different weights feed is flagged for
+        """A sum or maximum along ``axes``: over the nodes of a group it pins them, except a maximum along a factor
+        of a kernel's output axis that a reshape split off the units the result keeps (maxout, ``z.reshape(b,
+        units, k).max(-1)``): each unit is one node shared along it, as by positions (its pieces rescale together,
+        and their maximum with them). (A sum, a normalisation's mean over a group of channels, pins as before.) A
+        maximum over entries that different weights feed is flagged for
         `pathspace_jax.program.refuse_exclusive_branches` (`weighted_along`)."""
         v = ins[0]
         axes = set(jx.param(eqn, "axes"))
@@ -624,8 +625,9 @@ class Interpreter(ShapeRules):
             if self.size(v.axes[k]) == 1:
                 gone += v.axes[k]
                 continue
-            exclusive |= v.kind == ACT and eqn.primitive.name != "reduce_sum" and self.weighted_along(v.axes[k])
-            if v.kind == ACT and self.split_from_units(v.axes[k], kept):
+            maximum = v.kind == ACT and eqn.primitive.name != "reduce_sum"
+            exclusive |= maximum and self.weighted_along(v.axes[k])
+            if maximum and self.split_from_units(v.axes[k], kept):
                 self.atoms.make_positions(v.axes[k])
             else:
                 self.atoms.pin(v.axes[k], self.reason(why))

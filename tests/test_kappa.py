@@ -807,8 +807,8 @@ def test_choices_between_activations_that_different_weights_feed_are_refused_whe
 
 class _Pieces(nn.Module):
     """A ReLU head on pieces that different weights feed: a maxout layer written as ``Dense(5 * 3)`` reshaped to
-    ``(5, 3)`` and its maximum over the pieces (``"maxout"``), or its sum (``"sum"``), or ``nn.ConvLocal`` (a kernel
-    per position) then max pooling (``"local_pool"``)."""
+    ``(5, 3)`` and its maximum over the pieces (``"maxout"``), or ``nn.ConvLocal`` (a kernel per position) then max
+    pooling (``"local_pool"``)."""
 
     how: str
 
@@ -818,8 +818,7 @@ class _Pieces(nn.Module):
             h = nn.max_pool(nn.relu(nn.ConvLocal(2, (2, 2), padding="VALID", param_dtype=F64)(x)), (2, 2), (2, 2))
             h = h.reshape(x.shape[0], -1)
         else:
-            z = nn.Dense(5 * 3, param_dtype=F64)(x).reshape(x.shape[0], 5, 3)
-            h = z.max(-1) if self.how == "maxout" else z.sum(-1)
+            h = nn.Dense(5 * 3, param_dtype=F64)(x).reshape(x.shape[0], 5, 3).max(-1)
         return nn.Dense(2, param_dtype=F64)(nn.relu(nn.Dense(4, param_dtype=F64)(h)))
 
 
@@ -846,39 +845,6 @@ def test_a_maximum_over_pieces_that_different_weights_feed_is_refused_where_kapp
     kappa = pj.ddp_kappa(space, p, x, alpha=1.0, estimator="exact")
     g = jax.grad(lambda p: jnp.sum(fn(p, x) ** 2))(p)
     assert not any(np.any((k == 0) & (d != 0)) for k, d in zip(jax.tree.leaves(kappa), jax.tree.leaves(g)))
-
-
-def test_a_sum_over_a_kernels_pieces_is_the_sum_of_its_slices():
-    """``Dense(5 * 3)`` reshaped to ``(5, 3)`` and summed over the pieces: each unit is one node whose pieces rescale
-    together, so the path norm, κ and DDP-SGD's κ at α = 0 are those of the three slices of the kernel as layers of
-    their own, their outputs added (H = 5 + 4 in both; the sum over units pinned them before). At α > 0 DDP-SGD
-    takes a unit's statistics over its pieces, as over a convolution's positions, where the slices' unit has one
-    pre-activation, their sum: another network of the same function, and other statistics."""
-    x = _normal(jax.random.key(0), (16, 3))
-    model = _Pieces("sum")
-    p = model.init(jax.random.key(1), x)["params"]
-    w, b = p["Dense_0"]["kernel"].reshape(3, 5, 3), p["Dense_0"]["bias"].reshape(5, 3)
-    q = {"head": p["Dense_1"], "mid": p["Dense_2"], **{f"w{k}": w[..., k] for k in range(3)}}
-    q |= {f"b{k}": b[:, k] for k in range(3)}
-
-    def slices(q, x):
-        h = sum(x @ q[f"w{k}"] + q[f"b{k}"] for k in range(3))
-        return jax.nn.relu(h @ q["mid"]["kernel"] + q["mid"]["bias"]) @ q["head"]["kernel"] + q["head"]["bias"]
-
-    fn = lambda p, x: model.apply({"params": p}, x)  # noqa: E731
-    np.testing.assert_allclose(fn(p, x), slices(q, x), rtol=1e-12)
-    space, ref = pj.trace(fn, p, x), pj.trace(slices, q, x)
-    assert space.num_hidden == ref.num_hidden == 5 + 4
-    np.testing.assert_allclose(pj.path_norm(space, p), pj.path_norm(ref, q), rtol=1e-12)
-
-    def as_slices(k):  # the first layer's κ laid out as the reference's leaves
-        kw, kb = k["Dense_0"]["kernel"].reshape(3, 5, 3), k["Dense_0"]["bias"].reshape(5, 3)
-        return {"head": k["Dense_1"], "mid": k["Dense_2"], **{f"w{j}": kw[..., j] for j in range(3)},
-                **{f"b{j}": kb[:, j] for j in range(3)}}  # fmt: skip
-
-    chex.assert_trees_all_close(as_slices(pj.path_kappa(space, p)), pj.path_kappa(ref, q), rtol=1e-12)
-    k, k_ref = pj.ddp_kappa(space, p, x, alpha=0.0), pj.ddp_kappa(ref, q, x, alpha=0.0)
-    chex.assert_trees_all_close(as_slices(k), k_ref, rtol=1e-10)
 
 
 def test_a_maxout_recurrent_cell_is_refused_and_a_maximum_over_time_steps_is_not():
