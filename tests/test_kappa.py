@@ -763,6 +763,18 @@ def test_errors():
         pj.path_norm(espace, ep)
 
 
+def _refused_at_alpha_0_taken_on_data(fn, space, params, x, line):
+    """Path-SGD's κ and DDP-SGD's at α = 0 refuse, with the message ``line``; DDP-SGD's at α = 1 (on the data ``x``)
+    is not 0 where the gradient of a loss is not: no weight the data trains is frozen."""
+    with pytest.raises(pj.PathKappaUnsupportedError, match=line):
+        pj.path_kappa(space, params)
+    with pytest.raises(pj.DDPUnsupportedError, match=line):
+        pj.ddp_kappa(space, params, x, alpha=0.0, estimator="exact")
+    kappa = pj.ddp_kappa(space, params, x, alpha=1.0, estimator="exact")
+    g = jax.grad(lambda p: jnp.sum(fn(p, x) ** 2))(params)
+    assert not any(np.any((k == 0) & (d != 0)) for k, d in zip(jax.tree.leaves(kappa), jax.tree.leaves(g)))
+
+
 def test_choices_between_activations_that_different_weights_feed_are_refused_where_kappa_would_freeze_them():
     """A maxout unit (``jnp.maximum`` of two layers) or a ``jnp.where`` on the data between two branches: the |w|^p
     network keeps one operand per entry, so κ is 0 on the other's weights, which the data trains (Path-SGD never
@@ -784,13 +796,8 @@ def test_choices_between_activations_that_different_weights_feed_are_refused_whe
         p = {"a1": a1, "o": o, **extra}
         space = pj.trace(fn, p, x)
         line = r"at \S*test_kappa.py:\d+ \(test_choices_between\w+\) chooses between activations"
-        with pytest.raises(pj.PathKappaUnsupportedError, match=line):
-            pj.path_kappa(space, p)
-        with pytest.raises(pj.DDPUnsupportedError, match=line):
-            pj.ddp_kappa(space, p, x, alpha=0.0, estimator="exact")
-        kappa = pj.ddp_kappa(space, p, x, alpha=1.0, estimator="exact")
-        g = jax.grad(lambda p, fn=fn: jnp.sum(fn(p, x) ** 2))(p)
-        assert all(np.any(g[n] != 0) and not np.any((kappa[n] == 0) & (g[n] != 0)) for n in p)
+        _refused_at_alpha_0_taken_on_data(fn, space, p, x, line)
+        assert all(np.any(g != 0) for g in jax.tree.leaves(jax.grad(lambda p, fn=fn: jnp.sum(fn(p, x) ** 2))(p)))
 
     def leaky(p, x):
         h = x @ p["a1"]
@@ -837,14 +844,7 @@ def test_a_maximum_over_pieces_that_different_weights_feed_is_refused_where_kapp
     if how == "maxout":
         assert space.num_hidden == 5 + 4
     pj.testing.assert_function_invariant(fn, space, p, x)
-    line = r"a maximum over pieces at \S*test_kappa.py:\d+ \(_Pieces.__call__\)"
-    with pytest.raises(pj.PathKappaUnsupportedError, match=line):
-        pj.path_kappa(space, p)
-    with pytest.raises(pj.DDPUnsupportedError, match=line):
-        pj.ddp_kappa(space, p, x, alpha=0.0, estimator="exact")
-    kappa = pj.ddp_kappa(space, p, x, alpha=1.0, estimator="exact")
-    g = jax.grad(lambda p: jnp.sum(fn(p, x) ** 2))(p)
-    assert not any(np.any((k == 0) & (d != 0)) for k, d in zip(jax.tree.leaves(kappa), jax.tree.leaves(g)))
+    _refused_at_alpha_0_taken_on_data(fn, space, p, x, r"a maximum over pieces at \S*test_kappa.py:\d+ \(_Pieces")
 
 
 def test_a_maxout_recurrent_cell_is_refused_and_a_maximum_over_time_steps_is_not():
