@@ -172,6 +172,9 @@ class Val:
     # a constant computed from parameters (weight normalisation's v/‖v‖, a power iteration's vectors): a coefficient,
     # not a fixed input of the network
     from_params: bool = False
+    # whole params leaves stacked along a new first axis, read only as a scan's xs (layers scanned over): the leaves'
+    # values, one per layer (`pathspace_jax.shape_rules.ShapeRules.rule_stack`)
+    layers: tuple | None = None
     # a layer's output seen in pieces along axis k and read piece by piece: (k, each piece's axes, the layer's node
     # atom), as `pathspace_jax.shape_rules.ShapeRules._cut_in_pieces` makes it
     pieces: tuple | None = None

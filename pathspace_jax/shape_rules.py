@@ -271,10 +271,30 @@ class ShapeRules:
 
     def rule_stack(self, eqn, ins):
         """``jnp.stack`` (a primitive of its own in the JAX versions supported): the operands side by side along a new
-        axis of positions, as a scan stacks its steps (a Python loop's states: the same units at every step)."""
+        axis of positions, as a scan stacks its steps (a Python loop's states: the same units at every step). Whole
+        params leaves of one shape stacked along a new first axis and read only by scans over it (per-layer params
+        stacked for ``lax.scan``) are held as those leaves (`Val.layers`): each layer of the scan reads its own."""
         axis = jx.param(eqn, "axis")
+        if (
+            axis == 0
+            and self._scanned_over(eqn.outvars[0])
+            and all(v.kind == PARAM and not v.scaled and v.axes == self.leaf_axes[v.leaf] for v in ins)
+        ):
+            axes = [[self.atoms.new(len(ins))], *[[self.atoms.new(self.size(ax))] for ax in ins[0].axes]]
+            return [Val(CONST, axes, from_params=True, layers=tuple(ins))]
         parts = [dataclasses.replace(v, axes=[*v.axes[:axis], [], *v.axes[axis:]]) for v in ins]
         return [self._concatenate(parts, None, axis, eqn.outvars[0].aval.shape)]
+
+    def _scanned_over(self, var) -> bool:
+        """Whether the jaxpr variable ``var`` is read only as the scanned operand (xs) of scans."""
+        uses = self.consumers[-1].get(var, [])
+        for u in uses:
+            if u is None or u.primitive.name != "scan":
+                return False
+            sc = jx.scan(u)
+            if any(x is var for x in u.invars[: sc.num_consts + sc.num_carry]):
+                return False
+        return bool(uses)
 
     def rule_tile(self, eqn, ins):
         """``jnp.tile`` (a primitive of its own, as ``stack``): the operand concatenated with itself ``reps[k]``

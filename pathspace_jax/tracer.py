@@ -1078,7 +1078,9 @@ class Interpreter(ShapeRules):
             body_xs = []
             for v, ids in zip(xs, slices, strict=True):
                 i = ids[layer]
-                if v.kind == PARAM:
+                if v.layers is not None:  # leaves stacked for the scan (`rule_stack`): layer i reads leaf i
+                    body_xs.append(v.layers[layer])
+                elif v.kind == PARAM:
                     leaf = self.layer_slice(v.leaf, layer)
                     body_xs.append(Val(PARAM, [list(ax) for ax in self.leaf_axes[leaf]], leaf=leaf, id=i))
                 else:
@@ -1108,14 +1110,18 @@ class Interpreter(ShapeRules):
             if v.axes:
                 self.atoms.make_positions(v.axes[0])
         sliced = [v for v in xs if v.kind == PARAM]
-        counter = None if sliced else self._layer_counter(sc, consts, init)
-        layers = (sliced and all(v.axes == self.leaf_axes[v.leaf] for v in sliced)) or counter is not None
+        stacked = [v for v in xs if v.layers is not None]
+        counter = None if sliced or stacked else self._layer_counter(sc, consts, init)
+        layers = bool(sliced or stacked) and all(v.axes == self.leaf_axes[v.leaf] for v in sliced)
+        layers = layers or counter is not None
         if layers:
             carry, ys = self._layer_stack(sc, consts, init, xs, counter)
         else:  # a recurrence: its body recorded as a program of its own
             carry = [self._carry_in(v) for v in init]
             body_xs = []
             for v in xs:
+                for leaf in v.layers or ():
+                    self.mark_other(leaf, "stacked and sliced by a scan")
                 if v.kind == PARAM:
                     self.mark_other(v, "sliced by a scan")
                     body_xs.append(Val(CONST, [list(ax) for ax in v.axes[1:]]))

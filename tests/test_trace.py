@@ -607,6 +607,51 @@ def test_layers_stacked_in_one_leaf_and_read_one_by_one(read):
         chex.assert_trees_all_close({**got, "ws": list(got["ws"]), "bs": list(got["bs"])}, want, rtol=1e-12)
 
 
+@pytest.mark.parametrize("reverse", [False, True])
+def test_leaves_stacked_for_a_scan_are_the_layers_written_as_a_loop(reverse):
+    """Per-layer params, one leaf each, stacked inside the traced function for ``lax.scan`` (``jax.tree.map(lambda
+    *l: jnp.stack(l), *layers)``): each layer of the scan reads its own leaves, an edge bundle each, as if the
+    layers were written in a loop (H = 4 + 3 × 4, the same groups, path norm, κ and DDP-SGD's κ; ``reverse``: the
+    scan runs them last to first). Before, the stack made them "other" and the stack's units pinned. Leaves whose
+    stack is also read otherwise stay "other"."""
+    rng = np.random.default_rng(0)
+    layers = [{"w": jnp.asarray(rng.standard_normal((4, 4))), "b": jnp.asarray(0.1 * rng.standard_normal(4))}
+              for _ in range(3)]  # fmt: skip
+    params = {"inp": jnp.asarray(rng.standard_normal((3, 4))), "layers": layers,
+              "out": jnp.asarray(rng.standard_normal((4, 2)))}  # fmt: skip
+    x = jnp.asarray(rng.standard_normal((6, 3)))
+
+    def layer(h, lp):
+        return jax.nn.relu(h @ lp["w"] + lp["b"]), None
+
+    def scanned(p, x, also=False):
+        stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *p["layers"])
+        h, _ = jax.lax.scan(layer, jax.nn.relu(x @ p["inp"]), stacked, reverse=reverse)
+        return h @ p["out"] + (jnp.sum(stacked["b"]) if also else 0.0)
+
+    def looped(p, x):
+        h = jax.nn.relu(x @ p["inp"])
+        for lp in p["layers"][::-1] if reverse else p["layers"]:
+            h, _ = layer(h, lp)
+        return h @ p["out"]
+
+    np.testing.assert_allclose(scanned(params, x), looped(params, x), rtol=1e-12)
+    space, ref = pj.trace(scanned, params, x), pj.trace(looped, params, x)
+    assert space.num_hidden == ref.num_hidden == 4 + 3 * 4
+    assert [(g.kind, g.size) for g in space.groups] == [(g.kind, g.size) for g in ref.groups]
+    assert [leaf.kind for leaf in space.leaves] == [leaf.kind for leaf in ref.leaves]
+    np.testing.assert_allclose(pj.path_norm(space, params), pj.path_norm(ref, params), rtol=1e-12)
+    chex.assert_trees_all_close(pj.path_kappa(space, params), pj.path_kappa(ref, params), rtol=1e-12)
+    chex.assert_trees_all_close(pj.ddp_kappa(space, params, x, alpha=0.5), pj.ddp_kappa(ref, params, x, alpha=0.5),
+                                rtol=1e-10)  # fmt: skip
+    pj.testing.assert_function_invariant(scanned, space, params, x)
+    also = functools.partial(scanned, also=True)  # the biases' stack read otherwise too: they are "other"
+    space = pj.trace(also, params, x)
+    kinds = {leaf.path.split("/")[-1]: leaf.kind for leaf in space.leaves if leaf.path.startswith("layers")}
+    assert kinds == {"b": "other", "w": "weight"}
+    pj.testing.assert_function_invariant(also, space, params, x)
+
+
 def test_a_loop_that_looks_up_tokens_by_its_counter_stays_a_recurrence():
     """A ReLU RNN written with ``lax.fori_loop`` that reads token ``t``'s embeddings by its counter
     (``jnp.take(emb, ids[:, t], axis=0)`` or ``emb[ids[:, t]]``, a lookup of a batch of ids) is a recurrence, not a
