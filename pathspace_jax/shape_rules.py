@@ -358,6 +358,9 @@ class ShapeRules:
             return self._piece(v, start)
         in_shape = eqn.invars[0].aval.shape
         keep = [k != axis for k in range(len(in_shape))]
+        others = [f for k, ax in enumerate(v.axes) if k != axis for f in self.atoms.factors(ax)]
+        if v.kind == ACT and self.split_from_units(v.axes[axis], others):  # (GPT-NeoX's fused q, k, v)
+            why = "cuts a layer's output along an axis that a reshape split off it, its pieces interleaved"
         return (
             self._layer(v, in_shape, shape, axis, start)
             or self._piece_of_layer(v, axis, start, shape)

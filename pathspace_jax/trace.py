@@ -429,7 +429,7 @@ def _leaf_roles(interp: Interpreter, leaves, paths) -> list[tuple]:
             if not node_out:
                 note = "no output node axis"
             elif len(node_out) > 1 and any(atoms.alias[factors[k][0]] is not None for k in node_out):
-                note = "its output axis is a concatenation"
+                note = "its output axes are cut into groups along an output axis that is not the first"
         if note and interp.uses[i] and " at " not in note:  # where the leaf is first used as an edge
             note += f", used at {interp.line(interp.uses[i][0][3])}"
         if note:

@@ -1001,6 +1001,46 @@ def test_a_kernel_cut_along_its_pieces_axis_and_read_otherwise_is_pinned_saying_
     assert why in pj.describe(space)
 
 
+class _QKV(nn.Module):
+    """Attention of 2 heads of 4 on queries, keys and values from one projection, laid out as GPT-NeoX ports write it
+    (``qkv.reshape(b, t, heads, 3 * d)`` split on its last axis), as ``nn.DenseGeneral((heads, 3, d))`` read along
+    its middle axis, or with the pieces axis first (``qkv.reshape(b, t, 3, heads, d)``)."""
+
+    layout: str
+
+    @nn.compact
+    def __call__(self, x):
+        b, t, _ = x.shape
+        if self.layout == "neox":
+            q, k, v = jnp.split(nn.Dense(24)(x).reshape(b, t, 2, 12), 3, axis=-1)
+        elif self.layout == "heads_first":
+            qkv = nn.DenseGeneral((2, 3, 4))(x)
+            q, k, v = qkv[:, :, :, 0], qkv[:, :, :, 1], qkv[:, :, :, 2]
+        else:
+            qkv = nn.Dense(24)(x).reshape(b, t, 3, 2, 4)
+            q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        a = nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k), axis=-1)
+        o = nn.DenseGeneral(6, axis=(-2, -1))(jnp.einsum("bhqk,bkhd->bqhd", a, v))
+        return nn.Dense(2)(nn.relu(o).mean(1))
+
+
+def test_a_fused_projection_cut_behind_its_first_axis_says_how_to_lay_its_pieces_out():
+    """Queries, keys and values that interleave in one projection's output (GPT-NeoX's layout, or
+    ``nn.DenseGeneral((heads, 3, d))`` read along its middle axis) are not cut into groups of their own: the values'
+    units are pinned with the queries' and keys', and ``describe`` says how to lay the pieces out, which makes them
+    hidden (the pieces axis first: the values' 8 units and the output projection's 6)."""
+    x = jax.random.normal(jax.random.key(1), (2, 5, 6))
+    spaces = {}
+    for layout in ("neox", "heads_first", "pieces_first"):
+        model = _QKV(layout)
+        params = model.init(jax.random.key(0), x)["params"]
+        spaces[layout] = pj.trace(lambda p, x, m=model: m.apply({"params": p}, x), params, x)
+    assert spaces["pieces_first"].num_hidden == 8 + 6
+    for layout, advice in (("neox", "qkv.reshape(b, t, 3, heads, d)"), ("heads_first", "nn.DenseGeneral((3,")):
+        assert spaces[layout].num_hidden == 6
+        assert advice in " ".join(pj.describe(spaces[layout]).split()), layout
+
+
 def _frozen_first_layer(n_in: int, n_frozen: int):
     """``relu(relu(x @ stop_gradient(w1)) @ w2) @ w3``, its params, a batch and its space."""
     k = jax.random.split(jax.random.key(0), 4)
