@@ -637,7 +637,7 @@ class Interpreter(ShapeRules):
 
     def split_from_units(self, axis: Sequence[int], kept: Sequence[int]) -> bool:
         """Whether ``axis`` is a factor of a kernel's output axis that a reshape split, whose other factors include
-        some of the atoms ``kept`` (`_reduce`)."""
+        some of the atoms ``kept`` (`_reduce`: maxout's pieces; `ShapeRules._piece_at`: interleaved pieces)."""
         outs = {self.atoms.find(a) for uses in self.uses for a, role, _, _ in uses if role == "out"}
         reduced = set(self.atoms.factors(axis))
         return any(reduced < (fs := set(self.atoms.factors([r]))) and fs & set(kept) for r in outs)
