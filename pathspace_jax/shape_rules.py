@@ -357,15 +357,13 @@ class ShapeRules:
         if v.pieces is not None and axis == v.pieces[0]:
             return self._piece(v, start)
         in_shape = eqn.invars[0].aval.shape
-        keep = [k != axis for k in range(len(in_shape))]
+        piece = self._layer(v, in_shape, shape, axis, start) or self._piece_of_layer(v, axis, start, shape)
+        if piece is not None:
+            return piece
         others = [f for k, ax in enumerate(v.axes) if k != axis for f in self.atoms.factors(ax)]
         if v.kind == ACT and self.split_from_units(v.axes[axis], others):  # (GPT-NeoX's fused q, k, v)
             why = "cuts a layer's output along an axis that a reshape split off it, its pieces interleaved"
-        return (
-            self._layer(v, in_shape, shape, axis, start)
-            or self._piece_of_layer(v, axis, start, shape)
-            or self._reslice(eqn, v, keep, shape, why)
-        )
+        return self._reslice(eqn, v, [k != axis for k in range(len(in_shape))], shape, why)
 
     def _piece_of_layer(self, v: Val, axis: int, start: int, shape) -> Val | None:
         """Entries ``start`` on of the node axis ``axis`` of an activation, a layer's output (a fused kernel's:
@@ -379,7 +377,11 @@ class ShapeRules:
 
     def _written_by_a_layer(self, r: int) -> bool:
         """Whether the root ``r`` is the output axis of a parameter's edges."""
-        return any(role == "out" and self.atoms.find(a) == r for uses in self.uses for a, role, _, _ in uses)
+        return r in self.layer_outputs()
+
+    def layer_outputs(self) -> set[int]:
+        """The roots of the axes that parameters' edges write (their output axes, role ``"out"``)."""
+        return {self.atoms.find(a) for uses in self.uses for a, role, _, _ in uses if role == "out"}
 
     def _cut(self, a: int, lo: int, hi: int) -> int:
         """The atom of entries ``lo:hi`` of node axis ``a``, cutting ``a`` (or the groups side by side in it) where

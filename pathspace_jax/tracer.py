@@ -638,9 +638,8 @@ class Interpreter(ShapeRules):
     def split_from_units(self, axis: Sequence[int], kept: Sequence[int]) -> bool:
         """Whether ``axis`` is a factor of a kernel's output axis that a reshape split, whose other factors include
         some of the atoms ``kept`` (`_reduce`: maxout's pieces; `ShapeRules._piece_at`: interleaved pieces)."""
-        outs = {self.atoms.find(a) for uses in self.uses for a, role, _, _ in uses if role == "out"}
         reduced = set(self.atoms.factors(axis))
-        return any(reduced < (fs := set(self.atoms.factors([r]))) and fs & set(kept) for r in outs)
+        return any(reduced < (fs := set(self.atoms.factors([r]))) and fs & set(kept) for r in self.layer_outputs())
 
     def rule_reduce_sum(self, eqn, ins):
         return self._reduce(eqn, ins, "sums over the nodes of a group")
@@ -694,7 +693,7 @@ class Interpreter(ShapeRules):
         """Whether a parameter's entries differ along ``axis``: a kernel's output axis, or the result's side of a
         parameter's batch axis (`diagonal`; nn.ConvLocal's positions). A maximum along it keeps, per entry, the
         piece of one parameter's entries; `pathspace_jax.program.refuse_exclusive_branches` says what that means."""
-        written = {f for uses in self.uses for a, role, _, _ in uses if role == "out" for f in self.atoms.factors([a])}
+        written = {f for r in self.layer_outputs() for f in self.atoms.factors([r])}
         written |= {f for ends in self.diagonal.values() for f in self.atoms.factors(ends)}
         return bool(written & set(self.atoms.factors(axis)))
 
