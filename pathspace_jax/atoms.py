@@ -23,6 +23,9 @@ class Atoms:
         self.size: list[int] = []
         self.expand: list[list[int] | None] = []  # product structure (row-major)
         self.alias: list[list[int] | None] = []  # concatenation of whole atoms
+        # an alias's entries in this many blocks, each the children's blocks side by side (a layer's output whose
+        # pieces interleave: GPT-NeoX's ``qkv.reshape(b, t, heads, 3 * d)`` split on its last axis); 1: side by side
+        self.blocks: list[int] = []
         self.position: list[bool] = []
         self.input: list[bool] = []
         self.output: list[bool] = []
@@ -35,6 +38,7 @@ class Atoms:
         self.size.append(int(size))
         self.expand.append(None)
         self.alias.append(None)
+        self.blocks.append(1)
         self.position.append(position)
         self.input.append(input)
         self.output.append(False)
@@ -84,9 +88,10 @@ class Atoms:
             self.random[c] |= self.random[r]
             self.reasons[c].extend(x for x in self.reasons[r] if x not in self.reasons[c])
 
-    def set_alias(self, r: int, children: list[int]) -> None:
-        """Make ``r`` the groups ``children`` side by side (it was cut into them), each with ``r``'s marks."""
-        self.alias[r] = list(children)
+    def set_alias(self, r: int, children: list[int], blocks: int = 1) -> None:
+        """Make ``r`` the groups ``children`` side by side (it was cut into them), each with ``r``'s marks; with
+        ``blocks`` > 1, in that many blocks, each the children's blocks side by side (their entries interleave)."""
+        self.alias[r], self.blocks[r] = list(children), blocks
         for c in children:
             self.input[c] |= self.input[r]
             self.output[c] |= self.output[r]
@@ -113,8 +118,8 @@ class Atoms:
             self.unify(ea, eb, reason)
         la, lb = self.alias[ra], self.alias[rb]
         if la is None:
-            self.alias[ra] = lb
-        elif lb is not None and la != lb:
+            self.alias[ra], self.blocks[ra] = lb, self.blocks[rb]
+        elif lb is not None and (la, self.blocks[ra]) != (lb, self.blocks[rb]):
             self.pin([ra], reason + " (two different concatenations tied together)")
 
     def unify(self, xs: Sequence[int], ys: Sequence[int], reason: str) -> None:
@@ -176,7 +181,7 @@ class Val:
     # values, one per layer (`pathspace_jax.shape_rules.ShapeRules.rule_stack`)
     layers: tuple | None = None
     # a layer's output seen in pieces along axis k and read piece by piece: (k, each piece's axes, the layer's node
-    # atom), as `pathspace_jax.shape_rules.ShapeRules._cut_in_pieces` makes it
+    # atom, the axis its node axes begin at), as `pathspace_jax.shape_rules.ShapeRules._cut_in_pieces` makes it
     pieces: tuple | None = None
     id: Any = None  # the value's id in the recorded program (`pathspace_jax.ir`), or ("lit", value)
 

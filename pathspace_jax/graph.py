@@ -156,13 +156,12 @@ def warn_if_plain(space: PathSpace, who: str) -> None:
 # what a user can do about a pinned group, by a phrase one of its reasons holds (the tracer's wording), most
 # specific first (a reason that says it already, like dropout's, has none)
 PIN_HINTS = (
-    ("its pieces interleaved", "cut along the first axis the reshape makes, every reader taking whole pieces "
-     "(qkv.reshape(b, t, 3, heads, d)[:, :, i], not qkv.reshape(b, t, heads, 3 * d) split on its last axis as "
-     "GPT-NeoX ports write it), or cut the last axis with jnp.split before reshaping: each piece is then a group "
-     "of its own (pretrained weights: permute the kernel's columns to match)"),
-    ("cut into groups along an output axis", "make the pieces axis the kernel's first output axis "
-     "(nn.DenseGeneral((3, heads, d)) read as qkv[:, :, i], not (heads, 3, d) read as qkv[:, :, :, i]): each "
-     "piece is then a group of its own (pretrained weights: transpose the kernel's output axes to match)"),
+    ("its pieces interleaved", "read the reshaped output only in whole pieces of one width along one axis (q, k, "
+     "v = jnp.split(qkv.reshape(b, t, heads, 3 * d), 3, -1), or slices of it), and nothing else of it: each piece "
+     "is then a group of its own"),
+    ("cut into groups along an output axis", "read the kernel's output (plus its bias) only in whole pieces along one "
+     "output axis (qkv[:, :, :, i] of nn.DenseGeneral((heads, 3, d))), and nothing else of it: each piece is then "
+     "a group of its own"),
     ("sums over the nodes", "a normalisation or softmax over units: its units stay fixed; for BatchNorm, fold it "
      "into the layer before for inference, or train with pj.ddp_normalize instead"),
     ("not positively homogeneous", "expected for tanh, sigmoid, GELU or a normalisation: these units stay fixed and "

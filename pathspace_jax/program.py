@@ -203,6 +203,7 @@ def _cut_nodes(prog: Program, flags: dict, fresh: set[int]) -> dict[int, list[in
             cut, aval = cuts[n], jx.result_avals(e.source)[e.outs.index(n)]
             if n not in fresh:  # an output computed from nodes
                 side_by_side = e.prim.name == "concatenate" and jx.param(e, "dimension") == cut.axis
+                side_by_side &= cut.blocks == 1
                 ins = eqns[-1].ins  # (renamed)
                 if side_by_side and len(ins) == len(cut.sizes) and not any(isinstance(x, tuple) for x in ins):
                     joined[n] = list(ins)
@@ -213,14 +214,15 @@ def _cut_nodes(prog: Program, flags: dict, fresh: set[int]) -> dict[int, list[in
             boxes = [tuple((a, a + d) if k == cut.axis else (0, m) for k, m in enumerate(aval.shape))
                      for a, d in zip(starts, cut.sizes, strict=True)]  # fmt: skip
             shapes = tuple(tuple(b - a for a, b in box) for box in boxes)
-            [(prim, params, ins, pieces, _)], _ = jx.equations(_cut_into(aval.shape, aval.dtype, cut.axis, cut.sizes),
-                                                               [n], lambda: next(_NEW_IDS))  # fmt: skip
-            eqns.append(Eqn(prim, params, ins, pieces, e.source, e.callers))
-            prog.kinds.update(dict.fromkeys(pieces, "act"))
+            found, pieces = jx.equations(_cut_into(aval.shape, aval.dtype, cut.axis, cut.sizes, cut.blocks), [n],
+                                         lambda: next(_NEW_IDS))  # fmt: skip
+            eqns += [Eqn(*f[:4], e.source, e.callers) for f in found]
+            prog.kinds.update(dict.fromkeys((o for f in found for o in f[3]), "act"))
             prog.pinned.update(x for x, pinned in zip(pieces, cut.pinned, strict=True) if pinned)
-            us = uses.get(n, [])
-            slices = {id(u): boxes.index(box) for u in us if (box := jx.slice_box(u.prim.name, u.params)) in boxes}
-            unstacks = [u for u in us if u.prim.name == "unstack" and set(cut.sizes) == {1}
+            us, along = uses.get(n, []), cut.blocks == 1  # (pieces that interleave are no slices)
+            slices = {id(u): boxes.index(box) for u in us if (box := jx.slice_box(u.prim.name, u.params)) in boxes
+                      and along}  # fmt: skip
+            unstacks = [u for u in us if u.prim.name == "unstack" and set(cut.sizes) == {1} and along
                         and jx.param(u, "axis") % len(aval.shape) == cut.axis]  # fmt: skip
             if len(slices) + len(unstacks) == len(us) and n not in outs:  # read in pieces alone: they are the pieces
                 for u in us:
@@ -238,10 +240,12 @@ def _cut_nodes(prog: Program, flags: dict, fresh: set[int]) -> dict[int, list[in
                             prog.pinned.add(renamed[o])
                 continue
             # something reads the node whole: it reads the pieces concatenated back
-            found, [whole] = jx.equations(_joined(shapes, aval.dtype, cut.axis), pieces, lambda: next(_NEW_IDS))
+            found, [whole] = jx.equations(_joined(shapes, aval.dtype, cut.axis, cut.blocks), pieces,
+                                          lambda: next(_NEW_IDS))  # fmt: skip
             eqns += [Eqn(*f[:4], e.source, e.callers) for f in found]
-            prog.kinds[whole] = "act"
-            prog.cut.add(whole)
+            joins = [o for f in found for o in f[3]]  # (the pieces side by side, then interleaved)
+            prog.kinds.update(dict.fromkeys(joins, "act"))
+            prog.cut.update(joins)
             renamed[n] = whole
             if n in outs:
                 joined[whole] = pieces
@@ -251,21 +255,34 @@ def _cut_nodes(prog: Program, flags: dict, fresh: set[int]) -> dict[int, list[in
 
 
 @functools.lru_cache(maxsize=64)
-def _cut_into(shape: tuple, dtype, axis: int, sizes: tuple):
-    """The jaxpr of ``split`` along ``axis`` into ``sizes`` (`_cut_nodes`)."""
-    return jax.make_jaxpr(lambda z: jax.lax.split(z, sizes, axis))(jax.ShapeDtypeStruct(shape, dtype))
+def _cut_into(shape: tuple, dtype, axis: int, sizes: tuple, blocks: int):
+    """The jaxpr of ``split`` along ``axis`` into ``sizes`` (`_cut_nodes`); with ``blocks`` > 1, of pieces of equal
+    sizes that interleave in that many blocks, laid out side by side first (`_swapped`)."""
+    z = jax.ShapeDtypeStruct(shape, dtype)
+    return jax.make_jaxpr(lambda z: jax.lax.split(_swapped(z, axis, blocks, len(sizes)), sizes, axis))(z)
+
+
+@functools.lru_cache(maxsize=64)
+def _joined(shapes: tuple, dtype, axis: int, blocks: int):
+    """The jaxpr of ``concatenate`` along ``axis`` (`_cut_nodes`), interleaved in ``blocks`` (`_swapped`)."""
+    zs = [jax.ShapeDtypeStruct(s, dtype) for s in shapes]
+    return jax.make_jaxpr(lambda *z: _swapped(jax.lax.concatenate(z, axis), axis, len(z), blocks))(*zs)
+
+
+def _swapped(z, axis: int, outer: int, inner: int):
+    """``z`` with axis ``axis`` read as (outer, inner, rest) and written as (inner, outer, rest): ``outer`` blocks
+    of ``inner`` equal pieces each become the pieces side by side, each its blocks (and back, the counts swapped)."""
+    if 1 in (outer, inner):
+        return z
+    shape = z.shape
+    split = (*shape[:axis], outer, inner, shape[axis] // (outer * inner), *shape[axis + 1 :])
+    return jnp.swapaxes(z.reshape(split), axis, axis + 1).reshape(shape)
 
 
 @functools.lru_cache(maxsize=64)
 def _squeezed(shape: tuple, dtype, axis: int):
     """The jaxpr of ``squeeze`` of ``axis`` (`_cut_nodes`)."""
     return jax.make_jaxpr(lambda z: jax.lax.squeeze(z, (axis,)))(jax.ShapeDtypeStruct(shape, dtype))
-
-
-@functools.lru_cache(maxsize=64)
-def _joined(shapes: tuple, dtype, axis: int):
-    """The jaxpr of ``concatenate`` along ``axis`` (`_cut_nodes`)."""
-    return jax.make_jaxpr(lambda *z: jax.lax.concatenate(z, axis))(*[jax.ShapeDtypeStruct(s, dtype) for s in shapes])
 
 
 def _live(eqns: list[Eqn], out_ids) -> list[Eqn]:

@@ -88,23 +88,37 @@ class ShapeRules:
 
     def _cut_in_pieces(self, v: Val, flat: int, var, n: int, shape) -> Val | None:
         """``v`` with its node axis ``flat`` (one atom, a layer's output) seen as the axes ``n`` on of ``shape``, as
-        the jaxpr variable ``var`` holds it, where every reader of ``var`` takes pieces of ``w`` entries of axis
-        ``n`` (`_piece_reads`): ``flat`` cut into a group per piece (`_cut`), each the product of the pieces' axes,
-        and ``v`` with axes ``shape``: its axis n stands for the groups side by side (an alias of them, for the
-        flags of `pathspace_jax.trace.record`), and ``Val.pieces`` carries each piece's axes. Else None."""
-        k, rest = shape[n], tuple(shape[n + 1 :])
-        if k < 2 or not rest or min(rest) < 2:
+        the jaxpr variable ``var`` holds it, where every reader of ``var`` takes pieces of ``w`` entries of one axis
+        ``c`` (`_piece_reads`): ``flat`` cut into a group per piece, each the product of the pieces' axes, and ``v``
+        with axes ``shape``: its axis c stands for the groups side by side (an alias of them, for the flags of
+        `pathspace_jax.trace.record`), and ``Val.pieces`` carries each piece's axes. Where c is axis n, the pieces are
+        ranges of ``flat`` (`_cut`); where axes come before it (GPT-NeoX's ``qkv.reshape(b, t, heads, 3 * d)`` split
+        on its last axis, ``nn.DenseGeneral((heads, 3, d))`` read along its middle axis), their entries interleave
+        (`pathspace_jax.atoms.Atoms.blocks`), and each piece has axes of its own for them. Else None."""
+        for c in range(n, len(shape)):
+            reads = self._piece_reads(var, c, shape)
+            w = next(iter(reads))[1] if len({w for _, w in reads}) == 1 else None  # (one width, else None)
+            if w is not None and w < shape[c] and not any(a % w for a, _ in reads):
+                break
+        else:
             return None
-        reads = self._piece_reads(var, n, shape)
-        widths = {w for _, w in reads}
-        if len(widths) != 1 or None in widths or any(a % w for a, w in reads):
+        lead, k, rest = tuple(shape[n:c]), shape[c], tuple(shape[c + 1 :])
+        if k < 2 or min(lead + rest, default=0) < 2 or not lead and not rest:
             return None
-        w = int(widths.pop())
-        if w == k:
-            return None
-        m, per, segs, want = int(np.prod(rest)), [], [], ((w,) if w > 1 else ()) + rest
-        for i in range(k // w):  # (cut as an earlier reshape of the same output was, if it was)
-            seg = self.atoms.find(self._cut(flat, i * w * m, (i + 1) * w * m))
+        blocks, m = int(np.prod(lead)), int(np.prod(rest))
+        want = lead + ((w,) if w > 1 else ()) + rest
+        if lead:  # interleaved: each piece its own atom, unless ``flat`` was cut before (then not at all)
+            if self.atoms.alias[flat] is not None:
+                return None
+            segs = [self.atoms.new(blocks * w * m) for _ in range(k // w)]
+            self.atoms.set_alias(flat, segs, blocks)
+        else:  # ranges of ``flat`` (cut as an earlier reshape of the same output was, if it was)
+            segs = [self._cut(flat, i * w * m, (i + 1) * w * m) for i in range(k // w)]
+            if any(seg is None for seg in segs):
+                return None
+            segs = [self.atoms.find(seg) for seg in segs]
+        per = []
+        for seg in segs:
             if self.atoms.alias[seg] is not None:
                 return None
             if len(want) > 1 and self.atoms.expand[seg] is None:
@@ -112,13 +126,13 @@ class ShapeRules:
             axes = self.atoms.factors([seg])
             if [self.atoms.size[a] for a in axes] != list(want):
                 return None
-            block = [[axes[0]], *[[a] for a in axes[1:]]] if w > 1 else [[self.atoms.new(1)], *[[a] for a in axes]]
-            per += [[*v.axes[:n], *block]] * w  # (indexed by the entry a piece starts at)
-            segs.append(seg)
+            if w == 1:  # (the piece's entry of axis c: one, squeezed by its reader)
+                axes = [*axes[: len(lead)], self.atoms.new(1), *axes[len(lead) :]]
+            per += [[*v.axes[:n], *[[a] for a in axes]]] * w  # (indexed by the entry a piece starts at)
         ks = self.atoms.new(k)
         self.atoms.alias[ks] = segs
-        axes = [*v.axes[:n], [ks], *[[self.atoms.new(d)] for d in rest]]
-        return dataclasses.replace(v, axes=axes, pieces=(n, per, flat))
+        axes = [*v.axes[:n], *[[self.atoms.new(d)] for d in lead], [ks], *[[self.atoms.new(d)] for d in rest]]
+        return dataclasses.replace(v, axes=axes, pieces=(c, per, flat, n))
 
     def _piece_reads(self, var, axis: int, shape) -> set[tuple[int, int | None]]:
         """``(start, width)`` of the entries of ``axis`` that each reader of the jaxpr variable ``var`` (of ``shape``)
@@ -169,8 +183,9 @@ class ShapeRules:
     def rule_transpose(self, eqn, ins):
         v, perm = ins[0], jx.param(eqn, "permutation")
         if v.pieces is not None:  # (`_cut_in_pieces`)
-            k, per, flat = v.pieces
-            v = dataclasses.replace(v, pieces=(list(perm).index(k), [[axes[p] for p in perm] for axes in per], flat))
+            k, per, flat, _ = v.pieces  # (its node axes no longer from one axis on: no bias of pieces after it)
+            per = [[axes[p] for p in perm] for axes in per]
+            v = dataclasses.replace(v, pieces=(list(perm).index(k), per, flat, None))
         return [dataclasses.replace(v, axes=[v.axes[p] for p in perm])]
 
     def rule_broadcast_in_dim(self, eqn, ins):
@@ -372,7 +387,8 @@ class ShapeRules:
         fs = self.atoms.factors(v.axes[axis])
         if v.kind != ACT or len(fs) != 1 or self.atoms.position[fs[0]] or not self._written_by_a_layer(fs[0]):
             return None
-        piece = self._cut(fs[0], start, start + shape[axis])
+        if (piece := self._cut(fs[0], start, start + shape[axis])) is None:
+            return None
         return dataclasses.replace(v, axes=[[piece] if k == axis else list(ax) for k, ax in enumerate(v.axes)])
 
     def _written_by_a_layer(self, r: int) -> bool:
@@ -383,20 +399,24 @@ class ShapeRules:
         """The roots of the axes that parameters' edges write (their output axes, role ``"out"``)."""
         return {self.atoms.find(a) for uses in self.uses for a, role, _, _ in uses if role == "out"}
 
-    def _cut(self, a: int, lo: int, hi: int) -> int:
+    def _cut(self, a: int, lo: int, hi: int) -> int | None:
         """The atom of entries ``lo:hi`` of node axis ``a``, cutting ``a`` (or the groups side by side in it) where
-        the range starts and ends."""
+        the range starts and ends; None where its groups interleave (`_cut_in_pieces`)."""
         r = self.atoms.find(a)
         n = self.atoms.size[r]
         if (lo, hi) == (0, n):
             return r
+        if self.atoms.blocks[r] > 1:
+            return None  # (its groups interleave: no range of its entries is one)
         if self.atoms.alias[r] is None:
             self.atoms.set_alias(r, [self.atoms.new(d) for d in (lo, hi - lo, n - hi) if d > 0])
         out, at = [], 0
         for s in self.atoms.alias[r]:
             d = self.atoms.size[self.atoms.find(s)]
             if max(lo, at) < min(hi, at + d):
-                out.append(self._cut(s, max(lo, at) - at, min(hi, at + d) - at))
+                if (piece := self._cut(s, max(lo, at) - at, min(hi, at + d) - at)) is None:
+                    return None
+                out.append(piece)
             at += d
         if len(out) == 1:
             return out[0]

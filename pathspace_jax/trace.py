@@ -224,7 +224,7 @@ def record(closed, n_params: int, paths: Sequence[str]) -> tuple[Frame, dict[int
                 sizes = tuple(int(np.prod([atoms.size[r] for r in seg])) for seg in segs)
                 if sum(sizes) != atoms.size[fs[0]]:  # a reshaped output's pieces axis: w entries per group
                     sizes = (atoms.size[fs[0]] // len(segs),) * len(segs)
-                cut = Cut(k, sizes, tuple(pins))
+                cut = Cut(k, sizes, tuple(pins), atoms.blocks[fs[0]])
             elif any(pins):
                 return True
         return cut or any(atoms.find(r) in roots for r in _resolve_alias_roots(atoms, axes[-1]))
@@ -239,6 +239,7 @@ class Cut(NamedTuple):
     axis: int
     sizes: tuple[int, ...]
     pinned: tuple[bool, ...]
+    blocks: int = 1  # the groups' entries in this many blocks, each the groups' blocks side by side (interleaved)
 
 
 def _segments(atoms: Atoms, root: int) -> list[list[int]]:
@@ -565,16 +566,23 @@ def _edge_leaves(atoms: Atoms, leaves, paths, leaf_info, groups, key_index) -> l
     offsets = np.array([g.offset for g in groups])
 
     def node_ids(root: int) -> np.ndarray:
-        """Global node ids of the nodes along one (single-atom) group axis: of its groups side by side, in order,
-        each numbered row-major in its factors sorted by root (as `side` numbers a group of several factors)."""
+        """Global node ids of the nodes along one (single-atom) group axis: of its groups side by side, in order (in
+        blocks where they interleave, `Atoms.blocks`), each numbered row-major in its factors sorted by root (as
+        `side` numbers a group of several factors)."""
+        if atoms.alias[root] is None:
+            return group_ids([root])
         ids = []
-        for seg in _segments(atoms, root) if atoms.alias[root] is not None else [[root]]:
-            sizes, local = [atoms.size[r] for r in seg], np.zeros((), np.int64)
-            grids = np.meshgrid(*[np.arange(n) for n in sizes], indexing="ij")
-            for k in sorted(range(len(seg)), key=lambda k: seg[k]):
-                local = local * sizes[k] + grids[k]
-            ids.append(groups[key_index[tuple(sorted(seg))]].offset + local.ravel())
-        return np.concatenate(ids)
+        for s in atoms.alias[root]:
+            fs = atoms.factors([s])
+            ids.append(node_ids(fs[0]) if len(fs) == 1 and atoms.alias[fs[0]] is not None else group_ids(fs))
+        return np.concatenate([i.reshape(atoms.blocks[root], -1) for i in ids], axis=1).ravel()
+
+    def group_ids(seg: list[int]) -> np.ndarray:
+        sizes, local = [atoms.size[r] for r in seg], np.zeros((), np.int64)
+        grids = np.meshgrid(*[np.arange(n) for n in sizes], indexing="ij")
+        for k in sorted(range(len(seg)), key=lambda k: seg[k]):
+            local = local * sizes[k] + grids[k]
+        return groups[key_index[tuple(sorted(seg))]].offset + local.ravel()
 
     edge_leaves = []
     for i, (leaf, (kind, factors, node_in, node_out, note, _, ends)) in enumerate(zip(leaves, leaf_info)):

@@ -812,7 +812,7 @@ class Interpreter(ShapeRules):
         self.atoms.alias[axes[at][0]] = segs
         for j in range(at + 1, at + len(pfree)):
             axes[j] = [self.atoms.new(shape[j])]
-        return Val(ACT, axes, pieces=(at, per, None))
+        return Val(ACT, axes, pieces=(at, per, None, None))
 
     def flattened(self, leaf: int, m: int, flat: int) -> None:
         """The last ``m`` axes of ``leaf`` are the one node axis ``flat`` (`kernel_pieces`): its other reads, which
@@ -825,11 +825,11 @@ class Interpreter(ShapeRules):
         """A bias added to a kernel's output cut in pieces (`kernel_pieces`), along all of its axes: its axes are
         the kernel's node axis too, flattened (`flattened`). Else None."""
         (x, b), acts = (ins if ins[0].kind == ACT else ins[::-1]), [v for v in ins if v.kind == ACT]
-        if len(acts) != 1 or x.pieces is None or x.pieces[2] is None:
-            return None  # (None: a kernel read in slices, `kernel_pieces`)
+        if len(acts) != 1 or x.pieces is None or x.pieces[3] is None:
+            return None  # (None: a kernel read in slices, `kernel_pieces`, or its pieces transposed)
         if b.kind != PARAM or b.scaled or self.uses[b.leaf]:
             return None
-        n, own = x.pieces[0], self.leaf_axes[b.leaf]
+        n, own = x.pieces[3], self.leaf_axes[b.leaf]
         if len(own) != len(x.axes) - n or b.axes[n:] != own:  # (its other axes: broadcast)
             return None
         self.use(b, [x.pieces[2]], "out")

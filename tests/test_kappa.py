@@ -1109,6 +1109,73 @@ def test_a_kernel_with_a_pieces_axis_is_one_kernel_per_piece(name):
     assert "different shapes" not in pj.describe(space)
 
 
+# name: how the pieces of a projection of 2 heads of 2 units interleave (the kernel's output as heads x pieces x d),
+# whether it has a bias, and whether its output is also read whole
+_INTERLEAVED = {
+    "GPT-NeoX (split)": ("neox", True, False),
+    "DenseGeneral((heads, 3, d)) (indexed)": ("heads first", True, False),
+    "GPT-NeoX, no bias, read whole too": ("neox", False, True),
+}
+
+
+@pytest.mark.parametrize("name", list(_INTERLEAVED))
+def test_pieces_that_interleave_are_one_kernel_per_piece(name):
+    """Queries, keys and values whose units interleave in one projection's output (GPT-NeoX's ``qkv.reshape(b, t,
+    heads, 3 * d)`` split on its last axis, ``nn.DenseGeneral((heads, 3, d))`` read along its middle axis) are the
+    network with one kernel (and bias) per piece: the same structure, path norm, κ and DDP-SGD's κ (α 0.5), and the
+    function is unchanged by rescalings of its groups. Before, the pieces shared the heads axis, so the pinned queries
+    and keys pinned the values."""
+    layout, bias, whole = _INTERLEAVED[name]
+    heads, d = 2, 2
+    ks = jax.random.split(jax.random.key(16), 6)
+    x = _normal(ks[0], (3, 5, 4))
+    head = {"u": _normal(ks[1], (4, 3)), "v": _normal(ks[2], (3, 2))}
+    head |= {"r": _normal(ks[5], (12, 2))} if whole else {}
+    fused = {"w": _normal(ks[3], (4, heads, 3, d)), **head}
+    fused |= {"b": _normal(ks[4], (heads, 3, d), 0.1)} if bias else {}
+    if layout == "neox":  # (a Dense's kernel and bias: the units flat)
+        fused |= {"w": fused["w"].reshape(4, -1)} | ({"b": fused["b"].ravel()} if bias else {})
+    parts = {"w": fused["w"].reshape(4, heads, 3, d)} | ({"b": fused["b"].reshape(heads, 3, d)} if bias else {})
+    apart = head | {k: [t[..., i, :] for i in range(3)] for k, t in parts.items()}
+    if whole:  # the rows of ``r`` that read each piece
+        apart["r"] = [t.reshape(heads * d, 2) for t in jnp.moveaxis(fused["r"].reshape(heads, 3, d, 2), 1, 0)]
+    dense = lambda x, w: jax.lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())))  # noqa: E731
+    units = lambda t: t.reshape(*t.shape[:2], -1)  # noqa: E731
+
+    def net(z, p):
+        return jax.nn.relu(_attention(*z, heads=heads) @ p["u"]).mean(1) @ p["v"]
+
+    def fused_fn(p, x):
+        z = dense(x, p["w"]) + p["b"] if "b" in p else dense(x, p["w"])
+        if layout == "neox":
+            out = net([units(t) for t in jnp.split(z.reshape(*z.shape[:2], heads, 3 * d), 3, axis=-1)], p)
+        else:
+            out = net([units(z[:, :, :, i]) for i in range(3)], p)
+        return out + (jax.nn.relu(units(z)) @ p["r"]).mean(1) if whole else out
+
+    def apart_fn(p, x):
+        z = [units(dense(x, w) + p["b"][i] if "b" in p else dense(x, w)) for i, w in enumerate(p["w"])]
+        out = net(z, p)
+        return out + sum(jax.nn.relu(t) @ r for t, r in zip(z, p["r"], strict=True)).mean(1) if whole else out
+
+    def quantities(fn, p, fuse):
+        space = pj.trace(fn, p, x)
+        out = {"norm": pj.path_norm(space, p), "kappa": fuse(pj.path_kappa(space, p))}
+        out["ddp"] = fuse(pj.ddp_kappa(space, p, x, alpha=0.5))
+        return space, sorted((g.kind, g.size) for g in space.groups), out
+
+    def fuse(t):  # a tree like the apart params as one like the fused params
+        out = t | {k: jnp.stack(t[k], -2).reshape(fused[k].shape) for k in ("w", "b") if k in t}
+        return out | {"r": jnp.stack([r.reshape(heads, d, 2) for r in t["r"]], 1).reshape(12, 2)} if whole else out
+
+    space, groups, got = quantities(fused_fn, fused, lambda t: t)
+    space_ref, groups_ref, expected = quantities(apart_fn, apart, fuse)
+    assert (space.num_hidden, groups) == (space_ref.num_hidden, groups_ref)
+    assert space.num_hidden == heads * d + 3  # (the values' units and the output projection's)
+    chex.assert_trees_all_close(got, expected, rtol=1e-12)
+    pj.testing.assert_function_invariant(fused_fn, space, fused, x, rtol=1e-10)
+
+
 def test_a_fused_recurrent_kernel_cut_into_a_gate_and_a_relu_half_is_two_kernels():
     """A recurrent cell whose input and recurrent kernels each compute a ReLU half and a sigmoid gate at once
     (``a, g = jnp.split(x @ wx + h @ wh + b, 2, -1)``, ``h = relu(a) * sigmoid(g)``): the path norm, κ⁽¹⁾ + κ⁽²⁾ and

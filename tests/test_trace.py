@@ -1004,41 +1004,53 @@ def test_a_kernel_cut_along_its_pieces_axis_and_read_otherwise_is_pinned_saying_
 class _QKV(nn.Module):
     """Attention of 2 heads of 4 on queries, keys and values from one projection, laid out as GPT-NeoX ports write it
     (``qkv.reshape(b, t, heads, 3 * d)`` split on its last axis), as ``nn.DenseGeneral((heads, 3, d))`` read along
-    its middle axis, or with the pieces axis first (``qkv.reshape(b, t, 3, heads, d)``)."""
+    its middle axis, or with the pieces axis first (``qkv.reshape(b, t, 3, heads, d)``); with ``extra``, the
+    reshaped output is read otherwise too (a sum over its pieces added to the values' mixture)."""
 
     layout: str
+    extra: bool = False
 
     @nn.compact
     def __call__(self, x):
         b, t, _ = x.shape
         if self.layout == "neox":
-            q, k, v = jnp.split(nn.Dense(24)(x).reshape(b, t, 2, 12), 3, axis=-1)
+            qkv = nn.Dense(24)(x).reshape(b, t, 2, 12)
+            q, k, v = jnp.split(qkv, 3, axis=-1)
+            extra = lambda: qkv.reshape(b, t, 2, 3, 4).sum(-2)  # noqa: E731
         elif self.layout == "heads_first":
             qkv = nn.DenseGeneral((2, 3, 4))(x)
             q, k, v = qkv[:, :, :, 0], qkv[:, :, :, 1], qkv[:, :, :, 2]
+            extra = lambda: qkv.sum(-2)  # noqa: E731
         else:
             qkv = nn.Dense(24)(x).reshape(b, t, 3, 2, 4)
             q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+            extra = lambda: qkv.sum(2)  # noqa: E731
         a = nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k), axis=-1)
-        o = nn.DenseGeneral(6, axis=(-2, -1))(jnp.einsum("bhqk,bkhd->bqhd", a, v))
+        mixed = jnp.einsum("bhqk,bkhd->bqhd", a, v)
+        o = nn.DenseGeneral(6, axis=(-2, -1))(mixed + extra() if self.extra else mixed)
         return nn.Dense(2)(nn.relu(o).mean(1))
 
 
-def test_a_fused_projection_cut_behind_its_first_axis_says_how_to_lay_its_pieces_out():
+def test_a_fused_projection_whose_pieces_interleave_is_cut_into_them():
     """Queries, keys and values that interleave in one projection's output (GPT-NeoX's layout, or
-    ``nn.DenseGeneral((heads, 3, d))`` read along its middle axis) are not cut into groups of their own: the values'
-    units are pinned with the queries' and keys', and ``describe`` says how to lay the pieces out, which makes them
-    hidden (the pieces axis first: the values' 8 units and the output projection's 6)."""
+    ``nn.DenseGeneral((heads, 3, d))`` read along its middle axis) are groups of their own, as with the pieces axis
+    first: the values' 8 units and the output projection's 6 are hidden (`test_kappa` compares the path norm, κ and
+    DDP-SGD's κ with one kernel per piece). Where the output is read otherwise too, its pieces are not cut apart,
+    and ``describe`` says so and what to do. Before, the pieces shared the heads axis in every case, so the pinned
+    queries and keys pinned the values."""
     x = jax.random.normal(jax.random.key(1), (2, 5, 6))
-    spaces = {}
     for layout in ("neox", "heads_first", "pieces_first"):
-        model = _QKV(layout)
-        params = model.init(jax.random.key(0), x)["params"]
-        spaces[layout] = pj.trace(lambda p, x, m=model: m.apply({"params": p}, x), params, x)
-    assert spaces["pieces_first"].num_hidden == 8 + 6
-    for layout, advice in (("neox", "qkv.reshape(b, t, 3, heads, d)"), ("heads_first", "nn.DenseGeneral((3,")):
-        assert spaces[layout].num_hidden == 6
-        assert advice in " ".join(pj.describe(spaces[layout]).split()), layout
+        for extra in (False, True):
+            model = _QKV(layout, extra)
+            params = model.init(jax.random.key(0), x)["params"]
+            space = pj.trace(lambda p, x, m=model: m.apply({"params": p}, x), params, x)
+            if not extra:
+                assert space.num_hidden == 8 + 6, layout
+                assert sorted(g.size for g in space.groups if g.kind == "pinned") == [8, 8], layout
+            elif layout != "pieces_first":  # (there a sum over the pieces axis reads them)
+                assert space.num_hidden == 6, layout
+                what = "reshaped output" if layout == "neox" else "kernel's output (plus its bias)"
+                assert f"read the {what} only in whole pieces" in " ".join(pj.describe(space).split())
 
 
 def _frozen_first_layer(n_in: int, n_frozen: int):
