@@ -953,6 +953,15 @@ def _attention(q, k, v, heads=2):
     return jnp.einsum("bhts,bshd->bthd", a, split(v)).reshape(q.shape)
 
 
+def _quantities(fn, p, x, fuse):
+    """The space of ``fn``, its groups' kinds and sizes, and its path norm, κ and DDP-SGD's κ (α 0.5) at ``p``, the
+    κs mapped by ``fuse`` (one kernel per piece as the fused kernel: the tests that compare the two)."""
+    space = pj.trace(fn, p, x)
+    out = {"norm": pj.path_norm(space, p), "kappa": fuse(pj.path_kappa(space, p))}
+    out["ddp"] = fuse(pj.ddp_kappa(space, p, x, alpha=0.5))
+    return space, sorted((g.kind, g.size) for g in space.groups), out
+
+
 # name: (layer, input shape, piece sizes, the head's leaves, the network of the pieces ``z`` and of the layer's whole
 # output, where the output is cut: "split", "slices", or "relu" (a split after a ReLU))
 _FUSED = {
@@ -1018,18 +1027,13 @@ def test_a_fused_kernel_cut_into_pieces_is_one_kernel_per_piece(name):
         z = [jax.nn.relu(t) for t in z] if cut == "relu" else z
         return net(z, jnp.concatenate(z, -1), p)
 
-    def quantities(fn, p, fuse):
-        space = pj.trace(fn, p, x)
-        out = {"norm": pj.path_norm(space, p), "kappa": fuse(pj.path_kappa(space, p))}
-        out["ddp"] = fuse(pj.ddp_kappa(space, p, x, alpha=0.5))
-        return space.num_hidden, sorted((g.kind, g.size) for g in space.groups), out
-
     def fuse(t):  # a tree like the apart params as one like the fused params
         return {**t, "w": jnp.concatenate(t["w"], -1), "b": jnp.concatenate(t["b"])}
 
-    h, groups, got = quantities(fused_fn, fused, lambda t: t)
-    h_ref, groups_ref, expected = quantities(apart_fn, apart, fuse)
-    assert (h, groups) == (h_ref, groups_ref) and h > 0
+    space, groups, got = _quantities(fused_fn, fused, x, lambda t: t)
+    space_ref, groups_ref, expected = _quantities(apart_fn, apart, x, fuse)
+    h = space.num_hidden
+    assert (h, groups) == (space_ref.num_hidden, groups_ref) and h > 0
     chex.assert_trees_all_close(got, expected, rtol=1e-12)
     if name == "relu pieces":  # (the others have pinned groups, refused as such)
         with pytest.raises(pj.DDPNormalizationError, match="one kernel and bias per node group"):
@@ -1091,17 +1095,11 @@ def test_a_kernel_with_a_pieces_axis_is_one_kernel_per_piece(name):
         z = [dense(x, w) + (p["b"][i] if "b" in p else 0.0) for i, w in enumerate(p["w"])]
         return net([units(t) for t in z], p)
 
-    def quantities(fn, p, fuse):
-        space = pj.trace(fn, p, x)
-        out = {"norm": pj.path_norm(space, p), "kappa": fuse(pj.path_kappa(space, p))}
-        out["ddp"] = fuse(pj.ddp_kappa(space, p, x, alpha=0.5))
-        return space, sorted((g.kind, g.size) for g in space.groups), out
-
     def fuse(t):  # a tree like the apart params as one like the fused params
         return {**t, "w": jnp.stack(t["w"], at)} | ({"b": jnp.stack(t["b"])} if "b" in t else {})
 
-    space, groups, got = quantities(fused_fn, fused, lambda t: t)
-    space_ref, groups_ref, expected = quantities(apart_fn, apart, fuse)
+    space, groups, got = _quantities(fused_fn, fused, x, lambda t: t)
+    space_ref, groups_ref, expected = _quantities(apart_fn, apart, x, fuse)
     assert (space.num_hidden, groups) == (space_ref.num_hidden, groups_ref) and space.num_hidden > 0
     chex.assert_trees_all_close(got, expected, rtol=1e-12)
     pj.testing.assert_function_invariant(fused_fn, space, fused, x, rtol=1e-10)
@@ -1158,18 +1156,12 @@ def test_pieces_that_interleave_are_one_kernel_per_piece(name):
         out = net(z, p)
         return out + sum(jax.nn.relu(t) @ r for t, r in zip(z, p["r"], strict=True)).mean(1) if whole else out
 
-    def quantities(fn, p, fuse):
-        space = pj.trace(fn, p, x)
-        out = {"norm": pj.path_norm(space, p), "kappa": fuse(pj.path_kappa(space, p))}
-        out["ddp"] = fuse(pj.ddp_kappa(space, p, x, alpha=0.5))
-        return space, sorted((g.kind, g.size) for g in space.groups), out
-
     def fuse(t):  # a tree like the apart params as one like the fused params
         out = t | {k: jnp.stack(t[k], -2).reshape(fused[k].shape) for k in ("w", "b") if k in t}
         return out | {"r": jnp.stack([r.reshape(heads, d, 2) for r in t["r"]], 1).reshape(12, 2)} if whole else out
 
-    space, groups, got = quantities(fused_fn, fused, lambda t: t)
-    space_ref, groups_ref, expected = quantities(apart_fn, apart, fuse)
+    space, groups, got = _quantities(fused_fn, fused, x, lambda t: t)
+    space_ref, groups_ref, expected = _quantities(apart_fn, apart, x, fuse)
     assert (space.num_hidden, groups) == (space_ref.num_hidden, groups_ref)
     assert space.num_hidden == heads * d + 3  # (the values' units and the output projection's)
     chex.assert_trees_all_close(got, expected, rtol=1e-12)
