@@ -107,11 +107,14 @@ class ShapeRules:
             return None
         blocks, m = int(np.prod(lead)), int(np.prod(rest))
         want = lead + ((w,) if w > 1 else ()) + rest
-        if lead:  # interleaved: each piece its own atom, unless ``flat`` was cut before (then not at all)
-            if self.atoms.alias[flat] is not None:
+        if lead:  # interleaved: each piece its own atom (as an earlier reshape of the same output cut it, if one did)
+            segs = self.atoms.alias[flat]
+            if segs is None:
+                segs = [self.atoms.new(blocks * w * m) for _ in range(k // w)]
+                self.atoms.set_alias(flat, segs, blocks)
+            elif self.atoms.blocks[flat] != blocks or len(segs) != k // w:
                 return None
-            segs = [self.atoms.new(blocks * w * m) for _ in range(k // w)]
-            self.atoms.set_alias(flat, segs, blocks)
+            segs = [self.atoms.find(seg) for seg in segs]
         else:  # ranges of ``flat`` (cut as an earlier reshape of the same output was, if it was)
             segs = [self._cut(flat, i * w * m, (i + 1) * w * m) for i in range(k // w)]
             if any(seg is None for seg in segs):

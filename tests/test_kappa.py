@@ -1113,13 +1113,23 @@ _INTERLEAVED = {
     "GPT-NeoX (split)": ("neox", True, False),
     "DenseGeneral((heads, 3, d)) (indexed)": ("heads first", True, False),
     "GPT-NeoX, no bias, read whole too": ("neox", False, True),
+    "BLOOM (reshaped to heads, 3, d; indexed)": ("bloom", True, False),
+    "DenseGeneral((heads, 3 * d)) (split)": ("heads, 3d", False, False),
+}
+# the kernel's shape after its input axis, and the pieces of its output z (batch, positions, ...)
+_LAYOUTS = {
+    "neox": ((12,), lambda z, h, d: jnp.split(z.reshape(*z.shape[:2], h, 3 * d), 3, axis=-1)),
+    "bloom": ((12,), lambda z, h, d: [z.reshape(*z.shape[:2], h, 3, d)[..., i, :] for i in range(3)]),
+    "heads first": (("h", 3, "d"), lambda z, h, d: [z[:, :, :, i] for i in range(3)]),
+    "heads, 3d": (("h", "3d"), lambda z, h, d: jnp.split(z, 3, axis=-1)),
 }
 
 
 @pytest.mark.parametrize("name", list(_INTERLEAVED))
 def test_pieces_that_interleave_are_one_kernel_per_piece(name):
     """Queries, keys and values whose units interleave in one projection's output (GPT-NeoX's ``qkv.reshape(b, t,
-    heads, 3 * d)`` split on its last axis, ``nn.DenseGeneral((heads, 3, d))`` read along its middle axis) are the
+    heads, 3 * d)`` split on its last axis, BLOOM's ``(b, t, heads, 3, d)``, ``nn.DenseGeneral((heads, 3, d))`` read
+    along its middle axis, ``nn.DenseGeneral((heads, 3 * d))`` split on its last) are the
     network with one kernel (and bias) per piece: the same structure, path norm, κ and DDP-SGD's κ (α 0.5), and the
     function is unchanged by rescalings of its groups. Before, the pieces shared the heads axis, so the pinned queries
     and keys pinned the values."""
@@ -1129,10 +1139,9 @@ def test_pieces_that_interleave_are_one_kernel_per_piece(name):
     x = _normal(ks[0], (3, 5, 4))
     head = {"u": _normal(ks[1], (4, 3)), "v": _normal(ks[2], (3, 2))}
     head |= {"r": _normal(ks[5], (12, 2))} if whole else {}
-    fused = {"w": _normal(ks[3], (4, heads, 3, d)), **head}
-    fused |= {"b": _normal(ks[4], (heads, 3, d), 0.1)} if bias else {}
-    if layout == "neox":  # (a Dense's kernel and bias: the units flat)
-        fused |= {"w": fused["w"].reshape(4, -1)} | ({"b": fused["b"].ravel()} if bias else {})
+    out_shape = tuple({"h": heads, "d": d, "3d": 3 * d}.get(n, n) for n in _LAYOUTS[layout][0])
+    fused = {"w": _normal(ks[3], (4, heads, 3, d)).reshape(4, *out_shape), **head}
+    fused |= {"b": _normal(ks[4], (heads, 3, d), 0.1).reshape(out_shape)} if bias else {}
     parts = {"w": fused["w"].reshape(4, heads, 3, d)} | ({"b": fused["b"].reshape(heads, 3, d)} if bias else {})
     apart = head | {k: [t[..., i, :] for i in range(3)] for k, t in parts.items()}
     if whole:  # the rows of ``r`` that read each piece
@@ -1145,10 +1154,7 @@ def test_pieces_that_interleave_are_one_kernel_per_piece(name):
 
     def fused_fn(p, x):
         z = dense(x, p["w"]) + p["b"] if "b" in p else dense(x, p["w"])
-        if layout == "neox":
-            out = net([units(t) for t in jnp.split(z.reshape(*z.shape[:2], heads, 3 * d), 3, axis=-1)], p)
-        else:
-            out = net([units(z[:, :, :, i]) for i in range(3)], p)
+        out = net([units(t) for t in _LAYOUTS[layout][1](z, heads, d)], p)
         return out + (jax.nn.relu(units(z)) @ p["r"]).mean(1) if whole else out
 
     def apart_fn(p, x):
