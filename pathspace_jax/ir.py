@@ -77,7 +77,10 @@ class Program:
     masks: set[int] = dataclasses.field(default_factory=set)  # activations of degree 0 (``h > 0``): `program._masks`
     lookups: set[int] = dataclasses.field(default_factory=set)  # results of embedding lookups
     fixed: set[int] = dataclasses.field(default_factory=set)  # params combined into fixed coefficients (trace)
-    cut: set[int] = dataclasses.field(default_factory=set)  # act values of groups pinned in part (`program._cut_nodes`)
+    # act values of groups pinned in part, by their `pathspace_jax.trace.Cut` (None: pieces joined back, rearranged)
+    cut: dict[int, Any] = dataclasses.field(default_factory=dict)
+    # of those, the pieces of a cut node concatenated back for a reader of the whole (`program._cut_nodes`)
+    joins: set[int] = dataclasses.field(default_factory=set)
 
     def edge_param(self, x) -> bool:
         """Whether operand ``x`` is a parameter as an edge tensor: a view of one params leaf, not a

@@ -104,7 +104,7 @@ def _finish(
     tokens: set[int] = set()  # integer values computed from integer inputs (token ids), of kind "const"
     lookups: set[int] = set()
     fixed: set[int] = set()
-    cut: set[int] = set()
+    cut: dict[int, Cut] = {}
     in_ids = frame.in_ids
 
     def kind_of(x):
@@ -136,7 +136,7 @@ def _finish(
                 if flags.get(i) is True and k == "act":
                     pinned.add(i)
                 elif isinstance(flags.get(i), Cut) and k == "act":
-                    cut.add(i)
+                    cut[i] = flags[i]
                 elif flags.get(i) in ("const", True) and k == "param":
                     # parameters combined into fixed coefficients (not an edge), or into values the trace read as
                     # activations of pinned groups (a power iteration from a constant vector: spectral normalisation)
@@ -163,7 +163,7 @@ def _finish(
     body = in_kinds is not None
     prog.masks = _masks(prog)
     fresh = _find_nodes(prog, body=body)
-    if (joined := _cut_nodes(prog, flags, fresh)) is not None:
+    if (joined := _cut_nodes(prog, fresh)) is not None:
         fresh = _find_nodes(prog, body=body)
         # a cut output: its paths end at its pieces, the sinks (`_find_boundary`), and not again at their concatenation
         pieces = [p for ps in joined.values() for p in ps]
@@ -178,7 +178,7 @@ def _finish(
 _NEW_IDS = itertools.count(1 << 48)
 
 
-def _cut_nodes(prog: Program, flags: dict, fresh: set[int]) -> dict[int, list[int]] | None:
+def _cut_nodes(prog: Program, fresh: set[int]) -> dict[int, list[int]] | None:
     """Each node whose groups are pinned in part (a `pathspace_jax.trace.Cut`: a fused kernel's output, of which a
     gate is pinned and a linear half not, read through slices or after a ReLU) cut into its groups right where it
     is computed: ``split`` into pieces, which are the nodes (`_find_nodes`: a split is the only use of the value),
@@ -186,7 +186,7 @@ def _cut_nodes(prog: Program, flags: dict, fresh: set[int]) -> dict[int, list[in
     reads the node, it reads the pieces ``concatenate``d back instead. An output that is no pre-activation is cut
     where it is a concatenation of its groups (a ReLU head and a tanh head side by side), else a boundary as a whole.
     Returns the outputs cut, with their pieces (None where nothing was cut)."""
-    cuts = {n: flags[n] for n in prog.nodes if n in prog.cut}
+    cuts = {n: prog.cut[n] for n in prog.nodes if n in prog.cut}
     if not cuts:
         return None
     outs = {x for x in prog.out_ids if not isinstance(x, tuple)}
@@ -245,7 +245,8 @@ def _cut_nodes(prog: Program, flags: dict, fresh: set[int]) -> dict[int, list[in
             eqns += [Eqn(*f[:4], e.source, e.callers) for f in found]
             joins = [o for f in found for o in f[3]]  # (the pieces side by side, then interleaved)
             prog.kinds.update(dict.fromkeys(joins, "act"))
-            prog.cut.update(joins)
+            prog.cut.update(dict.fromkeys(joins) | {whole: cut})
+            prog.joins.update(joins)
             renamed[n] = whole
             if n in outs:
                 joined[whole] = pieces
@@ -352,6 +353,12 @@ def _find_nodes(prog: Program, body: bool = False) -> set[int]:
     def cut(e: Eqn) -> bool:  # a split that is its operand's only use: its pieces are the nodes (`_cut_nodes`)
         return e.prim.name == "split" and uses.get(e.ins[0]) == [e]
 
+    def joins(e: Eqn) -> bool:  # pre-activations side by side, each read there alone: one node where it is read
+        acts = [x for x in e.ins if not isinstance(x, tuple) and kinds[x] == "act"]
+        if e.prim.name != "concatenate" or e.outs[0] in prog.joins:  # (not the pieces of a cut node joined back)
+            return False
+        return all(x in fresh and uses[x] == [e] for x in acts)
+
     for e in prog.eqns:
         name, ids = e.prim.name, [x for x in e.ins if not isinstance(x, tuple)]
         if kinds[e.outs[0]] != "act":
@@ -360,6 +367,8 @@ def _find_nodes(prog: Program, body: bool = False) -> set[int]:
             fresh.add(e.outs[0])
         elif cut(e) and ids[0] in fresh:
             fresh.update(e.outs)
+        elif joins(e):  # (a residual added to the concatenation: its sum is the node, as with one kernel per piece)
+            fresh.add(e.outs[0])
         elif rule(name).continues_node and not any(x in prog.masks for x in ids):  # a gate ends it, as ReLU does
             # (a pre-activation read by anything else is a node there, and what it goes on to is no node again)
             if any(x in fresh and all(u is e for u in uses[x]) for x in ids):
@@ -376,7 +385,7 @@ def _find_nodes(prog: Program, body: bool = False) -> set[int]:
                 continue
             if v not in fresh:
                 continue
-            merged = len(us) == 1 and (rule(us[0].prim.name).continues_node or cut(us[0]))
+            merged = len(us) == 1 and (rule(us[0].prim.name).continues_node or cut(us[0]) or joins(us[0]))
             if merged and us[0].prim.name in ("mul", "div"):  # by constant factors, or a gate (a pinned value)
                 other = [x for x in us[0].ins if x != v]
                 merged = all(isinstance(x, tuple) or kinds[x] == "const" or x in prog.pinned for x in other)

@@ -222,6 +222,7 @@ def evaluate(
 
     sink_set = set(prog.sinks)
     boundary = prog.bnd | sink_set
+    spread = set(prog.joins)  # values whose pinned groups' entries are boundary values (`_joined_boundary`)
     for idx, e in enumerate(prog.eqns):
         ks = [("const" if isinstance(x, tuple) else kinds[x]) for x in e.ins]
         ks = ["raised" if k == "param" and x in raw_only else k for k, x in zip(ks, e.ins, strict=True)]
@@ -238,6 +239,8 @@ def evaluate(
         vals = [rd(x) for x in e.ins]
         if e.outs[0] in sink_set:  # only the paths of the homogeneous part end at a sink
             vals = [V(jnp.zeros_like(v.m), v.e) if x in boundary else v for x, v in zip(e.ins, vals, strict=True)]
+        elif spread and e.outs[0] in prog.cut:
+            vals = _joined_into_paths(prog, e, ks, vals, spread, boundary)
         if e.prim.name == "scan":
             pert = None if hooks is None else hooks.get(idx)
             tap = None if taps is None else taps.get(idx)
@@ -276,6 +279,8 @@ def evaluate(
             outs = [norm(V(m, top if is_float(m) else None)) for m in res]
             if any(o in prog.bnd for o in e.outs):  # the pinned pieces of a value cut into groups: 1
                 outs = [_ones(v) if o in prog.bnd else v for o, v in zip(e.outs, outs, strict=True)]
+        if spread and out_kind == "act" and e.prim.name != "scan":
+            outs = _joined_boundary(prog, e, ks, outs, spread, boundary)
         for o, v in zip(e.outs, outs, strict=True):
             if post is not None and out_kind != "const":
                 v = post(o, v)
@@ -285,6 +290,48 @@ def evaluate(
                 v = _ones(v)
             env[o] = v
     return [rd(x) for x in prog.out_ids]
+
+
+def _joined_boundary(prog: Program, e: Eqn, ks, outs: list, spread: set, boundary: set) -> list:
+    """The pieces of a cut node read whole are joined back (`pathspace_jax.program._cut_nodes`), its pinned pieces
+    1 there (sinks); what is computed from them without a parameter edge (a ReLU, a mean over positions) keeps its
+    pinned groups' entries at 1, as the network with one kernel per piece makes the values computed from boundary
+    values alone (`pathspace_jax.program._find_boundary`). Adds such a result to ``spread``."""
+    acts = [x for x, k in zip(e.ins, ks, strict=True) if k == "act"]
+    if len(e.outs) != 1 or not any(x in spread for x in acts) or prog.is_edge(e):
+        return outs
+    if not all(x in spread or x in boundary for x in acts) or (cut := prog.cut.get(e.outs[0])) is None:
+        return outs
+    spread.add(e.outs[0])
+    v = outs[0]
+    pinned = _pinned_entries(cut, jnp.ndim(v.m))
+    if v.e is None:
+        return [V(jnp.where(pinned, jnp.ones((), v.m.dtype), v.m), None)]
+    top = jnp.maximum(v.e, 0)  # (1 = 2^-top at exponent top: neither overflows)
+    return [V(jnp.where(pinned, ldexp(jnp.ones((), v.m.dtype), -top), ldexp(v.m, v.e - top)), top)]
+
+
+def _joined_into_paths(prog: Program, e: Eqn, ks, vals: list, spread: set, boundary: set) -> list:
+    """A join (or what `_joined_boundary` computes from it) added to paths of the homogeneous part (a residual added
+    to a node cut into groups): its pinned groups' entries meet those paths at pinned nodes, sinks once the node
+    is cut, where only the paths of the homogeneous part end, as at every sink. Those entries are 0 here."""
+    acts = [j for j, k in enumerate(ks) if k == "act"]
+    mine = [j for j in acts if e.ins[j] in spread]
+    if not mine or all(e.ins[j] in spread or e.ins[j] in boundary for j in acts):
+        return vals
+    out = list(vals)
+    for j in mine:
+        if (cut := prog.cut.get(e.ins[j])) is not None:
+            m = vals[j].m
+            out[j] = V(jnp.where(_pinned_entries(cut, jnp.ndim(m)), jnp.zeros((), m.dtype), m), vals[j].e)
+    return out
+
+
+def _pinned_entries(cut, ndim: int) -> np.ndarray:
+    """Where the entries of a value flagged ``cut`` (a `pathspace_jax.trace.Cut`, of ``ndim`` axes) lie in its
+    pinned groups, broadcastable to it."""
+    line = np.concatenate([np.full(s // cut.blocks, p) for s, p in zip(cut.sizes, cut.pinned, strict=True)])
+    return np.tile(line, cut.blocks).reshape([-1 if k == cut.axis else 1 for k in range(ndim)])
 
 
 def _ones(v: V) -> V:
@@ -316,7 +363,7 @@ def _boundary_op(prog: Program, e: Eqn, ks, vals) -> list:
     """An operation whose result is a boundary value (`_find_boundary`): 1 in the |·|^p network. A parameter
     that multiplies it other than as an edge (an "other" leaf) lies on no path. It may read the pinned part of a
     value whose groups are pinned in part (``prog.cut``: a gate sliced out of a fused kernel's output)."""
-    inside = prog.bnd | set(prog.sinks) | prog.cut
+    inside = prog.bnd | set(prog.sinks) | set(prog.cut)
     outside = [x for k, x in enumerate(e.ins) if ks[k] == "act" and x not in inside]
     if outside and e.outs[0] not in prog.gates:  # (a gate computed from the inputs alone reads them)
         raise prog.err(

@@ -1155,12 +1155,12 @@ def test_pieces_that_interleave_are_one_kernel_per_piece(name):
     def fused_fn(p, x):
         z = dense(x, p["w"]) + p["b"] if "b" in p else dense(x, p["w"])
         out = net([units(t) for t in _LAYOUTS[layout][1](z, heads, d)], p)
-        return out + (jax.nn.relu(units(z)) @ p["r"]).mean(1) if whole else out
+        return out + jax.nn.relu(units(z)).mean(1) @ p["r"] if whole else out
 
     def apart_fn(p, x):
         z = [units(dense(x, w) + p["b"][i] if "b" in p else dense(x, w)) for i, w in enumerate(p["w"])]
         out = net(z, p)
-        return out + sum(jax.nn.relu(t) @ r for t, r in zip(z, p["r"], strict=True)).mean(1) if whole else out
+        return out + sum(jax.nn.relu(t).mean(1) @ r for t, r in zip(z, p["r"], strict=True)) if whole else out
 
     def fuse(t):  # a tree like the apart params as one like the fused params
         out = t | {k: jnp.stack(t[k], -2).reshape(fused[k].shape) for k in ("w", "b") if k in t}
@@ -1172,6 +1172,81 @@ def test_pieces_that_interleave_are_one_kernel_per_piece(name):
     assert space.num_hidden == heads * d + 3  # (the values' units and the output projection's)
     chex.assert_trees_all_close(got, expected, rtol=1e-12)
     pj.testing.assert_function_invariant(fused_fn, space, fused, x, rtol=1e-10)
+
+
+# name: (the fused network of a kernel ``w`` (3 -> 8) cut into a linear half and a sigmoid gate, the same with one
+# kernel per half, the leaves read per half in the second (by their columns or rows), and the input's shape)
+_READ_WHOLE = {
+    "through a mean over positions": (
+        lambda p, x, z: jax.nn.relu(z).mean(1) @ p["r"],
+        lambda p, x, a, g: jax.nn.relu(a).mean(1) @ p["r"][0] + jax.nn.relu(g).mean(1) @ p["r"][1],
+        {"r": 0}, (3, 5, 3)),
+    "with a residual added": (
+        lambda p, x, z: jax.nn.relu(z + x @ p["c"]) @ p["r"],
+        lambda p, x, a, g: jax.nn.relu(a + x @ p["c"][0]) @ p["r"][0] + jax.nn.relu(g + x @ p["c"][1]) @ p["r"][1],
+        {"r": 0, "c": 1}, (6, 3)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(_READ_WHOLE))
+def test_a_cut_node_read_whole_through_other_operations_is_one_kernel_per_piece(name):
+    """A fused kernel's output cut into a linear half and a sigmoid gate (pinned) and also read whole, through a mean
+    over positions or with a residual added before a ReLU: the path norm, κ and DDP-SGD's κ (α 0.5) are those of
+    one kernel per half. The gate's entries are boundary values there, entry by entry: 1 after the mean (as the
+    mean of the gate alone is), and no path of the homogeneous part where the residual meets them (the gate plus
+    the residual is a pinned node, a sink). Before, the mean was evaluated on the gate's ones (κ of the rows of
+    ``r`` that read it 0.2 instead of 1), and the residual's sink also counted the gate's 1."""
+    whole_fn, apart_whole_fn, split_leaves, in_shape = _READ_WHOLE[name]
+    ks = jax.random.split(jax.random.key(18), 6)
+    x = _normal(ks[0], in_shape)
+    p = {"w": _normal(ks[1], (3, 8)), "u": _normal(ks[2], (4, 2)), "r": _normal(ks[3], (8, 2))}
+    p |= {"c": _normal(ks[4], (3, 8))} if "c" in split_leaves else {}
+    halves = lambda t, axis: [t[:4], t[4:]] if axis == 0 else [t[:, :4], t[:, 4:]]  # noqa: E731
+    apart = p | {k: halves(p[k], axis) for k, axis in (split_leaves | {"w": 1}).items()}
+
+    def fused_fn(p, x):
+        z = x @ p["w"]
+        a, g = jnp.split(z, 2, -1)
+        return (a * jax.nn.sigmoid(g)).sum(range(1, x.ndim - 1)) @ p["u"] + whole_fn(p, x, z)
+
+    def apart_fn(p, x):
+        a, g = [x @ w for w in p["w"]]
+        return (a * jax.nn.sigmoid(g)).sum(range(1, x.ndim - 1)) @ p["u"] + apart_whole_fn(p, x, a, g)
+
+    def fuse(t):
+        return t | {k: jnp.concatenate(t[k], axis) for k, axis in (split_leaves | {"w": 1}).items()}
+
+    chex.assert_trees_all_close(fused_fn(p, x), apart_fn(apart, x), rtol=1e-12)
+    space, groups, got = _quantities(fused_fn, p, x, lambda t: t)
+    space_ref, groups_ref, expected = _quantities(apart_fn, apart, x, fuse)
+    assert (space.num_hidden, groups) == (space_ref.num_hidden, groups_ref) and space.num_hidden == 4
+    chex.assert_trees_all_close(got, expected, rtol=1e-12)
+
+
+def test_pre_activations_concatenated_and_summed_with_a_layer_are_one_node_per_unit():
+    """``relu(concatenate([x @ a, x @ b]) + x @ c) @ r``: each unit's pre-activation is the sum, as with ``c`` cut into
+    a kernel per half; ``x @ a`` alone is no node. DDP-SGD's κ (α 0.5) is that of the network with one ``c`` per half.
+    Before, ``x @ a`` and ``x @ b`` were nodes of their own, their statistics mixed in (κ of ``r`` 30.4 instead of
+    31.1)."""
+    ks = jax.random.split(jax.random.key(19), 5)
+    x = _normal(ks[0], (6, 3))
+    p = {"a": _normal(ks[1], (3, 4)), "b": _normal(ks[2], (3, 2)), "c": _normal(ks[3], (3, 6)),
+         "r": _normal(ks[4], (6, 2))}  # fmt: skip
+    apart = p | {"c": [p["c"][:, :4], p["c"][:, 4:]], "r": [p["r"][:4], p["r"][4:]]}
+
+    def fused_fn(p, x):
+        return jax.nn.relu(jnp.concatenate([x @ p["a"], x @ p["b"]], -1) + x @ p["c"]) @ p["r"]
+
+    def apart_fn(p, x):
+        return sum(jax.nn.relu(x @ p[k] + x @ c) @ r for k, c, r in zip("ab", p["c"], p["r"], strict=True))
+
+    def fuse(t):
+        return t | {"c": jnp.concatenate(t["c"], 1), "r": jnp.concatenate(t["r"])}
+
+    space, groups, got = _quantities(fused_fn, p, x, lambda t: t)
+    _, groups_ref, expected = _quantities(apart_fn, apart, x, fuse)
+    assert groups == groups_ref and space.num_hidden == 6
+    chex.assert_trees_all_close(got, expected, rtol=1e-12)
 
 
 def test_a_fused_recurrent_kernel_cut_into_a_gate_and_a_relu_half_is_two_kernels():
