@@ -279,7 +279,7 @@ def evaluate(
             outs = [norm(V(m, top if is_float(m) else None)) for m in res]
             if any(o in prog.bnd for o in e.outs):  # the pinned pieces of a value cut into groups: 1
                 outs = [_ones(v) if o in prog.bnd else v for o, v in zip(e.outs, outs, strict=True)]
-        if spread and out_kind == "act" and e.prim.name != "scan":
+        if spread and out_kind == "act" and e.prim.name != "scan" and e.outs[0] not in prog.masks:
             outs = _joined_boundary(prog, e, ks, outs, spread, boundary)
         for o, v in zip(e.outs, outs, strict=True):
             if post is not None and out_kind != "const":
