@@ -167,6 +167,10 @@ def _interpret(closed, param_specs, input_specs, paths) -> Interpreter:
     for v in in_vals[n_leaves:]:
         rec.notes[v.id] = interp.axes_note(v) if v.kind == ACT else None
     interp.input_axes = [v.axes for v in in_vals[n_leaves:]]
+    for i, eqn in interp.read_only_by_dead_code(closed.jaxpr, n_leaves):  # (no error: a head whose output is dropped)
+        interp.eqn = eqn  # (its reason names the line)
+        interp.mark_other(in_vals[i], "read only by values fn computes and drops: it does not reach the outputs")
+    interp.eqn = None
     consts = [interp.const_val(c) for c in closed.consts]
     outs = interp.run(closed.jaxpr, consts, in_vals)
     rec.top.out_ids = [v.id for v in outs]

@@ -160,12 +160,13 @@ class Interpreter(ShapeRules):
             env[var] = val
         for var, val in zip(jaxpr.invars, args):
             env[var] = val
+        eqns = self.live(jaxpr)
         consumers: dict[Any, list] = {}
-        for eqn, var in [(e, v) for e in jaxpr.eqns for v in e.invars] + [(None, v) for v in jaxpr.outvars]:
+        for eqn, var in [(e, v) for e in eqns for v in e.invars] + [(None, v) for v in jaxpr.outvars]:
             if not jx.is_literal(var):
                 consumers.setdefault(var, []).append(eqn)
         self.consumers.append(consumers)
-        for eqn in jaxpr.eqns:
+        for eqn in eqns:
             self.eqn = eqn
             self.step += 1
             ins = [self.read(env, x) for x in eqn.invars]
@@ -188,6 +189,29 @@ class Interpreter(ShapeRules):
                 env[var] = val
         self.consumers.pop()
         return [self.read(env, x) for x in jaxpr.outvars]
+
+    @staticmethod
+    def live(jaxpr: jx.Jaxpr) -> list:
+        """The equations of ``jaxpr`` that its outputs depend on, or that have effects: a value computed and never
+        used (a statistic a model computes and drops) neither pins nor reads what it is computed from."""
+        needed, out = {v for v in jaxpr.outvars if not jx.is_literal(v)}, []
+        for eqn in reversed(jaxpr.eqns):
+            if eqn.effects or any(v in needed for v in eqn.outvars):
+                out.append(eqn)
+                needed.update(v for v in eqn.invars if not jx.is_literal(v))
+        return out[::-1]
+
+    def read_only_by_dead_code(self, jaxpr: jx.Jaxpr, n: int) -> list[tuple[int, Any]]:
+        """The first ``n`` inputs of ``jaxpr`` (its params leaves) that only equations outside `live` read, each with
+        the first such equation."""
+        live = self.live(jaxpr)
+        read = {v for e in live for v in e.invars if not jx.is_literal(v)} | set(jaxpr.outvars)
+        first = {}
+        for e in jaxpr.eqns:
+            for v in e.invars:
+                if not jx.is_literal(v) and v not in read:
+                    first.setdefault(v, e)
+        return [(i, first[v]) for i, v in enumerate(jaxpr.invars[:n]) if v in first]
 
     def record(self, eqn, ins: Sequence[Val], outs: Sequence[Val], *, as_=None, **extra) -> Recorded:
         """Record ``eqn`` in the flat program (`pathspace_jax.ir`): its results get fresh ids, and their atoms

@@ -1053,6 +1053,29 @@ def test_a_fused_projection_whose_pieces_interleave_is_cut_into_them():
                 assert f"read the {what} only in whole pieces" in " ".join(pj.describe(space).split())
 
 
+def test_values_computed_and_dropped_pin_nothing():
+    """A value the function computes and drops (a statistic a model computes for a log, a head whose output is not
+    returned) is not part of the network: ``tanh(h)`` dropped does not pin h, and a leaf that only such values read
+    is "other", saying so (no error, as for a leaf that nothing reads). Before, the dropped tanh pinned h (H 0)."""
+    ks = jax.random.split(jax.random.key(3), 4)
+    x = jax.random.normal(ks[0], (6, 3))
+    p = {"a": jax.random.normal(ks[1], (3, 4)), "aux": jax.random.normal(ks[2], (4, 2)),
+         "b": jax.random.normal(ks[3], (4, 2))}  # fmt: skip
+
+    def fn(p, x):
+        h = x @ p["a"]
+        jnp.tanh(h).mean(), jax.nn.relu(h) @ p["aux"]  # (computed, dropped)
+        return jax.nn.relu(h) @ p["b"]
+
+    space = pj.trace(fn, p, x)
+    assert space.num_hidden == 4
+    assert [leaf.kind for leaf in space.leaves] == ["weight", "other", "weight"]
+    assert "read only by values fn computes and drops" in " ".join(pj.describe(space).split())
+    loss = lambda p, x: jnp.sum(fn(p, x) ** 2)  # noqa: E731
+    for tx in (pj.g_sgd(space, 0.01), pj.path_sgd(space, 0.01)):
+        pj.testing.assert_update_invariant(tx, loss, space, p, x, num_steps=2, rtol=1e-9)
+
+
 def _frozen_first_layer(n_in: int, n_frozen: int):
     """``relu(relu(x @ stop_gradient(w1)) @ w2) @ w3``, its params, a batch and its space."""
     k = jax.random.split(jax.random.key(0), 4)
