@@ -1005,7 +1005,8 @@ class _QKV(nn.Module):
     """Attention of 2 heads of 4 on queries, keys and values from one projection, laid out as GPT-NeoX ports write it
     (``qkv.reshape(b, t, heads, 3 * d)`` split on its last axis), as ``nn.DenseGeneral((heads, 3, d))`` read along
     its middle axis, or with the pieces axis first (``qkv.reshape(b, t, 3, heads, d)``); with ``extra``, the
-    reshaped output is read otherwise too (a sum over its pieces added to the values' mixture)."""
+    reshaped output is read otherwise too (a sum over its pieces added to the values' mixture; without, that sum is
+    computed and dropped)."""
 
     layout: str
     extra: bool = False
@@ -1016,18 +1017,18 @@ class _QKV(nn.Module):
         if self.layout == "neox":
             qkv = nn.Dense(24)(x).reshape(b, t, 2, 12)
             q, k, v = jnp.split(qkv, 3, axis=-1)
-            extra = lambda: qkv.reshape(b, t, 2, 3, 4).sum(-2)  # noqa: E731
+            extra = qkv.reshape(b, t, 2, 3, 4).sum(-2)
         elif self.layout == "heads_first":
             qkv = nn.DenseGeneral((2, 3, 4))(x)
             q, k, v = qkv[:, :, :, 0], qkv[:, :, :, 1], qkv[:, :, :, 2]
-            extra = lambda: qkv.sum(-2)  # noqa: E731
+            extra = qkv.sum(-2)
         else:
             qkv = nn.Dense(24)(x).reshape(b, t, 3, 2, 4)
             q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-            extra = lambda: qkv.sum(2)  # noqa: E731
+            extra = qkv.sum(2)
         a = nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k), axis=-1)
         mixed = jnp.einsum("bhqk,bkhd->bqhd", a, v)
-        o = nn.DenseGeneral(6, axis=(-2, -1))(mixed + extra() if self.extra else mixed)
+        o = nn.DenseGeneral(6, axis=(-2, -1))(mixed + extra if self.extra else mixed)
         return nn.Dense(2)(nn.relu(o).mean(1))
 
 
