@@ -319,18 +319,26 @@ class ShapeRules:
         times along each axis k."""
         v, shape = ins[0], tuple(eqn.invars[0].aval.shape)
         for k, r in enumerate(jx.param(eqn, "reps")):
-            if r != 1:
-                out = (*shape[:k], shape[k] * r, *shape[k + 1 :])
-                v, shape = self._concatenate([v] * r, [shape] * r, k, out), out
+            out = (*shape[:k], shape[k] * r, *shape[k + 1 :])
+            if r != 1 and shape[k] == 1 and v.kind != ACT:  # copies of one entry: a broadcast (a class token's)
+                axes = [*v.axes[:k], [self.atoms.new(r)], *v.axes[k + 1 :]]
+                v = dataclasses.replace(v, axes=axes, scalars=v.scalars + list(v.axes[k]))
+            elif r != 1:
+                v = self._concatenate([v] * r, [shape] * r, k, out)
+            shape = out
         return [v]
 
     def _concatenate(self, ins: Sequence[Val], in_shapes, dim: int, shape) -> Val:
         """``ins`` (of ``in_shapes``) concatenated along axis ``dim`` into ``shape``: the other axes are tied; the
         result's axis ``dim`` is the operands' groups side by side (an alias), or positions where one of them has
-        no single group (pinned), or, where ``in_shapes`` is None, positions of one entry per operand (a stack)."""
+        no single group (pinned), or, where ``in_shapes`` is None, positions of one entry per operand (a stack). A
+        parameter concatenated with activations is a bias at its entries of the result (a ViT's class token put
+        before the patches: a bias into their units at the first position)."""
         acts = [v for v in ins if v.kind == ACT]
+        biases = [v for v in ins if v.kind == PARAM and acts and in_shapes is not None and not v.scaled]
         for v in ins:
-            self.mark_other(v, "concatenated")
+            if not any(v is b for b in biases):
+                self.mark_other(v, "concatenated")
         kind = ACT if acts else CONST
         out = []
         for k, d in enumerate(shape):
@@ -349,6 +357,8 @@ class ShapeRules:
                 for v in ins if in_shapes is not None else ():  # (a stack's operands have no such axis)
                     self.atoms.pin(v.axes[k], self.reason("concatenates along an axis of mixed structure"))
             out.append([new])
+        for v in biases:
+            self.use(v, self.all_atoms(v), "out")
         zero = kind == CONST and all(v.zero for v in ins)
         return Val(kind, out, zero=zero)
 

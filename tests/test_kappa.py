@@ -1249,6 +1249,37 @@ def test_pre_activations_concatenated_and_summed_with_a_layer_are_one_node_per_u
     chex.assert_trees_all_close(got, expected, rtol=1e-12)
 
 
+def test_a_class_token_put_before_the_positions_is_a_bias_at_the_first_position():
+    """A ViT's class token (a parameter tiled along the batch and concatenated before the patches' embeddings) is a
+    bias into the embedding's units at the first position: the units stay hidden (H 8 + 8), and the path norm, κ and
+    DDP-SGD's κ (α 0.5) are those of the network with a learned per-position bias that is the token at the first
+    position and 0 at the others. Before, the token was "other" and pinned the embedding's units (H 8)."""
+    ks = jax.random.split(jax.random.key(20), 8)
+    x = _normal(ks[0], (3, 5, 4))
+    p = {"e": _normal(ks[1], (4, 8)), "eb": _normal(ks[2], (8,), 0.1), "cls": _normal(ks[3], (1, 1, 8)),
+         "w": _normal(ks[4], (8, 8)), "wb": _normal(ks[5], (8,), 0.1), "o": _normal(ks[6], (8, 2))}  # fmt: skip
+    ref = {k: v for k, v in p.items() if k != "cls"} | {"pos": jnp.zeros((1, 6, 8)).at[:, :1].set(p["cls"])}
+
+    def head(p, h):
+        h = jax.nn.relu(h @ p["w"] + p["wb"])
+        return (h[:, 0] + h[:, 1:].mean(1)) @ p["o"]
+
+    def fn(p, x):
+        tokens = jnp.tile(p["cls"], (x.shape[0], 1, 1))
+        return head(p, jnp.concatenate([tokens, x @ p["e"] + p["eb"]], axis=1))
+
+    def ref_fn(p, x):  # (the token a bias at the first position; the patches' embeddings after a row of zeros)
+        return head(p, jnp.concatenate([jnp.zeros((x.shape[0], 1, 8)), x @ p["e"] + p["eb"]], axis=1) + p["pos"])
+
+    chex.assert_trees_all_close(fn(p, x), ref_fn(ref, x), rtol=1e-12)
+    space, groups, got = _quantities(fn, p, x, lambda t: t)
+    _, groups_ref, expected = _quantities(ref_fn, ref, x, lambda t: {k: v for k, v in t.items() if k != "pos"}
+                                          | {"cls": t["pos"][:, :1]})  # fmt: skip
+    assert groups == groups_ref and space.num_hidden == 16
+    chex.assert_trees_all_close(got, expected, rtol=1e-12)
+    pj.testing.assert_function_invariant(fn, space, p, x, rtol=1e-10)
+
+
 def test_a_fused_recurrent_kernel_cut_into_a_gate_and_a_relu_half_is_two_kernels():
     """A recurrent cell whose input and recurrent kernels each compute a ReLU half and a sigmoid gate at once
     (``a, g = jnp.split(x @ wx + h @ wh + b, 2, -1)``, ``h = relu(a) * sigmoid(g)``): the path norm, κ⁽¹⁾ + κ⁽²⁾ and
