@@ -204,8 +204,8 @@ class Interpreter(ShapeRules):
     def read_only_by_dead_code(self, jaxpr: jx.Jaxpr, n: int) -> list[tuple[int, Any]]:
         """The first ``n`` inputs of ``jaxpr`` (its params leaves) that only equations outside `live` read, each with
         the first such equation."""
-        live = self.live(jaxpr)
-        read = {v for e in live for v in e.invars if not jx.is_literal(v)} | set(jaxpr.outvars)
+        read = [v for e in self.live(jaxpr) for v in e.invars] + list(jaxpr.outvars)
+        read = {v for v in read if not jx.is_literal(v)}
         first = {}
         for e in jaxpr.eqns:
             for v in e.invars:
