@@ -335,7 +335,7 @@ class ShapeRules:
         parameter concatenated with activations is a bias at its entries of the result (a ViT's class token put
         before the patches: a bias into their units at the first position)."""
         acts = [v for v in ins if v.kind == ACT]
-        biases = [v for v in ins if v.kind == PARAM and acts and in_shapes is not None and not v.scaled]
+        biases = [v for v in ins if v.kind == PARAM and not v.scaled] if self._along_positions(acts, dim) else []
         for v in ins:
             if not any(v is b for b in biases):
                 self.mark_other(v, "concatenated")
@@ -361,6 +361,13 @@ class ShapeRules:
             self.use(v, self.all_atoms(v), "out")
         zero = kind == CONST and all(v.zero for v in ins)
         return Val(kind, out, zero=zero)
+
+    def _along_positions(self, acts: Sequence[Val], dim: int) -> bool:
+        """Whether axis ``dim`` of the activations ``acts`` (some) is positions, or input entries that a layer has
+        shared its weights along (`pathspace_jax.tracer.Interpreter.shared_along`): never the nodes of a layer."""
+        shared = set(self.atoms.factors(list(self.shared_inputs)))
+        fs = [f for v in acts for f in self.atoms.factors(v.axes[dim])]
+        return bool(fs) and all(self.atoms.position[f] or f in shared for f in fs)
 
     def _side_by_side(self, ins: Sequence[Val], in_shapes, k: int) -> list[int] | None:
         """The groups of the operands' axis ``k``, one atom each (empty operands left out), else None."""
