@@ -582,6 +582,8 @@ def _edge_leaves(atoms: Atoms, leaves, paths, leaf_info, groups, key_index) -> l
         return np.concatenate([i.reshape(atoms.blocks[root], -1) for i in ids], axis=1).ravel()
 
     def group_ids(seg: list[int]) -> np.ndarray:
+        """Global node ids of the entries of the group of factor roots ``seg``, laid out row-major in ``seg``'s order
+        and numbered row-major in the roots' sorted order."""
         sizes, local = [atoms.size[r] for r in seg], np.zeros((), np.int64)
         grids = np.meshgrid(*[np.arange(n) for n in sizes], indexing="ij")
         for k in sorted(range(len(seg)), key=lambda k: seg[k]):
