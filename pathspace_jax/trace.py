@@ -275,13 +275,18 @@ def _groups(interp: Interpreter, leaves, paths):
     paths = list(paths) + interp.leaf_paths[n:]
     _match_diagonals(interp.atoms, interp.diagonal)
     saved = copy.deepcopy(interp.atoms) if interp.diagonal else None
+    outputs_shared: set = set()  # batch axes whose output side alone is positions
     while True:
         leaf_info = _bias_positions(interp.atoms, _leaf_roles(interp, leaves, paths))
-        if not (shared := _shared_diagonals(interp, leaf_info)):
+        if not (shared := _shared_diagonals(interp, leaf_info, outputs_shared)):
             return (leaves, paths, leaf_info, *_node_groups(interp, leaf_info))
-        for axis in shared:  # positions after all, as they were before the rules saw the rest of the network
-            saved.unify(list(axis[1]), interp.diagonal.pop(axis), "a batch axis shared by a layer")
-            saved.make_positions(list(axis[1]))
+        for axis, both in shared:  # positions after all, as they were before the rules saw the rest of the network
+            if both:
+                saved.unify(list(axis[1]), interp.diagonal.pop(axis), "a batch axis shared by a layer")
+                saved.make_positions(list(axis[1]))
+            else:  # (the members summed after the layer: its inputs' members stay nodes of their own)
+                saved.make_positions(interp.diagonal[axis])
+                outputs_shared.add(axis)
         interp.atoms = copy.deepcopy(saved)
 
 
@@ -301,30 +306,40 @@ def _match_diagonals(atoms: Atoms, diagonal: dict) -> None:
             return
 
 
-def _shared_diagonals(interp: Interpreter, leaf_info: list[tuple]) -> list[tuple]:
-    """The batch axes of `Interpreter.diagonal` whose entries cannot be nodes of their own.
+def _shared_diagonals(interp: Interpreter, leaf_info: list[tuple], outputs_shared: set) -> list[tuple]:
+    """The batch axes of `Interpreter.diagonal` whose entries cannot be nodes of their own, each with whether on
+    both sides (False: on the output side alone, the layer's input side's members staying nodes of their own).
 
     A parameter's batch axis in a ``dot_general`` (an ensemble's members under ``nn.vmap``, a mixture's experts:
     one weight matrix per entry) or a grouped convolution's groups make each entry part of the nodes on both
     sides: node (member, unit) feeds node (member, unit') only. That holds while every layer keeps the members
     apart; where one does not (a bias or a weight shared by all members, a layer that contracts the members
     alone, or the axis turns out to be space or time), the axis is a position instead, the nodes shared by all
-    its entries: still a symmetry, a smaller one. A per-unit scale's axis (`Interpreter.scales`) is no batch axis:
-    where the group it reads clashes with another, `_node_groups` pins that group, and the scale stays an edge.
+    its entries: still a symmetry, a smaller one. Where only the output side's groups clash (the members summed
+    after the layer, as a mixture of experts sums them), only that side is positions: each member's units before
+    the layer stay nodes of their own (node (member, unit) feeds unit' shared by the members, at the member's
+    position). A per-unit scale's axis (`Interpreter.scales`) is no batch axis: where the group it reads clashes
+    with another, `_node_groups` pins that group, and the scale stays an edge.
     """
     atoms = interp.atoms
-    shared, roots = [], {}
+    shared, roots, clashing = [], {}, {}
     for axis, ends in interp.diagonal.items():
         ins, outs = atoms.factors(list(axis[1])), atoms.factors(ends)
         same = [atoms.size[r] for r in ins] == [atoms.size[r] for r in outs]
-        if not same or any(atoms.position[r] for r in outs):
-            shared.append(axis)
-        roots.update((r, axis) for r in ins + outs)
+        if not same or axis not in outputs_shared and any(atoms.position[r] for r in outs):
+            shared.append((axis, True))
+        roots.update((r, (axis, True)) for r in ins)
+        roots.update((r, (axis, False)) for r in outs if r not in roots)
     keys = {frozenset(f[k] for k in node_in) for _, f, node_in, _, _, _, _ in leaf_info if node_in}
     keys |= {frozenset(e[k] for k in node_out) for _, _, _, node_out, _, _, e in leaf_info if node_out}
     for key, other in _clashes(keys):  # `_node_groups` would pin both; a member axis among them is shared instead
-        shared += [roots[t] for t in key | other if t in roots and roots[t] not in interp.scales]
-    return list(dict.fromkeys(shared))
+        for axis, side in (roots[t] for t in key | other if t in roots and roots[t][0] not in interp.scales):
+            clashing[axis] = clashing.get(axis, False) or side  # (True: its input side clashes too)
+    shared += [(axis, both or axis in outputs_shared) for axis, both in clashing.items()]
+    both: dict = {}
+    for axis, whole in shared:
+        both[axis] = both.get(axis, False) or whole
+    return list(both.items())
 
 
 def _clashes(keys):

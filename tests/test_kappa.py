@@ -1280,6 +1280,41 @@ def test_a_class_token_put_before_the_positions_is_a_bias_at_the_first_position(
     pj.testing.assert_function_invariant(fn, space, p, x, rtol=1e-10)
 
 
+@pytest.mark.parametrize("mix", ["sum", "gate"])
+def test_experts_summed_after_their_layers_keep_their_inner_units_apart(mix):
+    """Experts of two layers written with einsum (``h = relu(einsum("bd,edf->bef", x, w1))``, ``y = relu(einsum(
+    "bef,efd->bed", h, w2))``) whose outputs are summed (or mixed by a softmax gate): each expert's inner units are
+    nodes of their own (3 x 4), its output units shared by the experts (3), as with one kernel per expert; the
+    same path norm, κ and DDP-SGD's κ (α 0.5). Before, the sum made the expert axis a position on both sides of
+    w2, so the inner units were shared by the experts too (H 4 + 3)."""
+    ks = jax.random.split(jax.random.key(21), 6)
+    x = _normal(ks[0], (6, 5))
+    p = {"w1": _normal(ks[1], (3, 5, 4)), "w2": _normal(ks[2], (3, 4, 3)), "o": _normal(ks[3], (3, 2))}
+    p |= {"g": _normal(ks[4], (5, 3))} if mix == "gate" else {}
+    apart = p | {k: list(p[k]) for k in ("w1", "w2")}
+
+    def mixed(p, x, y):  # (batch, expert, unit) -> (batch, unit)
+        return jnp.einsum("be,bed->bd", jax.nn.softmax(x @ p["g"], -1), y) if "g" in p else y.sum(1)
+
+    def fused_fn(p, x):
+        h = jax.nn.relu(jnp.einsum("bd,edf->bef", x, p["w1"]))
+        return mixed(p, x, jax.nn.relu(jnp.einsum("bef,efd->bed", h, p["w2"]))) @ p["o"]
+
+    def apart_fn(p, x):
+        ys = [jax.nn.relu(jax.nn.relu(x @ w1) @ w2) for w1, w2 in zip(p["w1"], p["w2"], strict=True)]
+        return mixed(p, x, jnp.stack(ys, 1)) @ p["o"]
+
+    def fuse(t):
+        return t | {k: jnp.stack(t[k]) for k in ("w1", "w2")}
+
+    chex.assert_trees_all_close(fused_fn(p, x), apart_fn(apart, x), rtol=1e-12)
+    space, _, got = _quantities(fused_fn, p, x, lambda t: t)
+    space_ref, _, expected = _quantities(apart_fn, apart, x, fuse)  # (the inner units one group per expert there)
+    assert space.num_hidden == space_ref.num_hidden == 3 * 4 + 3
+    chex.assert_trees_all_close(got, expected, rtol=1e-12)
+    pj.testing.assert_function_invariant(fused_fn, space, p, x, rtol=1e-10)
+
+
 def test_a_fused_recurrent_kernel_cut_into_a_gate_and_a_relu_half_is_two_kernels():
     """A recurrent cell whose input and recurrent kernels each compute a ReLU half and a sigmoid gate at once
     (``a, g = jnp.split(x @ wx + h @ wh + b, 2, -1)``, ``h = relu(a) * sigmoid(g)``): the path norm, κ⁽¹⁾ + κ⁽²⁾ and

@@ -333,8 +333,9 @@ def test_a_segment_max_is_homogeneous_into_minus_infinity_or_zero(fill, pins):
 def test_a_batch_axis_of_weights_gives_nodes_of_their_own_unless_a_layer_shares_it():
     """Weights with a batch axis in a ``dot_general`` (experts, ensemble members, the positions of ``nn.ConvLocal``)
     have nodes of their own along it: node (member, unit) feeds (member, unit') only. Where a bias is shared by
-    every member, a layer contracts the members alone, or a convolution shares weights across ConvLocal's
-    positions, the axis is a position instead (the nodes shared along it): smaller, still exact symmetries."""
+    every member, or a convolution shares weights across ConvLocal's positions, the axis is a position instead (the
+    nodes shared along it): smaller, still exact symmetries. Where a layer contracts the members alone, only the
+    output side of the layer before is shared: the units before it stay apart (18, not 6 as before)."""
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((5, 4)))
     w1, w2, e = rng.standard_normal((3, 4, 6)), rng.standard_normal((3, 6, 2)), rng.standard_normal((3, 2))
@@ -373,7 +374,7 @@ def test_a_batch_axis_of_weights_gives_nodes_of_their_own_unless_a_layer_shares_
     for fn, params, inputs, hidden in (
         (experts, {"w1": w1, "b1": rng.standard_normal((3, 1, 6)), "w2": w2}, x, 18),
         (experts, {"w1": w1, "b1": rng.standard_normal(6), "w2": w2}, x, 6),  # one bias for all members
-        (contracted, {"w1": w1, "w2": w2, "e": e}, x, 6),
+        (contracted, {"w1": w1, "w2": w2, "e": e}, x, 18),  # (the second layer's members shared, the first's apart)
         (lambda p, x: PerMemberInputs().apply({"params": p}, x), vmapped, xs, 3 * 5),
         (lambda p, x: CNNs().apply({"params": p}, x), cnns, images, 2 * (4 + 3)),
         (lambda p, x: LocalThenConv().apply({"params": p}, x), local, images, 3),
