@@ -335,11 +335,11 @@ def _shared_diagonals(interp: Interpreter, leaf_info: list[tuple], outputs_share
     for key, other in _clashes(keys):  # `_node_groups` would pin both; a member axis among them is shared instead
         for axis, side in (roots[t] for t in key | other if t in roots and roots[t][0] not in interp.scales):
             clashing[axis] = clashing.get(axis, False) or side  # (True: its input side clashes too)
-    shared += [(axis, both or axis in outputs_shared) for axis, both in clashing.items()]
-    both: dict = {}
-    for axis, whole in shared:
-        both[axis] = both.get(axis, False) or whole
-    return list(both.items())
+    shared += [(axis, inputs_too or axis in outputs_shared) for axis, inputs_too in clashing.items()]
+    out: dict = {}  # (one entry per axis: both sides where any reason says so)
+    for axis, both in shared:
+        out[axis] = out.get(axis, False) or both
+    return list(out.items())
 
 
 def _clashes(keys):
