@@ -353,7 +353,7 @@ def _find_nodes(prog: Program, body: bool = False) -> set[int]:
     def cut(e: Eqn) -> bool:  # a split that is its operand's only use: its pieces are the nodes (`_cut_nodes`)
         return e.prim.name == "split" and uses.get(e.ins[0]) == [e]
 
-    def joins(e: Eqn) -> bool:  # pre-activations side by side, each read there alone: one node where it is read
+    def concatenated(e: Eqn) -> bool:  # pre-activations side by side, each read there alone: one node where read
         acts = [x for x in e.ins if not isinstance(x, tuple) and kinds[x] == "act"]
         if e.prim.name != "concatenate" or e.outs[0] in prog.joins:  # (not the pieces of a cut node joined back)
             return False
@@ -367,7 +367,7 @@ def _find_nodes(prog: Program, body: bool = False) -> set[int]:
             fresh.add(e.outs[0])
         elif cut(e) and ids[0] in fresh:
             fresh.update(e.outs)
-        elif joins(e):  # (a residual added to the concatenation: its sum is the node, as with one kernel per piece)
+        elif concatenated(e):  # (a residual added to it: the sum is the node, as with one kernel per piece)
             fresh.add(e.outs[0])
         elif rule(name).continues_node and not any(x in prog.masks for x in ids):  # a gate ends it, as ReLU does
             # (a pre-activation read by anything else is a node there, and what it goes on to is no node again)
@@ -385,7 +385,7 @@ def _find_nodes(prog: Program, body: bool = False) -> set[int]:
                 continue
             if v not in fresh:
                 continue
-            merged = len(us) == 1 and (rule(us[0].prim.name).continues_node or cut(us[0]) or joins(us[0]))
+            merged = len(us) == 1 and (rule(us[0].prim.name).continues_node or cut(us[0]) or concatenated(us[0]))
             if merged and us[0].prim.name in ("mul", "div"):  # by constant factors, or a gate (a pinned value)
                 other = [x for x in us[0].ins if x != v]
                 merged = all(isinstance(x, tuple) or kinds[x] == "const" or x in prog.pinned for x in other)

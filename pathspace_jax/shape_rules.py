@@ -114,13 +114,11 @@ class ShapeRules:
                 self.atoms.set_alias(flat, segs, blocks)
             elif self.atoms.blocks[flat] != blocks or len(segs) != k // w:
                 return None
-            segs = [self.atoms.find(seg) for seg in segs]
         else:  # ranges of ``flat`` (cut as an earlier reshape of the same output was, if it was)
             segs = [self._cut(flat, i * w * m, (i + 1) * w * m) for i in range(k // w)]
             if any(seg is None for seg in segs):
                 return None
-            segs = [self.atoms.find(seg) for seg in segs]
-        per = []
+        segs, per = [self.atoms.find(seg) for seg in segs], []
         for seg in segs:
             if self.atoms.alias[seg] is not None:
                 return None
