@@ -172,7 +172,8 @@ class Val:
     random: bool = False  # a constant computed from random numbers (a dropout mask, a PRNG key)
     scaled: bool = False  # a parameter's view times fixed coefficients (BatchNorm's scale over its running deviation)
     # a fully pinned value times a per-unit parameter, (value, parameter), read once, by a product (`rule_mul`); or
-    # coefficients computed from parameters times one, read once, as a kernel (`Interpreter.kernel_scale`)
+    # coefficients computed from parameters times one (a gain per output unit), read once, as a kernel, in the making
+    # (`Interpreter.kernel_scale`)
     factors: tuple | None = None
     # a constant computed from parameters (weight normalisation's v/‖v‖, a power iteration's vectors): a coefficient,
     # not a fixed input of the network

@@ -247,12 +247,12 @@ class Interpreter(ShapeRules):
         name = eqn.primitive.name
         structure = rules.rule(name).structure  # the rule table: one entry per primitive
         method = getattr(self, "rule_" + name.replace("-", "_"), None) if structure == "method" else None
+        if ins and ins[0].factors is not None and ins[0].kind == CONST and (structure == "relabel" or
+                                                                            name == "broadcast_in_dim"):  # fmt: skip
+            return [self.held_reshaped(eqn, ins[0])]
         if method is not None:
             return method(eqn, ins)
         if structure == "relabel":
-            if ins[0].factors is not None and ins[0].kind == CONST:  # a held kernel cast (`kernel_scale`)
-                c, p = (self.record(eqn, [v], [dataclasses.replace(v)])[0] for v in ins[0].factors)
-                return [dataclasses.replace(ins[0], factors=(c, p))]
             return [dataclasses.replace(v) for v in ins[: len(eqn.outvars)]]
         if structure == "nonlinear":
             return [self.nonlinear(eqn, ins)]
@@ -266,6 +266,16 @@ class Interpreter(ShapeRules):
         if sub is not None:
             return self.enter(eqn, sub, ins)
         return self.unknown(eqn, ins)
+
+    def held_reshaped(self, eqn, v: Val) -> Val:
+        """A kernel held by `kernel_scale` cast or broadcast: both factors are (each recorded), or, broadcast where a
+        factor does not have the kernel's shape, the kernel is no longer held (`unscaled`)."""
+        shape = eqn.invars[0].aval.shape
+        if eqn.primitive.name == "broadcast_in_dim" and any(tuple(map(self.size, f.axes)) != shape for f in v.factors):
+            (v,) = self.unscaled([v])
+            return self.apply(eqn, [v])[0]
+        c, p = (self.record(eqn, [f], self.apply(eqn, [f]))[0] for f in v.factors)
+        return dataclasses.replace(self.apply(eqn, [dataclasses.replace(v, factors=None)])[0], factors=(c, p))
 
     def enter(self, eqn, sub: jx.ClosedJaxpr, ins: list[Val]) -> Recorded:
         """A call, inlined. A ``custom_jvp``/``custom_vjp`` call is also recorded as one equation holding its
@@ -396,6 +406,8 @@ class Interpreter(ShapeRules):
     rule_add_any = rule_add
 
     def rule_mul(self, eqn, ins):
+        if (held := self.kernel_scale(eqn, ins)) is not None:
+            return [held]
         if any(v.factors is not None for v in ins) and (scaled := self.normalised_scale(eqn, ins)):
             return scaled
         acts = [v for v in ins if v.kind == ACT]
@@ -427,8 +439,6 @@ class Interpreter(ShapeRules):
             if not params and all(map(self.fully_pinned, acts)):  # (a top-k router's weights spread by a one-hot)
                 self.pin(out, "a product of pinned values and constants")
             return [out]
-        if not acts and (held := self.kernel_scale(eqn, params, consts)) is not None:
-            return [held]
         if len(params) == 1 and eqn.primitive.name == "mul" and not any(c.from_params for c in consts):
             # a parameter times a fixed coefficient is still a view of that parameter
             axes = self.broadcast(eqn, params + consts, unify=False)
@@ -505,37 +515,74 @@ class Interpreter(ShapeRules):
             return None
         return self.record(eqn, ins, [self.ew(ACT, ins, out)], as_=as_, edge=True)
 
-    def kernel_scale(self, eqn, params: Sequence[Val], consts: Sequence[Val]) -> Val | None:
-        """``c * p`` with ``c`` coefficients computed from parameters and ``p`` a parameter that varies along some of
-        c's axes only, read once, as the kernel of a ``dot_general`` or a convolution (`read_as_kernel`; a cast on the
-        way casts both factors, `apply`): ``nn.WeightNorm``'s g·v/‖v‖, g one entry per output unit. Held as its
-        factors (`Val.factors`) for `scaled_kernel`; None otherwise."""
-        shape = eqn.outvars[0].aval.shape
-        if eqn.primitive.name != "mul" or len(params) != 1 or len(consts) != 1:
-            return None
-        (p,), (c,) = params, consts
-        if not c.from_params or c.random or p.scaled or len(p.axes) != len(shape):
-            return None
-        if len(c.axes) != len(shape) or any(self.size(ax) != d for ax, d in zip(c.axes, shape, strict=True)):
-            return None  # (c broadcast: x·c is no product with the kernel's shape)
-        own = {f for ax in self.leaf_axes[p.leaf] for f in self.atoms.factors(ax)}
-        varying = [k for k, ax in enumerate(p.axes) if self.size(ax) > 1]
-        if not varying or any(self.size(p.axes[k]) != shape[k] or not set(self.atoms.factors(p.axes[k])) <= own
-                              for k in varying):  # fmt: skip
+    def kernel_scale(self, eqn, ins: Sequence[Val]) -> Val | None:
+        """A kernel ``c * p`` in the making: ``c`` coefficients computed from parameters and ``p`` a parameter that
+        varies along some of c's axes only, the product read once, as the kernel of a ``dot_general`` or a
+        convolution (`read_as_kernel`). Held as its factors (`Val.factors`) for `scaled_kernel`, in any order the
+        product is written: Flax's ``v / ‖v‖ * g`` (``nn.WeightNorm``) and ``g * (v / ‖v‖)``; ``g * v / ‖v‖`` (``c``
+        is then ``v``, and ``v / ‖v‖`` once divided); PyTorch's ``v * (g / ‖v‖)`` (``g / ‖v‖`` is ``(1 / ‖v‖) *
+        g``). A held product times or over further coefficients holds their product or quotient (recorded: the
+        program computes ``c`` itself). None otherwise."""
+        name, shape = eqn.primitive.name, eqn.outvars[0].aval.shape
+        if name not in ("mul", "div") or len(ins) != 2 or any(v.kind == ACT or v.random for v in ins):
             return None
         if not self.read_as_kernel(eqn.outvars[0]):
             return None
-        return self.ew(CONST, [c, p], self.broadcast(eqn, [c, p], unify=False), from_params=True, factors=(c, p))
+        held = [v for v in ins if v.factors is not None]
+        if held:  # (c·p)·x = (c·x)·p, (c·p)/x = (c/x)·p; (c·q)·g with q no gain and g one: (c·q)·g (v / ‖v‖ * g)
+            if len(held) != 1 or name == "div" and ins[1] is held[0]:
+                return None
+            (c, p), x = held[0].factors, ins[1 - ins.index(held[0])]
+            if name == "mul" and not self.gain(p, shape) and x.kind == PARAM and self.gain(x, shape):
+                p, x = x, p
+            if not self.gain(p, shape, broadcast=False):
+                return None
+            if x.kind == PARAM:  # (v·(g/‖v‖), v/‖v‖·g: v combined with the coefficients)
+                self.mark_other(x, "combined with a per-unit gain into a kernel's coefficients")
+            operands = [c, x]
+            c = self.ew(CONST, operands, self.broadcast(eqn, operands, unify=False), from_params=True)
+            (c,) = self.record(eqn, operands, [c])
+            return self.ew(CONST, ins, self.broadcast(eqn, ins, unify=False), from_params=True, factors=(c, p))
+        if name == "div":  # g / x = (1 / x)·g, g a gain if a product makes it one (`gain` there)
+            p, x = ins
+            if p.kind != PARAM or x.kind != CONST or not x.from_params or not self.gain(p, shape, broadcast=False):
+                return None
+            one = Val(CONST, self.fresh(shape), id=("lit", np.ones(shape, eqn.outvars[0].aval.dtype)))
+            c = self.ew(CONST, [x], self.broadcast(eqn, [x], unify=False), from_params=True)
+            (c,) = self.record(eqn, [one, x], [c])
+            return self.ew(CONST, ins, self.broadcast(eqn, ins, unify=False), from_params=True, factors=(c, p))
+        for p, c in (ins, ins[::-1]):
+            full = len(c.axes) == len(shape) and all(self.size(ax) == d for ax, d in zip(c.axes, shape, strict=True))
+            coefficients = c.kind == CONST and c.from_params or c.kind == PARAM
+            if p.kind == PARAM and coefficients and full and self.gain(p, shape):
+                if c.kind == PARAM:  # g·v: v is coefficients once divided by its norm (`scaled_kernel` checks)
+                    self.mark_other(c, "combined with a per-unit gain into a kernel's coefficients")
+                return self.ew(CONST, ins, self.broadcast(eqn, ins, unify=False), from_params=True, factors=(c, p))
+        return None
+
+    def gain(self, p: Val, shape, *, broadcast: bool = True) -> bool:
+        """Whether the parameter ``p`` varies along some axes of ``shape`` only (with ``broadcast``: not along one
+        of more than one entry at least), each one of its own leaf's: a gain per output unit of a kernel of that
+        shape (`kernel_scale`)."""
+        if p.kind != PARAM or p.scaled or len(p.axes) != len(shape):
+            return False
+        own = {f for ax in self.leaf_axes[p.leaf] for f in self.atoms.factors(ax)}
+        varying = [k for k, ax in enumerate(p.axes) if self.size(ax) > 1]
+        if broadcast and not any(self.size(ax) == 1 < d for ax, d in zip(p.axes, shape, strict=True)):
+            return False
+        return bool(varying) and all(self.size(p.axes[k]) == shape[k] and set(self.atoms.factors(p.axes[k])) <= own
+                                     for k in varying)  # fmt: skip
 
     def read_as_kernel(self, var) -> bool:
-        """Whether the jaxpr variable ``var`` is read once, by a ``dot_general`` or a convolution, or cast first (a
-        kernel in a layer's compute dtype: mixed precision)."""
+        """Whether the jaxpr variable ``var`` is read once, by a ``dot_general`` or a convolution, or first cast (a
+        kernel in a layer's compute dtype: mixed precision), broadcast, multiplied or divided (`kernel_scale`)."""
         uses = self.consumers[-1].get(var, [])
         if len(uses) != 1 or uses[0] is None:
             return False
-        if uses[0].primitive.name == "convert_element_type":
+        name = uses[0].primitive.name
+        if name in ("convert_element_type", "broadcast_in_dim", "mul") or name == "div" and uses[0].invars[0] is var:
             return self.read_as_kernel(uses[0].outvars[0])
-        return uses[0].primitive.name in ("dot_general", "conv_general_dilated")
+        return name in ("dot_general", "conv_general_dilated")
 
     def scaled_kernel(self, eqn, ins: Sequence[Val]) -> Recorded | None:
         """A ``dot_general`` or convolution of an activation ``x`` with a kernel ``c * p`` held by `kernel_scale`,
@@ -547,8 +594,8 @@ class Interpreter(ShapeRules):
         x, (c, p), shape = ins[1 - k], ins[k].factors, eqn.outvars[0].aval.shape
         varying = [j for j, ax in enumerate(p.axes) if self.size(ax) > 1]
         dtype = eqn.invars[k].aval.dtype
-        if x.kind != ACT or eqn.outvars[0].aval.dtype != dtype:
-            return None
+        if x.kind != ACT or eqn.outvars[0].aval.dtype != dtype or c.kind != CONST:
+            return None  # (c a parameter: g·v read undivided)
         if eqn.primitive.name == "dot_general":
             (lc, rc), (lb, rb) = jx.param(eqn, "dimension_numbers")
             free = [[j for j in range(len(v.axes)) if j not in (lc, rc)[i] and j not in (lb, rb)[i]]
@@ -584,6 +631,9 @@ class Interpreter(ShapeRules):
         return [dataclasses.replace(v, factors=None) if v.factors is not None else v for v in ins]
 
     def rule_div(self, eqn, ins):
+        if (held := self.kernel_scale(eqn, ins)) is not None:
+            return [held]
+        ins = self.unscaled(ins)
         num, den = ins
         if den.kind == CONST and (num.kind == ACT or num.kind == PARAM and not den.from_params):
             if num.kind == PARAM:

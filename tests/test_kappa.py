@@ -1622,9 +1622,18 @@ class _ComputedCoefficient(nn.Module):
     @nn.compact
     def __call__(self, x):
         h = nn.relu(nn.Dense(6, param_dtype=F64)(x))
-        if self.kind in ("weight_norm", "spectral_norm", "unit_columns"):
+        if self.kind.startswith("weight_norm") or self.kind in ("spectral_norm", "unit_columns"):
             if self.const is None and self.kind == "weight_norm":
                 h = nn.relu(nn.WeightNorm(nn.Dense(5, param_dtype=F64))(h))
+            elif self.const is None and self.kind in ("weight_norm_g_first", "weight_norm_torch"):  # by hand
+                v = self.param("v", nn.initializers.lecun_normal(), (6, 5), F64)
+                g = self.param("g", nn.initializers.ones, (5,), F64)
+                bias = self.param("Dense_1_bias", nn.initializers.normal(0.1), (5,), F64)
+                if self.kind == "weight_norm_g_first":  # (g * v) / ‖v‖
+                    kernel = g * v / jnp.linalg.norm(v, axis=0, keepdims=True)
+                else:  # v * (g / ‖v‖), as torch.nn.utils.weight_norm computes it
+                    kernel = v * (g / jnp.linalg.norm(v, axis=0))
+                h = nn.relu(h @ kernel + bias)
             elif self.const is None and self.kind == "unit_columns":  # a kernel of unit columns, no gain
                 v = self.param("Dense_1_kernel", nn.initializers.lecun_normal(), (6, 5), F64)
                 bias = self.param("Dense_1_bias", nn.initializers.normal(0.1), (5,), F64)
@@ -1632,7 +1641,7 @@ class _ComputedCoefficient(nn.Module):
             elif self.const is None:
                 h = nn.relu(nn.SpectralNorm(nn.Dense(5, param_dtype=F64))(h, update_stats=False))
             else:
-                if self.kind == "weight_norm":
+                if self.kind.startswith("weight_norm"):
                     h = (h @ self.const) * self.param("scale", nn.initializers.ones, (5,), F64)
                 else:
                     h = h @ self.const
@@ -1647,10 +1656,14 @@ class _ComputedCoefficient(nn.Module):
         return nn.Dense(3, param_dtype=F64, name="Dense_2")(h)
 
 
-@pytest.mark.parametrize("kind", ["exp", "softplus", "weight_norm", "spectral_norm", "unit_columns"])
+@pytest.mark.parametrize(
+    "kind",
+    ["exp", "softplus", "weight_norm", "weight_norm_g_first", "weight_norm_torch", "spectral_norm", "unit_columns"],
+)
 def test_coefficients_computed_from_parameters_are_raised_where_they_are_read(kind):
-    """A coefficient computed from parameters (a gain exp(s) or softplus(s), weight normalisation's g·v/‖v‖,
-    spectral normalisation's W/σ(W), a kernel of unit columns v/‖v‖) is computed from the parameters as they are and
+    """A coefficient computed from parameters (a gain exp(s) or softplus(s), weight normalisation's g·v/‖v‖ in
+    Flax's order, as ``(g * v) / ‖v‖`` or as PyTorch's ``v * (g / ‖v‖)``, spectral normalisation's W/σ(W), a kernel of
+    unit columns v/‖v‖) is computed from the parameters as they are and
     raised to p where the |·|^p network reads it: the path norm, κ and DDP-SGD's κ (α 0.5: its γ² recursion) equal
     those of the same network with the coefficient's value as a constant. Before, the |·|^p network raised
     the parameters first and refused ``exp``, or the product g·v, as "not positively homogeneous"; the trace read
@@ -1665,6 +1678,10 @@ def test_coefficients_computed_from_parameters_are_raised_where_they_are_read(ki
         g = g * jnp.asarray([0.5, 2.0, 1.5, 0.75, 1.25], F64)  # not all ones: a scale the paths do go through
         p = {**p, "WeightNorm_0": {"Dense_1/kernel/scale": g}}
         value = v * jax.lax.rsqrt(jnp.sum(v * v, axis=0) + 1e-12)  # flax's normalisation written out, before g
+    if kind in ("weight_norm_g_first", "weight_norm_torch"):
+        v, g = p["v"], p["g"] * jnp.asarray([0.5, 2.0, 1.5, 0.75, 1.25], F64)
+        p = {**p, "g": g}
+        value = v / jnp.linalg.norm(v, axis=0)
     if kind == "spectral_norm":  # one step of power iteration from u (float32), written out
         w, u = p["Dense_1"]["kernel"], stats["batch_stats"]["SpectralNorm_0"]["Dense_1/kernel/u"].astype(F64)
         v = u @ w.T
@@ -1676,6 +1693,10 @@ def test_coefficients_computed_from_parameters_are_raised_where_they_are_read(ki
         value = p["Dense_1_kernel"] / jnp.linalg.norm(p["Dense_1_kernel"], axis=0)
         q = {k: v for k, v in p.items() if k != "Dense_1_kernel"}
         shared = shared_ref = lambda k: {n: v for n, v in k.items() if n != "Dense_1_kernel"}  # noqa: E731
+    elif kind in ("weight_norm_g_first", "weight_norm_torch"):  # g: a per-unit scale of v/‖v‖'s outputs
+        q = {"Dense_0": p["Dense_0"], "Dense_1_bias": p["Dense_1_bias"], "Dense_2": p["Dense_2"], "scale": g}
+        shared = lambda k: {n: k[n] for n in ("Dense_0", "Dense_1_bias", "Dense_2", "g")}  # noqa: E731
+        shared_ref = lambda k: {**{n: k[n] for n in ("Dense_0", "Dense_1_bias", "Dense_2")}, "g": k["scale"]}  # noqa: E731
     elif kind in ("weight_norm", "spectral_norm"):
         q = {"Dense_0": p["Dense_0"], "Dense_1_bias": p["Dense_1"]["bias"], "Dense_2": p["Dense_2"]}
         shared = lambda k: {"Dense_0": k["Dense_0"], "Dense_1/bias": k["Dense_1"]["bias"], "Dense_2": k["Dense_2"]}  # noqa: E731
@@ -1692,7 +1713,8 @@ def test_coefficients_computed_from_parameters_are_raised_where_they_are_read(ki
     fn, fn_ref = (lambda p, x: model.apply({"params": p, **stats}, x)), (lambda q, x: ref.apply({"params": q}, x))
     np.testing.assert_allclose(fn(p, x), fn_ref(q, x), rtol=1e-12)
     space, space_ref = pj.trace(fn, p, x), pj.trace(fn_ref, q, x)
-    assert space.num_hidden == space_ref.num_hidden == {"exp": 11, "softplus": 11, "weight_norm": 5}.get(kind, 0)
+    hidden = {"exp": 11, "softplus": 11}.get(kind, 5 if kind.startswith("weight_norm") else 0)
+    assert space.num_hidden == space_ref.num_hidden == hidden
     np.testing.assert_allclose(pj.path_norm(space, p), pj.path_norm(space_ref, q), rtol=1e-12)
     kappa = shared(pj.path_kappa(space, p))
     chex.assert_trees_all_close(kappa, shared_ref(pj.path_kappa(space_ref, q)), rtol=1e-12)

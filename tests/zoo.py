@@ -231,13 +231,52 @@ class WeightNormNet(nn.Module):
         return nn.Dense(2)(x)
 
 
-def _weight_norm() -> Case:
-    """`WeightNormNet` with its gains g drawn around 1 (as `_gains` draws per-unit scales)."""
-    case = _linen("weight_norm_conv_dense", WeightNormNet(), _normal(4, 4, 1), hidden=8, pinned=3, extra_symmetries=12)
+def _weight_norm(torch: bool = False) -> Case:
+    """`WeightNormNet` (or `TorchWeightNormNet`) with its gains g drawn around 1 (as `_gains` draws per-unit
+    scales)."""
+    name, net = (
+        ("weight_norm_conv_dense", WeightNormNet()) if not torch else ("weight_norm_torch_order", TorchWeightNormNet())
+    )
+    case = _linen(name, net, _normal(4, 4, 1), hidden=8, pinned=3, extra_symmetries=12, seed=int(torch))
     rng = np.random.default_rng(7)
-    params = {k: {n: 1.0 + 0.3 * rng.standard_normal(np.shape(g)) for n, g in v.items()} if k.startswith("Weight")
-              else v for k, v in case.params.items()}  # fmt: skip
+    gain = (lambda n: n == "weight_g") if torch else (lambda n: True)
+    params = {k: {n: 1.0 + 0.3 * rng.standard_normal(np.shape(g)) if gain(n) else g for n, g in v.items()}
+              if k.startswith("Weight") or k.startswith("TorchWeight") else v
+              for k, v in case.params.items()}  # fmt: skip
     return dataclasses.replace(case, params=_f64(params))
+
+
+class TorchWeightNormed(nn.Module):
+    """A layer as a port of PyTorch's ``torch.nn.utils.weight_norm`` writes it: parameters ``weight_v`` and
+    ``weight_g`` (one per output unit), the kernel ``v * (g / ‖v‖)``, ‖v‖ over every axis but the output's."""
+
+    features: int
+    window: tuple[int, ...] | None = None  # a convolution's (SAME, stride 1), else a Dense layer
+
+    @nn.compact
+    def __call__(self, x):
+        shape = (*(self.window or ()), x.shape[-1], self.features)
+        v = self.param("weight_v", nn.initializers.lecun_normal(), shape)
+        g = self.param("weight_g", nn.initializers.ones, (self.features,))
+        kernel = v * (g / jnp.sqrt(jnp.sum(v * v, axis=tuple(range(v.ndim - 1)))))
+        if self.window is None:
+            y = x @ kernel
+        else:
+            y = jax.lax.conv_general_dilated(x, kernel, (1,) * len(self.window), "SAME",
+                                             dimension_numbers=("NHWC", "HWIO", "NHWC"))  # fmt: skip
+        return y + self.param("bias", nn.initializers.zeros, (self.features,))
+
+
+class TorchWeightNormNet(nn.Module):
+    """`WeightNormNet` as a port of a PyTorch model writes it (`TorchWeightNormed`): the same structure (H = 3 + 5,
+    3 pinned groups, 12 symmetries beyond rescaling), where g was "other" and its units pinned (H 0)."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(TorchWeightNormed(3, (2, 2))(x))
+        x = nn.relu(nn.Conv(4, (2, 2), padding="VALID")(x))
+        x = nn.relu(TorchWeightNormed(5)(x.reshape(x.shape[0], -1)))
+        return nn.Dense(2)(x)
 
 
 class SharedReadout(nn.Module):
@@ -709,6 +748,7 @@ def _build() -> dict[str, Case]:
         _gains(_linen("layer_scale_mlp", LayerScaleMLP(), _normal(3), hidden=19, seed=1), "gain", "layer_scale"),
         _prelu_mlp(),
         _weight_norm(),
+        _weight_norm(torch=True),
         _linen("maxout_reshape_mlp", MaxoutMLP(), _normal(3), hidden=9, extra_symmetries=8),
         _linen("dense_general_shared_readout", SharedReadout(), _normal(3), hidden=4),
         _linen("vmap_members_shared_head", SharedReadout(members=True), _normal(3), hidden=4),
