@@ -926,7 +926,11 @@ class Interpreter(ShapeRules):
         values): a's entries are coefficients that no rescaling changes, so x's units go on through the sum, along
         x's batch axes (the heads) and free axes, and the result scales with them. x's contracted axes (the keys)
         must be positions: where they turn out to be nodes, they are pinned (`settle`). a's free axes (the
-        queries) are its own. None where neither or both are fully pinned (as `gated`)."""
+        queries) are its own where they are positions or input axes (self-attention's: the sequence's); where they
+        are nodes (learned queries, ``nn.MultiHeadDotProductAttention(probe, x)`` with a parameter ``probe``: the
+        pinned nodes of fixed coefficients; the units of a pinned layer, in an outer product), the result's are
+        positions of their own: each of its entries is x's unit times a coefficient, shared by the entries of that
+        axis. None where neither or both are fully pinned (as `gated`)."""
         pinned_rhs = self.fully_pinned(ins[1])
         if self.fully_pinned(ins[0]) == pinned_rhs:
             return None
@@ -939,7 +943,13 @@ class Interpreter(ShapeRules):
                 self.atoms.make_positions(x.axes[k])
             self.defer(list(x.axes[k]), list(x.axes[k]), why)
         out = [list(x.axes[k]) for k in batch[j]]
-        out += [list(v.axes[k]) for v, fr in zip(ins, free, strict=True) for k in fr]
+        for v, fr in zip(ins, free, strict=True):
+            for k in fr:
+                fs = self.atoms.factors(v.axes[k])
+                if v is x or all(self.atoms.input[f] or self.atoms.position[f] for f in fs):
+                    out.append(list(v.axes[k]))
+                else:
+                    out.append([self.atoms.new(self.size(v.axes[k]), position=True)])
         return Val(ACT, out)
 
     def input_positions(self) -> None:

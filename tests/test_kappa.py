@@ -1280,6 +1280,62 @@ def test_a_class_token_put_before_the_positions_is_a_bias_at_the_first_position(
     pj.testing.assert_function_invariant(fn, space, p, x, rtol=1e-10)
 
 
+class _LearnedQueries(nn.Module):
+    """Attention pooling with learned queries: big_vision's MAPHead (a ``probe`` parameter tiled along the batch
+    attends to the sequence, then a LayerNorm and an MLP added to it; ``queries=1``) or a Perceiver's latents
+    (``queries=3``, then a ReLU layer). With ``as_input``, the same network given the queries as an input (one copy
+    per example)."""
+
+    queries: int
+    as_input: bool = False
+
+    @nn.compact
+    def __call__(self, x, probe=None):
+        x = nn.relu(nn.Dense(4, param_dtype=F64)(x))
+        if not self.as_input:
+            probe = self.param("probe", nn.initializers.normal(1.0), (1, self.queries, 4), F64)
+            probe = jnp.tile(probe, [len(x), 1, 1])
+        h = nn.MultiHeadDotProductAttention(num_heads=2, param_dtype=F64)(probe, x)
+        if self.queries == 1:
+            mlp = nn.Dense(4, param_dtype=F64)(nn.relu(nn.Dense(6, param_dtype=F64)(nn.LayerNorm(param_dtype=F64)(h))))
+            h = h + mlp
+            return nn.Dense(2, param_dtype=F64)(h[:, 0])
+        return nn.Dense(2, param_dtype=F64)(nn.relu(nn.Dense(5, param_dtype=F64)(h)).mean(1))
+
+
+@pytest.mark.parametrize("queries", [1, 3])
+def test_learned_queries_attend_as_queries_given_as_an_input(queries):
+    """Queries that are parameters (MAPHead's probe, a Perceiver's latents) are fixed coefficients: the probe and
+    the query projection are "other", and each query's attention output is the values' units times coefficients,
+    shared by the queries (positions), as for queries given as an input. κ and DDP-SGD's κ (α 0.5) of every other
+    leaf equal those of the network given the probe as an input (whose query projection then ends at the pinned
+    query units). Before, the queries' axis was pinned nodes, and path_kappa and ddp_kappa refused the network
+    ("combines a value of the positively homogeneous part with a value of a pinned node group")."""
+    x = _normal(jax.random.key(22), (5, 6, 3))
+    model, ref = _LearnedQueries(queries), _LearnedQueries(queries, as_input=True)
+    p = model.init(jax.random.key(23), x)["params"]
+    probe = jnp.tile(p["probe"], [len(x), 1, 1])  # (the input: one copy per example)
+    q = {k: v for k, v in p.items() if k != "probe"}
+    fn = lambda p, x: model.apply({"params": p}, x)  # noqa: E731
+    ref_fn = lambda q, x, probe: ref.apply({"params": q}, x, probe)  # noqa: E731
+    chex.assert_trees_all_close(fn(p, x), ref_fn(q, x, probe), rtol=1e-12)
+    space, space_ref = pj.trace(fn, p, x), pj.trace(ref_fn, q, x, probe)
+    assert {leaf.path: leaf.kind for leaf in space.leaves if leaf.kind == "other"} == {
+        "probe": "other", "MultiHeadDotProductAttention_0/query/kernel": "other",
+        "MultiHeadDotProductAttention_0/query/bias": "other"}  # fmt: skip
+    assert space.num_hidden == space_ref.num_hidden == 4 + 4 + 4 + (6 if queries == 1 else 5)
+
+    def shared(t):
+        t = {k: v for k, v in t.items() if k != "probe"}
+        return t | {"MultiHeadDotProductAttention_0": {k: v for k, v in t["MultiHeadDotProductAttention_0"].items()
+                                                        if k != "query"}}  # fmt: skip
+
+    chex.assert_trees_all_close(shared(pj.path_kappa(space, p)), shared(pj.path_kappa(space_ref, q)), rtol=1e-12)
+    chex.assert_trees_all_close(shared(pj.ddp_kappa(space, p, x, alpha=0.5)),
+                                shared(pj.ddp_kappa(space_ref, q, (x, probe), alpha=0.5)), rtol=1e-12)  # fmt: skip
+    pj.testing.assert_function_invariant(fn, space, p, x)
+
+
 @pytest.mark.parametrize("mix", ["sum", "gate"])
 def test_experts_summed_after_their_layers_keep_their_inner_units_apart(mix):
     """Experts of two layers written with einsum (``h = relu(einsum("bd,edf->bef", x, w1))``, ``y = relu(einsum(

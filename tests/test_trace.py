@@ -285,9 +285,11 @@ def test_a_weight_normalised_kernel_is_fixed_coefficients_times_a_per_unit_gain(
 
 def test_a_sum_weighted_by_pinned_values_keeps_units_along_positions_and_pins_them_across_nodes():
     """``a · h`` with ``a`` fully pinned (a tanh's output) and ``h`` a ReLU layer: an outer product keeps h's units
-    (each entry of h times a coefficient no rescaling changes: H = 4, the function invariant); a contraction over
-    h's units mixes them with those coefficients, which pins them. (Attention's weights times its values, summed
-    over positions: `test_kappa`.)"""
+    (each entry of h times a coefficient no rescaling changes: H = 4, the function invariant), shared along a's
+    axis, a position of the product; its path norm is the definition's, a's entries coefficients 1 (as attention's
+    weights) and the paths into a's pinned units ending there (before, path_norm refused the product). A
+    contraction over h's units mixes them with those coefficients, which pins them. (Attention's weights times its
+    values, summed over positions: `test_kappa`.)"""
     rng = np.random.default_rng(0)
     p = {"w": rng.standard_normal((3, 4)), "u": rng.standard_normal((3, 4)), "o": rng.standard_normal((4, 2))}
     x = rng.standard_normal((5, 3))
@@ -303,6 +305,8 @@ def test_a_sum_weighted_by_pinned_values_keeps_units_along_positions_and_pins_th
     space = pj.trace(outer, p, x)
     assert [(g.size, g.kind) for g in space.groups] == [(3, "input"), (4, "hidden"), (4, "pinned"), (2, "output")]
     pj.testing.assert_function_invariant(outer, space, p, x)
+    per_unit = (p["w"] ** 2).sum(0) * (p["o"] ** 2).sum(1)  # Σ_k w_kj² Σ_c o_jc², once per entry of a (4)
+    np.testing.assert_allclose(pj.path_norm(space, p), np.sqrt(4 * per_unit.sum() + (p["u"] ** 2).sum()), rtol=1e-12)
     assert pj.trace(across_units, p, x).num_hidden == 0
 
 
