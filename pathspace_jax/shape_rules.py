@@ -368,12 +368,18 @@ class ShapeRules:
         return bool(fs) and all(self.atoms.position[f] or f in shared for f in fs)
 
     def _side_by_side(self, ins: Sequence[Val], in_shapes, k: int) -> list[int] | None:
-        """The groups of the operands' axis ``k``, one atom each (empty operands left out), else None."""
+        """The groups of the operands' axis ``k``, one atom each (empty operands left out), else None. A constant
+        beside activations (CoordConv's coordinate channels, a constant feature) is a group of inputs of its own:
+        the layers reading the result read it with edges from inputs (`Interpreter.settle` decides: where a layer
+        writes into them too, a residual added, they are pinned)."""
         segs = []
         for v, in_shape in zip(ins, in_shapes, strict=True):
             fs = self.atoms.factors(v.axes[k])
             if len(fs) == 1 and v.kind == ACT:
                 segs.append(fs[0])
+            elif v.kind == CONST and not v.from_params and not v.random and in_shape[k] > 0:
+                segs.append(self.atoms.new(in_shape[k]))
+                self.beside.append(segs[-1])
             elif in_shape[k] > 0:
                 return None
         return segs

@@ -237,8 +237,11 @@ def evaluate(
             raise prog.err(f"{prog.who}: the edge parameter of {e.prim.name} at {e.where} is computed from parameters "
                            "other than as a view of one; path sums are not defined for it")  # fmt: skip
         vals = [rd(x) for x in e.ins]
-        if e.outs[0] in sink_set:  # only the paths of the homogeneous part end at a sink
-            vals = [V(jnp.zeros_like(v.m), v.e) if x in boundary else v for x, v in zip(e.ins, vals, strict=True)]
+        if e.outs[0] in sink_set:  # only the paths of the homogeneous part end at a sink (not a constant offset)
+            offset = e.prim.name in ("add", "add_any", "sub")
+            vals = [V(jnp.zeros_like(v.m), v.e) if not isinstance(x, tuple) and x in boundary
+                    else jnp.zeros_like(v) if offset and k == "const" else v
+                    for x, v, k in zip(e.ins, vals, ks, strict=True)]  # fmt: skip
         elif spread and e.outs[0] in prog.cut:
             vals = _joined_into_paths(prog, e, ks, vals, spread, boundary)
         if e.prim.name == "scan":
@@ -257,6 +260,8 @@ def evaluate(
         elif (r := _is_relu(e, ks, vals)) is not None:
             outs = [vals[r]]
         else:
+            if e.prim.name == "concatenate" and "act" in ks:  # a constant beside activations: inputs, 1 (0 if zeros)
+                vals = _as_inputs(e, ks, vals, prog.cut.get(e.outs[0]), tracked)
             if rule(e.prim.name).multiplicative:
                 es = [v.e for v in vals if isinstance(v, V) and v.e is not None]
                 top = functools.reduce(lambda a, b: a + b, es) if es else None
@@ -332,6 +337,25 @@ def _pinned_entries(cut, ndim: int) -> np.ndarray:
     pinned groups, broadcastable to it."""
     line = np.concatenate([np.full(s // cut.blocks, p) for s, p in zip(cut.sizes, cut.pinned, strict=True)])
     return np.tile(line, cut.blocks).reshape([-1 if k == cut.axis else 1 for k in range(ndim)])
+
+
+def _as_inputs(e: Eqn, ks, vals: list, cut, tracked: bool) -> list:
+    """A constant concatenated beside activations (CoordConv's coordinates) as the inputs it is in the |·|^p network
+    (`pathspace_jax.shape_rules.ShapeRules._side_by_side`): 1, or 0 where it is all zeros (channels padded) or its
+    group is pinned (a layer writes into it too: a constant offset, no path)."""
+    dim, out, start = jx.param(e, "dimension"), [], 0
+    along = cut is not None and cut.axis == dim and cut.blocks == 1
+    ends = np.cumsum(cut.sizes) if along else None
+    for v, k in zip(vals, ks, strict=True):
+        size = jnp.shape(v.m if isinstance(v, V) else v)[dim]
+        if k == "const":  # pinned: every group in its entries of the result is (`pathspace_jax.trace.Cut`)
+            offset = along and all(p for p, end in zip(cut.pinned, ends, strict=True) if start < end <= start + size)
+            nonzero = jnp.any(v != 0) & (not offset)
+            ones = jnp.broadcast_to(nonzero.astype(jnp.result_type(v)), jnp.shape(v))
+            v = V(ones, jnp.zeros((), jnp.int32) if tracked else None)
+        out.append(v)
+        start += size
+    return out
 
 
 def _ones(v: V) -> V:

@@ -68,6 +68,7 @@ class Interpreter(ShapeRules):
         self.fixed: list[int] = []
         self.deferred: list[tuple[list[int], list[int], str, bool]] = []  # `defer`, settled by `settle`
         self.shared_inputs: set[int] = set()  # input atoms that a layer shares its weights along (`shared_along`)
+        self.beside: list[int] = []  # constants concatenated beside a layer's units: inputs (`settle`)
         # layer i's slice of a params leaf that a scan slices (`layer_slice`): a leaf of its own, after the real ones
         self.slices: dict[tuple[int, int], int] = {}  # (stacked leaf, layer) -> slice leaf
         self.apart: dict[int, set[int]] = {}  # leaf -> its axes' atoms before they were flattened (`flattened`)
@@ -127,8 +128,23 @@ class Interpreter(ShapeRules):
         self.deferred.append((new, source, why, fixed))
 
     def settle(self) -> None:
-        """Decide the input positions (`input_positions`), then the `defer`red atoms, in order (a later one's
-        source may be an earlier one's result)."""
+        """Decide the constants concatenated beside a layer's units (inputs, or pinned where a layer writes into them
+        too: `ShapeRules._side_by_side`), the input positions (`input_positions`), then the `defer`red atoms, in order
+        (a later one's source may be an earlier one's result)."""
+        written, atoms = set(), self.atoms
+        stack = [f for uses in self.uses for a, role, _, _ in uses if role == "out" for f in atoms.factors([a])]
+        while stack:  # (an output axis unified with a concatenation's: the groups side by side in it too)
+            r = atoms.find(stack.pop())
+            if r not in written:
+                written.add(r)
+                stack += atoms.factors(atoms.alias[r] or [])
+        for a in self.beside:
+            fs = self.atoms.factors([a])
+            if any(f in written or self.atoms.position[f] for f in fs):
+                self.atoms.pin(fs, "a constant concatenated beside a layer's units, and a layer writes into it")
+            else:
+                for f in fs:
+                    self.atoms.input[f] = True
         self.input_positions()
         for new, source, why, fixed in self.deferred:
             if all(self.atoms.position[f] for f in self.atoms.factors(source)):

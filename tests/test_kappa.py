@@ -955,8 +955,9 @@ def _attention(q, k, v, heads=2):
 
 def _quantities(fn, p, x, fuse):
     """The space of ``fn``, its groups' kinds and sizes, and its path norm, κ and DDP-SGD's κ (α 0.5) at ``p``, the
-    κs mapped by ``fuse`` (one kernel per piece as the fused kernel: the tests that compare the two)."""
-    space = pj.trace(fn, p, x)
+    κs mapped by ``fuse`` (one kernel per piece as the fused kernel: the tests that compare the two). ``x``: the
+    input, or a tuple of several."""
+    space = pj.trace(fn, p, *(x if isinstance(x, tuple) else (x,)))
     out = {"norm": pj.path_norm(space, p), "kappa": fuse(pj.path_kappa(space, p))}
     out["ddp"] = fuse(pj.ddp_kappa(space, p, x, alpha=0.5))
     return space, sorted((g.kind, g.size) for g in space.groups), out
@@ -1278,6 +1279,107 @@ def test_a_class_token_put_before_the_positions_is_a_bias_at_the_first_position(
     assert groups == groups_ref and space.num_hidden == 16
     chex.assert_trees_all_close(got, expected, rtol=1e-12)
     pj.testing.assert_function_invariant(fn, space, p, x, rtol=1e-10)
+
+
+def _coordinates(x):
+    """CoordConv's coordinate channels for an NHWC batch ``x``: (batch, rows, columns, 2), each in [-1, 1]."""
+    b, rows, cols, _ = x.shape
+    yy, xx = jnp.meshgrid(jnp.linspace(-1, 1, rows), jnp.linspace(-1, 1, cols), indexing="ij")
+    return jnp.broadcast_to(jnp.stack([yy, xx], -1), (b, rows, cols, 2)).astype(x.dtype)
+
+
+@pytest.mark.parametrize("kind", ["coordconv", "feature", "zeros"])
+def test_a_constant_concatenated_beside_a_layers_units_is_inputs(kind):
+    """A constant concatenated beside a layer's units (CoordConv's coordinate channels, a constant feature) is a
+    group of inputs of its own: the units stay hidden, and the path norm, κ and DDP-SGD's κ (α 0.5) are those of the
+    network given the constant as an input. A constant of zeros (channels padded) carries no path: the same as the
+    network without it, κ 0 on the kernel rows reading it. Before, the concatenation's axis was positions, the units
+    pinned, the next kernel read as a bias per position, and the |·|^p network took the constant's raw values
+    (CoordConv's negative coordinates among them)."""
+    ks = jax.random.split(jax.random.key(24), 6)
+    conv = functools.partial(jax.lax.conv_general_dilated, window_strides=(1, 1), padding="SAME",
+                             dimension_numbers=("NHWC", "HWIO", "NHWC"))  # fmt: skip
+    if kind == "coordconv":
+        x = _normal(ks[0], (3, 5, 5, 2))
+        p = {"a": _normal(ks[1], (3, 3, 2, 4)), "ab": _normal(ks[2], (4,), 0.1), "b": _normal(ks[3], (3, 3, 6, 3)),
+             "o": _normal(ks[4], (3, 2))}  # fmt: skip
+        const = _coordinates
+
+        def net(p, x, c):
+            h = jax.nn.relu(conv(x, p["a"]) + p["ab"])
+            return jax.nn.relu(conv(jnp.concatenate([h, c], -1), p["b"])).mean((1, 2)) @ p["o"]
+    else:
+        x = _normal(ks[0], (6, 3))
+        p = {"a": _normal(ks[1], (3, 4)), "ab": _normal(ks[2], (4,), 0.1), "b": _normal(ks[3], (6, 3)),
+             "o": _normal(ks[4], (3, 2))}  # fmt: skip
+        const = (lambda x: jnp.zeros((len(x), 2))) if kind == "zeros" else (lambda x: jnp.full((len(x), 2), 0.5))
+
+        def net(p, x, c):
+            return jax.nn.relu(jnp.concatenate([jax.nn.relu(x @ p["a"] + p["ab"]), c], -1) @ p["b"]) @ p["o"]
+
+    fn = lambda p, x: net(p, x, const(x))  # noqa: E731
+    if kind == "zeros":  # the network without the zero columns
+        ref, ref_fn, ref_x = p | {"b": p["b"][:4]}, lambda p, x: net(p, x, jnp.zeros((len(x), 0))), x
+        to_ref = lambda t: t | {"b": t["b"][:4]}  # noqa: E731
+    else:
+        ref, ref_fn, ref_x, to_ref = p, net, (x, const(x)), lambda t: t
+    space, groups, got = _quantities(fn, p, x, to_ref)
+    _, groups_ref, expected = _quantities(ref_fn, ref, ref_x, lambda t: t)
+    assert groups == sorted(groups_ref + ([("input", 2)] if kind == "zeros" else [])) and space.num_hidden == 4 + 3
+    chex.assert_trees_all_close(got, expected, rtol=1e-12)
+    if kind == "zeros":
+        assert not np.any(np.asarray(pj.path_kappa(space, p)["b"][4:]))
+    pj.testing.assert_function_invariant(fn, space, p, x)
+
+
+def test_a_constant_concatenated_beside_units_and_added_to_a_layer_is_an_offset():
+    """``relu(h @ w + b + concatenate([h, ones]))``: the layer's first units are h's (a residual), its last ones get
+    a constant offset, which pins them (the constant's group is no input where a layer writes into it). H, groups,
+    path norm, κ and DDP-SGD's κ (α 0.5) are those of the network written apart (the offset 1.0 added to the last
+    units alone). Before, the concatenation's axis was positions: every unit pinned, w and b "other"."""
+    ks = jax.random.split(jax.random.key(25), 5)
+    x = _normal(ks[0], (5, 3))
+    p = {"a": _normal(ks[1], (3, 2)), "w": _normal(ks[2], (2, 4)), "b": _normal(ks[3], (4,), 0.1),
+         "o": _normal(ks[4], (4, 2))}  # fmt: skip
+
+    def fn(p, x):
+        h = jax.nn.relu(x @ p["a"])
+        return jax.nn.relu(h @ p["w"] + p["b"] + jnp.concatenate([h, jnp.ones((len(x), 2))], -1)) @ p["o"]
+
+    def apart(q, x):
+        h = jax.nn.relu(x @ q["a"])
+        first = jax.nn.relu(h @ q["w"][0] + q["b"][0] + h)
+        return first @ q["o"][0] + jax.nn.relu(h @ q["w"][1] + q["b"][1] + 1.0) @ q["o"][1]
+
+    q = p | {"w": jnp.split(p["w"], 2, 1), "b": jnp.split(p["b"], 2), "o": jnp.split(p["o"], 2)}
+    joined = lambda t: t | {"w": jnp.concatenate(t["w"], 1), "b": jnp.concatenate(t["b"]), "o": jnp.concatenate(t["o"])}  # noqa: E731
+    chex.assert_trees_all_close(fn(p, x), apart(q, x), rtol=1e-12)
+    space, groups, got = _quantities(fn, p, x, lambda t: t)
+    _, groups_ref, expected = _quantities(apart, q, x, joined)
+    assert groups == groups_ref == [("hidden", 2), ("input", 3), ("output", 2), ("pinned", 2)]
+    chex.assert_trees_all_close(got, expected, rtol=1e-12)
+    pj.testing.assert_function_invariant(fn, space, p, x)
+
+
+def test_a_constant_offset_at_a_pinned_node_is_no_path():
+    """``relu(h @ w + 1.0) @ o``: the offset pins the layer; the paths into it end there, and the constant is no path
+    of its own. Its path norm is the definition's, Σ_paths into the sinks + Σ_paths from them. Before, the offset
+    (a literal) crashed the |·|^p network at the sink, and once past that, entered it at the scale of the paths'
+    exponent (the path norm depended on it)."""
+    ks = jax.random.split(jax.random.key(26), 4)
+    x, p = (
+        _normal(ks[0], (5, 3)),
+        {"a": _normal(ks[1], (3, 2)), "w": _normal(ks[2], (2, 2)), "o": _normal(ks[3], (2, 2))},
+    )
+
+    def fn(p, x):
+        return jax.nn.relu(jax.nn.relu(x @ p["a"]) @ p["w"] + 1.0) @ p["o"]
+
+    space = pj.trace(fn, p, x)
+    for scale in (1.0, 2.0**-20):  # (a scale that moves the |·|^p network's exponents)
+        q = p | {"a": scale * p["a"]}
+        into = ((q["a"] ** 2).sum(0) @ (q["w"] ** 2)).sum()
+        np.testing.assert_allclose(pj.path_norm(space, q) ** 2, into + (q["o"] ** 2).sum(), rtol=1e-12)
 
 
 class _LearnedQueries(nn.Module):
