@@ -256,11 +256,35 @@ class ShapeRules:
         return self.record(eqn, ins[:1], [self._slice(eqn, ins[0], as_[1]["start_indices"])], as_=as_)
 
     def rule_pad(self, eqn, ins):
+        """Padding keeps the atoms of the axes it does not pad; a padded axis is positions where the original is
+        (`_reslice`). Zeros padded at either end of the last axis of a layer's output, a single group (channels
+        padded: a CIFAR ResNet's parameter-free shortcut, ``jnp.pad(x, (..., (0, 0), (c, c)))``), are the zeros
+        concatenated beside its units (`_side_by_side`)."""
         v, pad = ins
         if v.kind == ACT and not pad.zero:
             self.pin(v, "pads with a non-zero value")
         out_shape = eqn.outvars[0].aval.shape
-        keep = [cfg == (0, 0, 0) for cfg in jx.param(eqn, "padding_config")]
+        config = jx.param(eqn, "padding_config")
+        keep = [cfg == (0, 0, 0) for cfg in config]
+        fs = self.atoms.factors(v.axes[-1]) if v.axes else []
+        if v.kind == ACT and pad.zero and keep[:-1] == [True] * (len(keep) - 1) and not keep[-1]:
+            (lo, hi, interior), atoms = config[-1], self.atoms
+            if (
+                interior == 0
+                and lo >= 0
+                and hi >= 0
+                and len(fs) == 1
+                and not (atoms.input[fs[0]] or atoms.position[fs[0]])
+            ):
+                segs = []
+                for d in (lo, None, hi):
+                    if d is None or d > 0:
+                        segs.append(fs[0] if d is None else atoms.new(d))
+                        if d is not None:
+                            self.beside.append((segs[-1], True))
+                new = atoms.new(out_shape[-1])
+                atoms.alias[new] = segs
+                return [dataclasses.replace(v, axes=[*v.axes[:-1], [new]])]
         return [self._reslice(eqn, v, keep, out_shape, "pads an axis")]
 
     def rule_dynamic_update_slice(self, eqn, ins):
@@ -371,7 +395,7 @@ class ShapeRules:
         """The groups of the operands' axis ``k``, one atom each (empty operands left out), else None. A constant
         beside activations (CoordConv's coordinate channels, a constant feature) is a group of inputs of its own:
         the layers reading the result read it with edges from inputs (`Interpreter.settle` decides: where a layer
-        writes into them too, a residual added, they are pinned)."""
+        writes into them too, a residual added, they are pinned, or, zeros, that layer's units)."""
         segs = []
         for v, in_shape in zip(ins, in_shapes, strict=True):
             fs = self.atoms.factors(v.axes[k])
@@ -379,7 +403,7 @@ class ShapeRules:
                 segs.append(fs[0])
             elif v.kind == CONST and not v.from_params and not v.random and in_shape[k] > 0:
                 segs.append(self.atoms.new(in_shape[k]))
-                self.beside.append(segs[-1])
+                self.beside.append((segs[-1], v.zero))
             elif in_shape[k] > 0:
                 return None
         return segs

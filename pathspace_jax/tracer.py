@@ -68,7 +68,9 @@ class Interpreter(ShapeRules):
         self.fixed: list[int] = []
         self.deferred: list[tuple[list[int], list[int], str, bool]] = []  # `defer`, settled by `settle`
         self.shared_inputs: set[int] = set()  # input atoms that a layer shares its weights along (`shared_along`)
-        self.beside: list[int] = []  # constants concatenated beside a layer's units: inputs (`settle`)
+        self.beside: list[
+            tuple[int, bool]
+        ] = []  # constants concatenated beside a layer's units, whether zeros (`settle`)
         # layer i's slice of a params leaf that a scan slices (`layer_slice`): a leaf of its own, after the real ones
         self.slices: dict[tuple[int, int], int] = {}  # (stacked leaf, layer) -> slice leaf
         self.apart: dict[int, set[int]] = {}  # leaf -> its axes' atoms before they were flattened (`flattened`)
@@ -138,10 +140,11 @@ class Interpreter(ShapeRules):
             if r not in written:
                 written.add(r)
                 stack += atoms.factors(atoms.alias[r] or [])
-        for a in self.beside:
+        for a, zero in self.beside:
             fs = self.atoms.factors([a])
             if any(f in written or self.atoms.position[f] for f in fs):
-                self.atoms.pin(fs, "a constant concatenated beside a layer's units, and a layer writes into it")
+                if not zero:  # (zeros added to a layer's units are those units)
+                    self.atoms.pin(fs, "a constant concatenated beside a layer's units, and a layer writes into it")
             else:
                 for f in fs:
                     self.atoms.input[f] = True

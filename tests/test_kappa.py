@@ -1361,6 +1361,48 @@ def test_a_constant_concatenated_beside_units_and_added_to_a_layer_is_an_offset(
     pj.testing.assert_function_invariant(fn, space, p, x)
 
 
+@pytest.mark.parametrize("how", ["pad", "concatenate"])
+def test_a_shortcut_padded_with_zero_channels_keeps_every_unit(how):
+    """A CIFAR ResNet's parameter-free shortcut (option A): the block's input, subsampled and padded with zero
+    channels (``jnp.pad`` or a concatenation of zeros), added to the block's output. The padded channels are the
+    block's own units, the others tied to the input's (a residual): H 2 + 4 + 2, and the path norm, κ and DDP-SGD's
+    κ at α = 1 are those of the network that adds the input to the middle channels alone (at 0 < α < 1 that network's
+    statistic of the middle units is taken before the residual is added, where ``h[..., 1:3]`` is sliced off the
+    kernel's output: not compared). Before, padding along the channels pinned the input's and the block's units
+    (H 4, the padded zeros read as new nodes)."""
+    ks = jax.random.split(jax.random.key(27), 6)
+    conv = functools.partial(jax.lax.conv_general_dilated, padding="SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    x = _normal(ks[0], (3, 6, 6, 1))
+    p = {"a": _normal(ks[1], (3, 3, 1, 2)), "b": _normal(ks[2], (3, 3, 2, 4)), "c": _normal(ks[3], (3, 3, 4, 4)),
+         "o": _normal(ks[4], (4, 2))}  # fmt: skip
+
+    def block(p, x):
+        x = jax.nn.relu(conv(x, p["a"], (1, 1)))
+        return x, conv(jax.nn.relu(conv(x, p["b"], (2, 2))), p["c"], (1, 1))
+
+    def fn(p, x):
+        x, h = block(p, x)
+        if how == "pad":
+            short = jnp.pad(x[:, ::2, ::2], ((0, 0), (0, 0), (0, 0), (1, 1)))
+        else:
+            zeros = jnp.zeros((*x[:, ::2, ::2].shape[:3], 1))
+            short = jnp.concatenate([zeros, x[:, ::2, ::2], zeros], -1)
+        return jax.nn.relu(h + short).mean((1, 2)) @ p["o"]
+
+    def apart(p, x):
+        x, h = block(p, x)
+        s = [jax.nn.relu(h[..., :1]), jax.nn.relu(h[..., 1:3] + x[:, ::2, ::2]), jax.nn.relu(h[..., 3:])]
+        return jnp.concatenate(s, -1).mean((1, 2)) @ p["o"]
+
+    chex.assert_trees_all_close(fn(p, x), apart(p, x), rtol=1e-12)
+    space, space_ref = pj.trace(fn, p, x), pj.trace(apart, p, x)
+    assert sorted((g.kind, g.size) for g in space.groups) == sorted((g.kind, g.size) for g in space_ref.groups)
+    assert space.num_hidden == 2 + 4 + 2
+    for f in (pj.path_norm, pj.path_kappa, functools.partial(pj.ddp_kappa, inputs=x, alpha=1.0)):
+        chex.assert_trees_all_close(f(space, p), f(space_ref, p), rtol=1e-12)
+    pj.testing.assert_function_invariant(fn, space, p, x)
+
+
 def test_a_constant_offset_at_a_pinned_node_is_no_path():
     """``relu(h @ w + 1.0) @ o``: the offset pins the layer; the paths into it end there, and the constant is no path
     of its own. Its path norm is the definition's, Σ_paths into the sinks + Σ_paths from them. Before, the offset
