@@ -200,6 +200,10 @@ class ShapeRules:
                 out[d] = list(v.axes[k])
         if v.kind == ACT and self.fully_pinned(v):  # copies of a pinned value, along new axes: pinned too
             self.atoms.pin([a for ax in out for a in ax if a in fresh], self.reason("a pinned value broadcast"))
+        elif v.kind == ACT and all(self.atoms.input[f] for ax in v.axes for f in self.atoms.factors(ax)):
+            for a in fresh:  # an input given an axis of one entry (``t[:, None]``: one input feature per example)
+                if self.atoms.size[a] == 1:
+                    self.atoms.input[a] = True
         return [dataclasses.replace(v, axes=out)]
 
     def _reslice(self, eqn, v: Val, keep: Sequence[bool], out_shape, why: str) -> Val:

@@ -1403,6 +1403,25 @@ def test_a_shortcut_padded_with_zero_channels_keeps_every_unit(how):
     pj.testing.assert_function_invariant(fn, space, p, x)
 
 
+@pytest.mark.parametrize(
+    "expand", [lambda t: t[:, None], lambda t: jnp.expand_dims(t, -1)], ids=["index", "expand_dims"]
+)
+def test_a_scalar_input_given_an_axis_of_one_entry_is_an_input(expand):
+    """A scalar input per example given a feature axis (``t[:, None]``, a diffusion model's time step, read by a
+    Dense) is an input group of one node: the path norm, κ and DDP-SGD's κ (α 0.5) of the network given ``t[:, None]``
+    as its input. Before, the new axis was a node group that no edge enters (pinned), and path_kappa and ddp_kappa
+    refused the network ("combines a value of the positively homogeneous part with a value of a pinned node
+    group")."""
+    ks = jax.random.split(jax.random.key(28), 5)
+    t = _normal(ks[0], (6,))
+    p = {"a": _normal(ks[1], (1, 4)), "ab": _normal(ks[2], (4,), 0.1), "o": _normal(ks[3], (4, 2))}
+    net = lambda p, x: jax.nn.relu(x @ p["a"] + p["ab"]) @ p["o"]  # noqa: E731
+    space, groups, got = _quantities(lambda p, t: net(p, expand(t)), p, t, lambda k: k)
+    _, groups_ref, expected = _quantities(net, p, t[:, None], lambda k: k)
+    assert groups == groups_ref == [("hidden", 4), ("input", 1), ("output", 2)]
+    chex.assert_trees_all_close(got, expected, rtol=1e-12)
+
+
 def test_a_constant_offset_at_a_pinned_node_is_no_path():
     """``relu(h @ w + 1.0) @ o``: the offset pins the layer; the paths into it end there, and the constant is no path
     of its own. Its path norm is the definition's, Σ_paths into the sinks + Σ_paths from them. Before, the offset
