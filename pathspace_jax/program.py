@@ -470,8 +470,9 @@ def _masks(prog: Program) -> set[int]:
 
 
 def _input_gates(prog: Program) -> set[int]:
-    """The results of operations that the |·|^p network does not evaluate (a sigmoid, an exp) applied to values
-    computed from the inputs without parameters: coefficients of the examples (a gate), never rescaled."""
+    """The results of operations that the |·|^p network does not evaluate (a sigmoid, an exp, a product of two such
+    values: an input masked by another) applied to values computed from the inputs without parameters:
+    coefficients of the examples (a gate), never rescaled."""
     kinds = prog.kinds
     plain = {i for i in prog.in_ids[prog.n_params :] if kinds[i] == "act"}
     gates: set[int] = set()
@@ -481,7 +482,8 @@ def _input_gates(prog: Program) -> set[int]:
         if not acts or any(kinds[x] == "param" for x in ids) or not all(x in plain or x in gates for x in acts):
             continue
         name = e.prim.name
-        known = (rule(name).as_is or name in _EVALUATED) and not any(x in gates for x in acts)
+        product = name in ("mul", "div", "dot_general", "conv_general_dilated") and len(acts) > 1
+        known = (rule(name).as_is or name in _EVALUATED) and not product and not any(x in gates for x in acts)
         (plain if known else gates).update(o for o in e.outs if kinds[o] == "act")
     return gates
 

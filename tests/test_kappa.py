@@ -1422,6 +1422,21 @@ def test_a_scalar_input_given_an_axis_of_one_entry_is_an_input(expand):
     chex.assert_trees_all_close(got, expected, rtol=1e-12)
 
 
+def test_an_input_masked_by_another_input_is_an_input():
+    """``x * m`` with both inputs (features masked by a float mask given with them): a value computed from the inputs
+    alone, a coefficient of the example that no rescaling changes. The path norm, κ and DDP-SGD's κ (α 0.5) are those
+    of the network given ``x * m`` as its input. Before, path_kappa and ddp_kappa refused the product of two
+    activations."""
+    ks = jax.random.split(jax.random.key(29), 5)
+    x, m = _normal(ks[0], (6, 3)), (_normal(ks[1], (6, 3)) > 0).astype(F64)
+    p = {"a": _normal(ks[2], (3, 4)), "ab": _normal(ks[3], (4,), 0.1), "o": _normal(ks[4], (4, 2))}
+    net = lambda p, x: jax.nn.relu(x @ p["a"] + p["ab"]) @ p["o"]  # noqa: E731
+    _, groups, got = _quantities(lambda p, x, m: net(p, x * m), p, (x, m), lambda k: k)
+    _, groups_ref, expected = _quantities(net, p, x * m, lambda k: k)
+    assert groups == groups_ref == [("hidden", 4), ("input", 3), ("output", 2)]
+    chex.assert_trees_all_close(got, expected, rtol=1e-12)
+
+
 def test_a_constant_offset_at_a_pinned_node_is_no_path():
     """``relu(h @ w + 1.0) @ o``: the offset pins the layer; the paths into it end there, and the constant is no path
     of its own. Its path norm is the definition's, Σ_paths into the sinks + Σ_paths from them. Before, the offset
