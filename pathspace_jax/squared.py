@@ -41,7 +41,8 @@ def _squared_op(e: Eqn, ks: Sequence[str], vals: list, out_kind: str, power: flo
     """One equation of the |·|^power ("squared" for power 2) network, on non-negative activation values.
 
     Linear coefficients that are constants (average pooling's 1/k, a fixed scale) are raised to ``power``
-    (parameters arrive already raised, and so do coefficients computed from them: kind ``"raised"``);
+    (parameters arrive already raised, and so do coefficients computed from them: kind ``"raised"``), and so is a
+    constant offset c (an input's ``x - mean``: a bias of fixed weight c from the bias node, |c|^p, whatever its sign);
     ``sub``/``neg``/``abs``/``stop_gradient`` become ``add``/identity; ReLU, max pooling and the other ops whose
     rule is ``as_is`` (`pathspace_jax.rules`) are applied as they are. Anything else raises ``err``.
     """
@@ -62,6 +63,8 @@ def _squared_op(e: Eqn, ks: Sequence[str], vals: list, out_kind: str, power: flo
             f"{who}: {name} at {e.where} multiplies two activations (or two parameters); the network "
             "is not a ReLU network of the form path norms are defined for."
         )
+    if name in ("add", "add_any", "sub") and "act" in ks:  # a constant offset: a bias of fixed weight c, |c|^p
+        vals = [raise_power(v, power) if k == "const" else v for v, k in zip(vals, ks, strict=True)]
     if name == "sub":
         return [jnp.add(*vals)]
     if name in ("neg", "abs", "stop_gradient"):

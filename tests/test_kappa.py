@@ -1437,6 +1437,21 @@ def test_an_input_masked_by_another_input_is_an_input():
     chex.assert_trees_all_close(got, expected, rtol=1e-12)
 
 
+@pytest.mark.parametrize("offset", [lambda x: x - 0.5, lambda x: x + 0.5, lambda x: x - (-0.5)],
+                         ids=["minus", "plus", "minus a negative"])  # fmt: skip
+def test_an_input_offset_is_a_bias_of_fixed_weight(offset):
+    """An input shifted by a constant (``x - mean`` in the model) is the input plus a bias of fixed weight c from the
+    bias node: each input node carries 1 + |c|^p in the |·|^p network, whatever the offset's sign. Before, the offset
+    entered raw: ``x - (-0.5)`` and ``x + 0.5`` had different path norms (1 - 0.5 and 1 + 0.5 per input)."""
+    ks = jax.random.split(jax.random.key(30), 5)
+    x = _normal(ks[0], (6, 3))
+    p = {"a": _normal(ks[1], (3, 4)), "ab": _normal(ks[2], (4,), 0.1), "o": _normal(ks[3], (4, 2))}
+    fn = lambda p, x: jax.nn.relu(offset(x) @ p["a"] + p["ab"]) @ p["o"]  # noqa: E731
+    into = 1.25 * (p["a"] ** 2).sum(0) + p["ab"] ** 2  # per hidden unit: Σ_i a_ij² (1 + 0.5²) + b_j²
+    want = np.sqrt((into * (p["o"] ** 2).sum(1)).sum())
+    np.testing.assert_allclose(pj.path_norm(pj.trace(fn, p, x), p), want, rtol=1e-12)
+
+
 def test_a_constant_offset_at_a_pinned_node_is_no_path():
     """``relu(h @ w + 1.0) @ o``: the offset pins the layer; the paths into it end there, and the constant is no path
     of its own. Its path norm is the definition's, Σ_paths into the sinks + Σ_paths from them. Before, the offset
