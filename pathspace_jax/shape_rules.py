@@ -270,26 +270,28 @@ class ShapeRules:
         out_shape = eqn.outvars[0].aval.shape
         config = jx.param(eqn, "padding_config")
         keep = [cfg == (0, 0, 0) for cfg in config]
-        fs = self.atoms.factors(v.axes[-1]) if v.axes else []
-        if v.kind == ACT and pad.zero and keep[:-1] == [True] * (len(keep) - 1) and not keep[-1]:
-            (lo, hi, interior), atoms = config[-1], self.atoms
-            if (
-                interior == 0
-                and lo >= 0
-                and hi >= 0
-                and len(fs) == 1
-                and not (atoms.input[fs[0]] or atoms.position[fs[0]])
-            ):
-                segs = []
-                for d in (lo, None, hi):
-                    if d is None or d > 0:
-                        segs.append(fs[0] if d is None else atoms.new(d))
-                        if d is not None:
-                            self.beside.append((segs[-1], True))
-                new = atoms.new(out_shape[-1])
-                atoms.alias[new] = segs
-                return [dataclasses.replace(v, axes=[*v.axes[:-1], [new]])]
+        if v.kind == ACT and pad.zero and all(keep[:-1]) and not keep[-1]:
+            if (axes := self._zero_channels(v, config[-1], out_shape[-1])) is not None:
+                return [dataclasses.replace(v, axes=axes)]
         return [self._reslice(eqn, v, keep, out_shape, "pads an axis")]
+
+    def _zero_channels(self, v: Val, config, size: int) -> list[list[int]] | None:
+        """``v``'s axes with its last padded by zeros (``config``: ``(lo, hi, interior)``) into ``size`` entries, as the
+        zeros concatenated beside its units (`_side_by_side`); None where that axis is not one group of a layer's
+        units or the padding is not at its ends."""
+        (lo, hi, interior), fs = config, self.atoms.factors(v.axes[-1])
+        if interior or lo < 0 or hi < 0 or len(fs) != 1 or self.atoms.input[fs[0]] or self.atoms.position[fs[0]]:
+            return None
+        segs = []
+        for d in (lo, None, hi):
+            if d is None:
+                segs.append(fs[0])
+            elif d > 0:
+                segs.append(self.atoms.new(d))
+                self.beside.append((segs[-1], True))
+        new = self.atoms.new(size)
+        self.atoms.alias[new] = segs
+        return [*v.axes[:-1], [new]]
 
     def rule_dynamic_update_slice(self, eqn, ins):
         op, upd = ins[0], ins[1]

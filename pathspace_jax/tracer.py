@@ -68,9 +68,8 @@ class Interpreter(ShapeRules):
         self.fixed: list[int] = []
         self.deferred: list[tuple[list[int], list[int], str, bool]] = []  # `defer`, settled by `settle`
         self.shared_inputs: set[int] = set()  # input atoms that a layer shares its weights along (`shared_along`)
-        self.beside: list[
-            tuple[int, bool]
-        ] = []  # constants concatenated beside a layer's units, whether zeros (`settle`)
+        # constants concatenated beside a layer's units, each with whether it is zeros (`settle`)
+        self.beside: list[tuple[int, bool]] = []
         # layer i's slice of a params leaf that a scan slices (`layer_slice`): a leaf of its own, after the real ones
         self.slices: dict[tuple[int, int], int] = {}  # (stacked leaf, layer) -> slice leaf
         self.apart: dict[int, set[int]] = {}  # leaf -> its axes' atoms before they were flattened (`flattened`)
@@ -141,13 +140,13 @@ class Interpreter(ShapeRules):
                 written.add(r)
                 stack += atoms.factors(atoms.alias[r] or [])
         for a, zero in self.beside:
-            fs = self.atoms.factors([a])
-            if any(f in written or self.atoms.position[f] for f in fs):
+            fs = atoms.factors([a])
+            if any(f in written or atoms.position[f] for f in fs):
                 if not zero:  # (zeros added to a layer's units are those units)
-                    self.atoms.pin(fs, "a constant concatenated beside a layer's units, and a layer writes into it")
+                    atoms.pin(fs, "a constant concatenated beside a layer's units, and a layer writes into it")
             else:
                 for f in fs:
-                    self.atoms.input[f] = True
+                    atoms.input[f] = True
         self.input_positions()
         for new, source, why, fixed in self.deferred:
             if all(self.atoms.position[f] for f in self.atoms.factors(source)):
