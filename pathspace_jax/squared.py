@@ -72,7 +72,7 @@ def _squared_op(e: Eqn, ks: Sequence[str], vals: list, out_kind: str, power: flo
     if rule(name).as_is or name.startswith("custom_"):  # custom_*: kept whole only around ReLU-like code
         if name == "scatter-max" and ks[0] == "const":  # −∞ where no update lands: no path, 0 here
             vals = [jnp.maximum(vals[0], 0), *vals[1:]]
-        if name in ("max", "min", "add", "add_any", "scatter") and "act" in ks:
+        if name in ("max", "min", "scatter") and "act" in ks:  # (an offset is a bias of fixed weight: above)
             for k, v in zip(ks, vals, strict=True):
                 if k == "const" and _nonzero(v):
                     raise err(f"{who}: {name} with a non-zero constant at {e.where} (not positively homogeneous)")
