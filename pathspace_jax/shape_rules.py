@@ -246,8 +246,15 @@ class ShapeRules:
         return self._reslice(eqn, v, keep, out_shape, "slices part of an axis")
 
     def rule_rev(self, eqn, ins):
-        v = ins[0]
-        keep = [k not in jx.param(eqn, "dimensions") for k in range(len(v.axes))]
+        """Reversed axes are new atoms (a group's nodes reversed are pinned, positions stay positions: `_reslice`),
+        but a parameter reversed along axes that turn out to be a convolution's taps (``nn.ConvTranspose(...,
+        transpose_kernel=True)``, a transposed convolution written with the flipped kernel) is the same kernel, its
+        taps in the other order (`pathspace_jax.tracer.Interpreter.settle` checks)."""
+        v, dims = ins[0], jx.param(eqn, "dimensions")
+        if v.kind == PARAM:
+            self.reversed.append((v, [a for k in dims for a in v.axes[k]], self.reason("reverses a parameter")))
+            return [dataclasses.replace(v)]
+        keep = [k not in dims for k in range(len(v.axes))]
         return [self._reslice(eqn, v, keep, eqn.outvars[0].aval.shape, "reverses the nodes of a group")]
 
     def rule_dynamic_slice(self, eqn, ins):

@@ -70,6 +70,8 @@ class Interpreter(ShapeRules):
         self.shared_inputs: set[int] = set()  # input atoms that a layer shares its weights along (`shared_along`)
         # constants concatenated beside a layer's units, each with whether it is zeros (`settle`)
         self.beside: list[tuple[int, bool]] = []
+        # parameters reversed along some axes, which must turn out to be a convolution's taps (`settle`)
+        self.reversed: list[tuple[Val, list[int], str]] = []
         # layer i's slice of a params leaf that a scan slices (`layer_slice`): a leaf of its own, after the real ones
         self.slices: dict[tuple[int, int], int] = {}  # (stacked leaf, layer) -> slice leaf
         self.apart: dict[int, set[int]] = {}  # leaf -> its axes' atoms before they were flattened (`flattened`)
@@ -130,8 +132,9 @@ class Interpreter(ShapeRules):
 
     def settle(self) -> None:
         """Decide the constants concatenated beside a layer's units (inputs, or pinned where a layer writes into them
-        too: `ShapeRules._side_by_side`), the input positions (`input_positions`), then the `defer`red atoms, in order
-        (a later one's source may be an earlier one's result)."""
+        too: `ShapeRules._side_by_side`), the input positions (`input_positions`), the `defer`red atoms, in order (a
+        later one's source may be an earlier one's result), then the parameters reversed (views where along taps,
+        else "other": `ShapeRules.rule_rev`)."""
         written, atoms = set(), self.atoms
         stack = [f for uses in self.uses for a, role, _, _ in uses if role == "out" for f in atoms.factors([a])]
         while stack:  # (an output axis unified with a concatenation's: the groups side by side in it too)
@@ -155,6 +158,10 @@ class Interpreter(ShapeRules):
                 self.atoms.pin(new, why)
                 if fixed:  # the result, and what it was computed from (an input: the same value 1 in κ)
                     self.fixed += new + source
+        for v, axes, why in self.reversed:  # (along nodes: the entries of other nodes, the parameter no edge)
+            if not all(atoms.position[f] for f in atoms.factors(axes)):
+                self.other[v.leaf].append(why)
+                atoms.pin(self.all_atoms(v), why)
 
     def all_atoms(self, v: Val) -> list[int]:
         return [a for ax in v.axes for a in ax] + list(v.scalars)

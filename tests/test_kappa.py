@@ -1452,6 +1452,39 @@ def test_an_input_offset_is_a_bias_of_fixed_weight(offset):
     np.testing.assert_allclose(pj.path_norm(pj.trace(fn, p, x), p), want, rtol=1e-12)
 
 
+class _TransposedConv(nn.Module):
+    """A transposed convolution (stride 2) then a ReLU and a head; ``transpose_kernel`` as in ``nn.ConvTranspose``."""
+
+    transpose_kernel: bool
+
+    @nn.compact
+    def __call__(self, x):
+        conv = nn.ConvTranspose(4, (3, 3), strides=(2, 2), transpose_kernel=self.transpose_kernel, param_dtype=F64)
+        return nn.Dense(2, param_dtype=F64)(nn.relu(conv(x)).mean((1, 2)))
+
+
+def test_a_kernel_reversed_along_its_taps_is_the_same_kernel():
+    """``nn.ConvTranspose(..., transpose_kernel=True)`` (PyTorch's convention) reverses the kernel along its taps
+    and swaps its channel axes: an edge tensor as the kernel of ``transpose_kernel=False`` holding the same entries
+    reversed (H 4, the same path norm, κ and DDP-SGD's κ at α 0.5, entry by entry). Before, the reversal made the
+    kernel "other" and pinned the layer (H 0). Reversed along a Dense kernel's input axis, the kernel is "other"."""
+    x = _normal(jax.random.key(31), (3, 4, 4, 2))
+    model, ref = _TransposedConv(True), _TransposedConv(False)
+    p = model.init(jax.random.key(32), x)["params"]
+    swap = lambda k: jnp.flip(k, (0, 1)).swapaxes(2, 3)  # noqa: E731  (an involution)
+    q = p | {"ConvTranspose_0": p["ConvTranspose_0"] | {"kernel": swap(p["ConvTranspose_0"]["kernel"])}}
+    back = lambda t: t | {"ConvTranspose_0": t["ConvTranspose_0"] | {"kernel": swap(t["ConvTranspose_0"]["kernel"])}}  # noqa: E731
+    fn, ref_fn = (lambda p, x: model.apply({"params": p}, x)), (lambda q, x: ref.apply({"params": q}, x))
+    chex.assert_trees_all_close(fn(p, x), ref_fn(q, x), rtol=1e-12)
+    space, groups, got = _quantities(fn, p, x, lambda t: t)
+    _, groups_ref, expected = _quantities(ref_fn, q, x, back)
+    assert groups == groups_ref and space.num_hidden == 4
+    chex.assert_trees_all_close(got, expected, rtol=1e-12)
+    w = {"w": _normal(jax.random.key(33), (3, 4)), "o": _normal(jax.random.key(34), (4, 2))}
+    flipped = pj.trace(lambda w, x: jax.nn.relu(x @ jnp.flip(w["w"], 0)) @ w["o"], w, x[:, 0, 0, :1].repeat(3, 1))
+    assert {leaf.path: leaf.kind for leaf in flipped.leaves}["w"] == "other"
+
+
 def test_a_constant_offset_at_a_pinned_node_is_no_path():
     """``relu(h @ w + 1.0) @ o``: the offset pins the layer; the paths into it end there, and the constant is no path
     of its own. Its path norm is the definition's, Σ_paths into the sinks + Σ_paths from them. Before, the offset
