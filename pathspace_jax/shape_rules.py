@@ -200,11 +200,15 @@ class ShapeRules:
                 out[d] = list(v.axes[k])
         if v.kind == ACT and self.fully_pinned(v):  # copies of a pinned value, along new axes: pinned too
             self.atoms.pin([a for ax in out for a in ax if a in fresh], self.reason("a pinned value broadcast"))
-        elif v.kind == ACT and all(self.atoms.input[f] for ax in v.axes for f in self.atoms.factors(ax)):
+        elif self._of_inputs(v):
             for a in fresh:  # an input given an axis of one entry (``t[:, None]``: one input feature per example)
                 if self.atoms.size[a] == 1:
                     self.atoms.input[a] = True
         return [dataclasses.replace(v, axes=out)]
+
+    def _of_inputs(self, v: Val) -> bool:
+        """Whether ``v`` is an activation whose atoms are all the inputs' (an input, or a view of one)."""
+        return v.kind == ACT and all(self.atoms.input[f] for ax in v.axes for f in self.atoms.factors(ax))
 
     def _reslice(self, eqn, v: Val, keep: Sequence[bool], out_shape, why: str) -> Val:
         """Axes that are not kept get fresh atoms; the old atoms are pinned (a node group may not be cut), which
@@ -387,6 +391,8 @@ class ShapeRules:
             segs = None if in_shapes is None else self._side_by_side(ins, in_shapes, k)
             if segs is not None:
                 self.atoms.alias[new] = segs
+            elif in_shapes is None and all(map(self._of_inputs, ins)):  # inputs stacked: ``jnp.stack([x, y], -1)``
+                self.atoms.input[new] = True  # an input axis (positions where layers share weights along it)
             else:
                 self.atoms.position[new] = True
                 for v in ins if in_shapes is not None else ():  # (a stack's operands have no such axis)

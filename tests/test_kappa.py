@@ -1485,6 +1485,25 @@ def test_a_kernel_reversed_along_its_taps_is_the_same_kernel():
     assert {leaf.path: leaf.kind for leaf in flipped.leaves}["w"] == "other"
 
 
+@pytest.mark.parametrize("axis", [-1, 1], ids=["features", "steps"])
+def test_inputs_stacked_are_an_input(axis):
+    """Inputs stacked along a new axis, ``jnp.stack([x, y], -1)`` (two inputs as two features: an input group of 2,
+    the kernel an edge from it) or ``jnp.stack(frames, 1)`` (steps a shared layer reads each of: positions), trace as
+    the stacked array given as the input: the same groups, path norm, κ and DDP-SGD's κ (α 0.5). Before, a stack's
+    new axis was always positions, and a kernel reading it was "a bias per position" (no input group; the steps
+    case was right already, and stays so)."""
+    ks = jax.random.split(jax.random.key(35), 6)
+    xs = tuple(_normal(k, (6, 3) if axis == 1 else (6,)) for k in ks[:3])
+    p = {"a": _normal(ks[3], (3, 4)), "ab": _normal(ks[4], (4,), 0.1), "o": _normal(ks[5], (4, 2))}
+    net = lambda p, x: jax.nn.relu(x @ p["a"] + p["ab"]).mean(1) @ p["o"]  # noqa: E731  (steps: a Dense per step)
+    if axis == -1:
+        net = lambda p, x: jax.nn.relu(x @ p["a"] + p["ab"]) @ p["o"]  # noqa: E731
+    _, groups, got = _quantities(lambda p, *xs: net(p, jnp.stack(xs, axis)), p, xs, lambda k: k)
+    _, groups_ref, expected = _quantities(net, p, jnp.stack(xs, axis), lambda k: k)
+    assert groups == groups_ref == [("hidden", 4), ("input", 3), ("output", 2)]
+    chex.assert_trees_all_close(got, expected, rtol=1e-12)
+
+
 def test_a_constant_offset_at_a_pinned_node_is_no_path():
     """``relu(h @ w + 1.0) @ o``: the offset pins the layer; the paths into it end there, and the constant is no path
     of its own. Its path norm is the definition's, Σ_paths into the sinks + Σ_paths from them. Before, the offset
