@@ -322,24 +322,21 @@ def _shared_diagonals(interp: Interpreter, leaf_info: list[tuple], outputs_share
     with another, `_node_groups` pins that group, and the scale stays an edge.
     """
     atoms = interp.atoms
-    shared, roots, clashing = [], {}, {}
+    both: dict = {}  # axis -> shared on both sides (True where any reason says so)
+    roots = {}
     for axis, ends in interp.diagonal.items():
         ins, outs = atoms.factors(list(axis[1])), atoms.factors(ends)
         same = [atoms.size[r] for r in ins] == [atoms.size[r] for r in outs]
         if not same or axis not in outputs_shared and any(atoms.position[r] for r in outs):
-            shared.append((axis, True))
+            both[axis] = True
         roots.update((r, (axis, True)) for r in ins)
         roots.update((r, (axis, False)) for r in outs if r not in roots)
     keys = {frozenset(f[k] for k in node_in) for _, f, node_in, _, _, _, _ in leaf_info if node_in}
     keys |= {frozenset(e[k] for k in node_out) for _, _, _, node_out, _, _, e in leaf_info if node_out}
     for key, other in _clashes(keys):  # `_node_groups` would pin both; a member axis among them is shared instead
         for axis, side in (roots[t] for t in key | other if t in roots and roots[t][0] not in interp.scales):
-            clashing[axis] = clashing.get(axis, False) or side  # (True: its input side clashes too)
-    shared += [(axis, inputs_too or axis in outputs_shared) for axis, inputs_too in clashing.items()]
-    out: dict = {}  # (one entry per axis: both sides where any reason says so)
-    for axis, both in shared:
-        out[axis] = out.get(axis, False) or both
-    return list(out.items())
+            both[axis] = both.get(axis, False) or side or axis in outputs_shared  # (side: its input side clashes)
+    return list(both.items())
 
 
 def _clashes(keys):

@@ -226,10 +226,11 @@ class Interpreter(ShapeRules):
                 needed.update(v for v in eqn.invars if not jx.is_literal(v))
         return out[::-1]
 
-    def read_only_by_dead_code(self, jaxpr: jx.Jaxpr, n: int) -> list[tuple[int, Any]]:
+    @staticmethod
+    def read_only_by_dead_code(jaxpr: jx.Jaxpr, n: int) -> list[tuple[int, Any]]:
         """The first ``n`` inputs of ``jaxpr`` (its params leaves) that only equations outside `live` read, each with
         the first such equation."""
-        read = [v for e in self.live(jaxpr) for v in e.invars] + list(jaxpr.outvars)
+        read = [v for e in Interpreter.live(jaxpr) for v in e.invars] + list(jaxpr.outvars)
         read = {v for v in read if not jx.is_literal(v)}
         first = {}
         for e in jaxpr.eqns:
