@@ -65,6 +65,13 @@ class Atoms:
                 out.extend(self.factors(self.expand[r]))
         return out
 
+    def resolve(self, atoms: Sequence[int]) -> list[int]:
+        """`factors`, the groups side by side in a concatenation's axis in its place."""
+        out: list[int] = []
+        for r in self.factors(atoms):
+            out.extend([r] if self.alias[r] is None else self.resolve(self.alias[r]))
+        return out
+
     def pin(self, atoms: Sequence[int], reason: str, *, random: bool = False) -> None:
         """Pin the factors of ``atoms``, and the groups side by side in any of them (a concatenation's)."""
         for r in self.factors(atoms):

@@ -198,6 +198,8 @@ class ShapeRules:
         for k, d in enumerate(jx.param(eqn, "broadcast_dimensions")):
             if in_shape[k] == shape[d]:
                 out[d] = list(v.axes[k])
+        if v.kind != CONST:  # copies along the new axes: units there rescale alike (`Interpreter.rule_add`)
+            self.copies.update(a for a in fresh if self.atoms.size[a] > 1 and any(a in ax for ax in out))
         if v.kind == ACT and self.fully_pinned(v):  # copies of a pinned value, along new axes: pinned too
             self.atoms.pin([a for ax in out for a in ax if a in fresh], self.reason("a pinned value broadcast"))
         elif self._of_inputs(v):
@@ -411,15 +413,19 @@ class ShapeRules:
         return bool(fs) and all(self.atoms.position[f] or f in shared for f in fs)
 
     def _side_by_side(self, ins: Sequence[Val], in_shapes, k: int) -> list[int] | None:
-        """The groups of the operands' axis ``k``, one atom each (empty operands left out), else None. A constant
+        """The groups of the operands' axis ``k``, one atom each (empty operands left out; an operand's axis of several
+        factors, a convolution's output flattened with its positions, one atom made of them), else None. A constant
         beside activations (CoordConv's coordinate channels, a constant feature) is a group of inputs of its own:
         the layers reading the result read it with edges from inputs (`Interpreter.settle` decides: where a layer
         writes into them too, a residual added, they are pinned, or, zeros, that layer's units)."""
-        segs = []
+        segs, atoms = [], self.atoms
         for v, in_shape in zip(ins, in_shapes, strict=True):
-            fs = self.atoms.factors(v.axes[k])
+            fs = atoms.factors(v.axes[k])
             if len(fs) == 1 and v.kind == ACT:
                 segs.append(fs[0])
+            elif v.kind == ACT and not all(atoms.position[f] for f in fs):  # a flattened feature map, say
+                segs.append(atoms.new(in_shape[k]))
+                atoms.set_expand(segs[-1], fs)
             elif v.kind == CONST and not v.from_params and not v.random and in_shape[k] > 0:
                 segs.append(self.atoms.new(in_shape[k]))
                 self.beside.append((segs[-1], v.zero))
@@ -610,6 +616,8 @@ class ShapeRules:
                 ax = batch_axes[b] if b < len(batch_axes) else []
                 b += 1
                 out.append(list(ax) if self.size(ax) == out_shape[k] else [self.atoms.new(out_shape[k], position=True)])
+                if op.kind == PARAM:  # a table looked up along the ids' axes: shared along them, as a layer's weights
+                    self.shared_input(out[-1])
         for k in dn.start_index_map:
             if op.kind == PARAM:
                 # an embedding lookup: rows of the table are edges from one-hot inputs

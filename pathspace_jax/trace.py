@@ -178,7 +178,7 @@ def _interpret(closed, param_specs, input_specs, paths) -> Interpreter:
     interp.settle()
     for v in outs:
         if v.kind == ACT:
-            for a in _resolve_alias_roots(interp.atoms, interp.all_atoms(v)):
+            for a in interp.atoms.resolve(interp.all_atoms(v)):
                 interp.atoms.output[a] = True
     used = [bool(u or o) for u, o in zip(interp.uses, interp.other, strict=True)]
     for (leaf, _), j in sorted(interp.slices.items(), key=lambda kv: -kv[1]):  # used where its slices are
@@ -214,7 +214,7 @@ def record(closed, n_params: int, paths: Sequence[str]) -> tuple[Frame, dict[int
     interp = _interpret(closed, specs[:n_params], specs[n_params:], paths)
     _groups(interp, specs[:n_params], paths)  # sets interp.pinned_roots; no PathSpace (no per-entry arrays)
     atoms = interp.atoms
-    roots = interp.pinned_roots | {atoms.find(r) for r in _resolve_alias_roots(atoms, interp.fixed)}
+    roots = interp.pinned_roots | {atoms.find(r) for r in atoms.resolve(interp.fixed)}
 
     def flag(axes) -> bool | str | Cut:
         if axes is None or isinstance(axes, str):
@@ -231,7 +231,7 @@ def record(closed, n_params: int, paths: Sequence[str]) -> tuple[Frame, dict[int
                 cut = Cut(k, sizes, tuple(pins), atoms.blocks[fs[0]])
             elif any(pins):
                 return True
-        return cut or any(atoms.find(r) in roots for r in _resolve_alias_roots(atoms, axes[-1]))
+        return cut or any(atoms.find(r) in roots for r in atoms.resolve(axes[-1]))
 
     return interp.rec.top, {i: flag(a) for i, a in interp.rec.notes.items()}
 
@@ -253,16 +253,6 @@ def _segments(atoms: Atoms, root: int) -> list[list[int]]:
     for s in atoms.alias[root]:
         fs = atoms.factors([s])
         out += _segments(atoms, fs[0]) if len(fs) == 1 and atoms.alias[fs[0]] is not None else [fs]
-    return out
-
-
-def _resolve_alias_roots(atoms: Atoms, xs: Sequence[int]) -> list[int]:
-    out = []
-    for r in atoms.factors(xs):
-        if atoms.alias[r] is not None:
-            out.extend(_resolve_alias_roots(atoms, atoms.alias[r]))
-        else:
-            out.append(r)
     return out
 
 
@@ -515,8 +505,9 @@ def _node_groups(interp: Interpreter, leaf_info) -> tuple[list[NodeGroup], dict,
 
     def add_key(key: tuple[int, ...], step: float, entered: bool, path: str):
         if len(key) == 1 and atoms.alias[key[0]] is not None:
-            for seg in _segments(atoms, key[0]):
-                add_key(tuple(seg), step, entered, path)
+            for seg in _segments(atoms, key[0]):  # (a flattened feature map's positions are no part of its nodes)
+                if nodes := tuple(r for r in seg if not atoms.position[r]):
+                    add_key(nodes, step, entered, path)
             return
         canon = tuple(sorted(key))
         group_order[canon] = min(group_order.get(canon, np.inf), step)
@@ -595,12 +586,13 @@ def _edge_leaves(atoms: Atoms, leaves, paths, leaf_info, groups, key_index) -> l
 
     def group_ids(seg: list[int]) -> np.ndarray:
         """Global node ids of the entries of the group of factor roots ``seg``, laid out row-major in ``seg``'s order
-        and numbered row-major in the roots' sorted order."""
+        and numbered row-major in the roots' sorted order, positions left out."""
         sizes, local = [atoms.size[r] for r in seg], np.zeros((), np.int64)
         grids = np.meshgrid(*[np.arange(n) for n in sizes], indexing="ij")
-        for k in sorted(range(len(seg)), key=lambda k: seg[k]):
+        nodes = sorted((k for k in range(len(seg)) if not atoms.position[seg[k]]), key=lambda k: seg[k])
+        for k in nodes:  # (the same nodes at every position of a flattened feature map)
             local = local * sizes[k] + grids[k]
-        return groups[key_index[tuple(sorted(seg))]].offset + local.ravel()
+        return groups[key_index[tuple(seg[k] for k in nodes)]].offset + np.broadcast_to(local, sizes).ravel()
 
     edge_leaves = []
     for i, (leaf, (kind, factors, node_in, node_out, note, _, ends)) in enumerate(zip(leaves, leaf_info)):

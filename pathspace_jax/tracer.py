@@ -72,6 +72,10 @@ class Interpreter(ShapeRules):
         self.beside: list[tuple[int, bool]] = []
         # parameters reversed along some axes, which must turn out to be a convolution's taps (`settle`)
         self.reversed: list[tuple[Val, list[int], str]] = []
+        # the atoms of axes along which a parameter or an activation is copied (`ShapeRules.rule_broadcast_in_dim`)
+        # and those of a sum it enters so, with why: units of a layer there are pinned (`settle`)
+        self.copies: set[int] = set()
+        self.copied_into: list[tuple[list[int], str]] = []
         # layer i's slice of a params leaf that a scan slices (`layer_slice`): a leaf of its own, after the real ones
         self.slices: dict[tuple[int, int], int] = {}  # (stacked leaf, layer) -> slice leaf
         self.apart: dict[int, set[int]] = {}  # leaf -> its axes' atoms before they were flattened (`flattened`)
@@ -162,6 +166,8 @@ class Interpreter(ShapeRules):
             if not all(atoms.position[f] for f in atoms.factors(axes)):
                 self.other[v.leaf].append(why)
                 atoms.pin(self.all_atoms(v), why)
+        for axis, why in self.copied_into:  # (along positions and inputs: a bias shared by them, as usual)
+            atoms.pin([f for f in atoms.factors(axis) if not (atoms.position[f] or atoms.input[f])], why)
 
     def all_atoms(self, v: Val) -> list[int]:
         return [a for ax in v.axes for a in ax] + list(v.scalars)
@@ -422,7 +428,15 @@ class Interpreter(ShapeRules):
             return [self.ew(CONST, ins, self.broadcast(eqn, ins, unify=False), zero=all(c.zero for c in consts))]
         axes = self.broadcast(eqn, acts + params, unify=True)  # activations first: they name the output
         for v in params:
+            if not self.all_atoms(v):  # one number added to every unit: no edge (the units pinned below)
+                self.mark_other(v, "a single number added to a layer's units")
             self.use(v, self.all_atoms(v), "out")
+        shape = eqn.outvars[0].aval.shape
+        for v in acts + params:  # a bias shared along the units of a layer (a token-mixing layer's, along channels)
+            for k, d in enumerate(shape):
+                if d > 1 and (len(v.axes) != len(shape) or self.size(v.axes[k]) == 1 or self.copies & set(v.axes[k])):
+                    what = "a parameter" if v.kind == PARAM else "an activation"
+                    self.copied_into.append((axes[k], self.reason(f"adds {what} copied along the nodes of a layer")))
         if any(not c.zero for c in consts):
             for v in acts:
                 self.pin(v, "adds a constant offset")
@@ -988,8 +1002,8 @@ class Interpreter(ShapeRules):
         for uses in self.uses:
             by_use: dict[int, list[int]] = {}  # the factors that one use of a kernel reads, over all its read axes
             for a, role, step, _ in uses:
-                if role == "in":
-                    by_use.setdefault(step, []).extend(atoms.factors([a]))
+                if role == "in":  # (a flattened feature map concatenated with other features: its factors)
+                    by_use.setdefault(step, []).extend(atoms.resolve([a]))
             for fs in by_use.values():
                 for f in fs:
                     reads.setdefault(f, []).append(fs)
@@ -1006,9 +1020,7 @@ class Interpreter(ShapeRules):
         weights are (the units of the read axis rescale alike at every entry of the free one)."""
         atoms = self.atoms
         for k in free:
-            fs = atoms.factors(x.axes[k])
-            if self.size(x.axes[k]) > 1 and all(atoms.input[f] and not atoms.position[f] for f in fs):
-                self.shared_inputs.update(fs)  # perhaps a position (`input_positions`)
+            self.shared_input(x.axes[k])
         free = [  # the examples' axis and other input axes are not a kernel's (and the common case: no search)
             k for k in free if self.size(x.axes[k]) > 1
             and not all(atoms.input[f] or atoms.position[f] for f in atoms.factors(x.axes[k]))
@@ -1018,6 +1030,12 @@ class Interpreter(ShapeRules):
         for k in free:
             if self.written_with(x.axes[k], [x.axes[j] for j in read]):
                 atoms.make_positions(x.axes[k])
+
+    def shared_input(self, axis: Sequence[int]) -> None:
+        """A layer shares its weights along ``axis``: if it is an input axis, perhaps a position (`input_positions`)."""
+        fs = self.atoms.factors(axis)
+        if self.size(axis) > 1 and all(self.atoms.input[f] and not self.atoms.position[f] for f in fs):
+            self.shared_inputs.update(fs)
 
     def written_with(self, axis: Sequence[int], others: Sequence[Sequence[int]]) -> bool:
         """Whether ``axis`` and one of ``others`` (atom lists) were written by one kernel, as two of its output

@@ -1525,6 +1525,111 @@ def test_a_constant_offset_at_a_pinned_node_is_no_path():
         np.testing.assert_allclose(pj.path_norm(space, q) ** 2, into + (q["o"] ** 2).sum(), rtol=1e-12)
 
 
+_CONV = functools.partial(jax.lax.conv_general_dilated, window_strides=(2, 2), padding="SAME",
+                          dimension_numbers=("NHWC", "HWIO", "NHWC"))  # fmt: skip
+
+
+@pytest.mark.parametrize("beside", ["inputs", "a layer"])
+def test_a_flattened_feature_map_concatenated_with_other_features_keeps_its_units(beside):
+    """A policy network's image encoder flattened and concatenated with a vector of other features (inputs, or a
+    layer's units) before a Dense layer: the concatenation is the feature map's channels at every position beside
+    the other group, and H, the groups, the path norm, κ and DDP-SGD's κ (α 0.5) are those of the network written
+    with one kernel per part; G-SGD's steps are invariant. Before, the concatenation's axis was positions: the
+    channels pinned, the Dense kernel "a bias per position", and G-SGD's steps not invariant."""
+    ks = jax.random.split(jax.random.key(36), 8)
+    img, vec = _normal(ks[0], (5, 6, 6, 2)), _normal(ks[1], (5, 3))
+    p = {"c": _normal(ks[2], (3, 3, 2, 4)), "cb": _normal(ks[3], (4,), 0.1), "w": _normal(ks[4], (9 * 4 + 3, 6)),
+         "wb": _normal(ks[5], (6,), 0.1), "o": _normal(ks[6], (6, 2))}  # fmt: skip
+    if beside == "a layer":
+        p = p | {"d": _normal(ks[7], (3, 3))}
+    other = (lambda p, v: v) if beside == "inputs" else (lambda p, v: jax.nn.relu(v @ p["d"]))
+
+    def head(p, h, z):
+        return jax.nn.relu(z + p["wb"]) @ p["o"]
+
+    def fn(p, img, vec):
+        flat = jax.nn.relu(_CONV(img, p["c"]) + p["cb"]).reshape(len(img), -1)
+        return head(p, flat, jnp.concatenate([flat, other(p, vec)], -1) @ p["w"])
+
+    def apart(q, img, vec):  # the kernel's rows for the feature map and for the vector: two leaves
+        flat = jax.nn.relu(_CONV(img, q["c"]) + q["cb"]).reshape(len(img), -1)
+        return head(q, flat, flat @ q["w"][0] + other(q, vec) @ q["w"][1])
+
+    q = p | {"w": (p["w"][:36], p["w"][36:])}
+    joined = lambda t: t | {"w": jnp.concatenate(t["w"])}  # noqa: E731
+    chex.assert_trees_all_close(fn(p, img, vec), apart(q, img, vec), rtol=1e-12)
+    space, groups, got = _quantities(fn, p, (img, vec), lambda t: t)
+    _, groups_ref, expected = _quantities(apart, q, (img, vec), joined)
+    assert groups == groups_ref and space.num_hidden == 4 + 6 + (3 if beside == "a layer" else 0)
+    chex.assert_trees_all_close(got, expected, rtol=1e-12)
+    loss = lambda p, b: jnp.mean((fn(p, *b) - 1.0) ** 2)  # noqa: E731
+    assert_update_invariant(pj.g_sgd(space, 0.05), loss, space, p, (img, vec), inputs=(img, vec), rtol=1e-9)
+
+
+@pytest.mark.parametrize("beside", [False, True], ids=["alone", "beside numeric features"])
+def test_a_table_looked_up_at_several_slots_and_flattened_is_shared_along_them(beside):
+    """Categorical features looked up in one table and flattened (a tabular model's embeddings, Bengio's neural LM's
+    context words), perhaps concatenated with numeric features, then a Dense layer: the table's columns are hidden
+    units shared by the slots, as for the one-hot input times the table: the same groups, path norm, κ and
+    DDP-SGD's κ (α 0.5). Before, the slots were no positions: the table's units were pinned (H 6 instead of 9)."""
+    ks = jax.random.split(jax.random.key(37), 6)
+    ids, num = jax.random.randint(ks[0], (6, 2), 0, 7), _normal(ks[1], (6, 3))
+    p = {"e": _normal(ks[2], (7, 3)), "w": _normal(ks[3], (6 + 3 * beside, 6)), "wb": _normal(ks[4], (6,), 0.1),
+         "o": _normal(ks[5], (6, 2))}  # fmt: skip
+
+    def net(p, rows, num):
+        h = rows.reshape(len(rows), -1)
+        h = jnp.concatenate([h, num], -1) if beside else h
+        return jax.nn.relu(h @ p["w"] + p["wb"]) @ p["o"]
+
+    lookup = lambda p, ids, num: net(p, p["e"][ids], num)  # noqa: E731
+    one_hot = lambda p, x, num: net(p, x @ p["e"], num)  # noqa: E731
+    chex.assert_trees_all_close(lookup(p, ids, num), one_hot(p, jax.nn.one_hot(ids, 7, dtype=F64), num), rtol=1e-12)
+    space, groups, got = _quantities(lookup, p, (ids, num), lambda t: t)
+    _, groups_ref, expected = _quantities(one_hot, p, (jax.nn.one_hot(ids, 7, dtype=F64), num), lambda t: t)
+    assert groups == groups_ref and space.num_hidden == 3 + 6
+    chex.assert_trees_all_close(got, expected, rtol=1e-12)
+
+
+@pytest.mark.parametrize("copied", ["token mixing bias", "one number", "one activation per example"])
+def test_a_value_copied_along_a_layers_units_and_added_pins_them(copied):
+    """A value added to every unit of a layer alike cannot follow the units' separate rescalings: those units are
+    pinned, and the function is invariant under the rescalings of the others at non-zero biases. MLP-Mixer's token
+    mixing (a Dense along the tokens: its biases are copied along the channels it is applied to), one learned number
+    added to a layer's units (no edge: "other"), one activation per example added to them (a conditioning branch).
+    Written with the copied value zero (no token-mixing biases; a constant 0), the units are hidden. Before, the
+    channels were hidden (random rescalings changed the function), and one number added was "not used by fn"."""
+    ks = jax.random.split(jax.random.key(38), 10)
+    x = _normal(ks[0], (5, 4, 3))  # examples, tokens, features
+    p = {"a": _normal(ks[1], (3, 3)), "ab": _normal(ks[2], (3,), 0.5), "c": _normal(ks[3], (3, 4)),
+         "cb": _normal(ks[4], (4,), 0.5), "o": _normal(ks[5], (4, 2))}  # fmt: skip
+    if copied == "token mixing bias":
+        p |= {"t1": _normal(ks[6], (4, 5)), "t1b": _normal(ks[7], (5,), 0.5), "t2": _normal(ks[8], (5, 4)),
+              "t2b": _normal(ks[9], (4,), 0.5)}  # fmt: skip
+    elif copied == "one number":
+        p |= {"s": jnp.asarray(0.7, F64)}
+    else:
+        p |= {"s": _normal(ks[6], (3, 1))}
+
+    def fn(p, x):  # (the copied value left out where ``p`` lacks its leaves)
+        h = x @ p["a"] + p["ab"]  # (the channels the copied value is added to)
+        if copied == "token mixing bias":
+            t = jax.nn.relu(jnp.swapaxes(h, 1, 2) @ p["t1"] + p.get("t1b", 0.0)) @ p["t2"] + p.get("t2b", 0.0)
+            h = h + jnp.swapaxes(t, 1, 2)
+        elif "s" in p:
+            h = h + (p["s"] if copied == "one number" else x @ p["s"])  # (one activation per example and token)
+        return (jax.nn.relu(jax.nn.relu(h) @ p["c"] + p["cb"])).mean(1) @ p["o"]
+
+    space = pj.trace(fn, p, x)
+    (into,) = {leaf.path: leaf for leaf in space.leaves}["ab"].dst_groups
+    units = space.groups[into]
+    hidden = 4 + 5 * (copied == "token mixing bias")
+    assert space.num_hidden == hidden and units.kind == "pinned", pj.describe(space)
+    pj.testing.assert_function_invariant(fn, space, p, x)
+    zeroed = {k: v for k, v in p.items() if k not in ("t1b", "t2b", "s")}
+    assert pj.trace(fn, zeroed, x).num_hidden == hidden + 3
+
+
 class _LearnedQueries(nn.Module):
     """Attention pooling with learned queries: big_vision's MAPHead (a ``probe`` parameter tiled along the batch
     attends to the sequence, then a LayerNorm and an MLP added to it; ``queries=1``) or a Perceiver's latents
