@@ -74,6 +74,7 @@ class Program:
     sinks: list[int] = dataclasses.field(default_factory=list)  # pinned nodes: paths end here
     bnd: set[int] = dataclasses.field(default_factory=set)  # other boundary values: 1 in the |·|^p network
     gates: set[int] = dataclasses.field(default_factory=set)  # of those, gates computed from the inputs alone
+    of_inputs: set[int] = dataclasses.field(default_factory=set)  # values of the inputs alone, no parameter: gates too
     masks: set[int] = dataclasses.field(default_factory=set)  # activations of degree 0 (``h > 0``): `program._masks`
     lookups: set[int] = dataclasses.field(default_factory=set)  # results of embedding lookups
     fixed: set[int] = dataclasses.field(default_factory=set)  # params combined into fixed coefficients (trace)

@@ -411,7 +411,7 @@ def _find_boundary(prog: Program, fresh: set[int], body: bool = False) -> None:
     gates = prog.gates = set() if body else _input_gates(prog)
     if not prog.pinned and not gates:
         return
-    kinds, pinned, node_set = prog.kinds, prog.pinned, set(prog.nodes)
+    kinds, pinned, node_set, of_inputs = prog.kinds, prog.pinned, set(prog.nodes), prog.of_inputs
     sinks: list[int] = []
     bnd = {i for i in prog.in_ids if i in pinned} | gates
     for e in prog.eqns:
@@ -429,8 +429,13 @@ def _find_boundary(prog: Program, fresh: set[int], body: bool = False) -> None:
         for o in e.outs:
             if kinds[o] != "act":
                 continue
-            if act_ins and not edge and all(x in bnd for x in act_ins):
-                bnd.add(o)  # computed from boundary values only
+            if (
+                act_ins
+                and not edge
+                and all(x in bnd or x in of_inputs for x in act_ins)
+                and any(x in bnd for x in act_ins)
+            ):
+                bnd.add(o)  # computed from boundary values only (and values of the inputs alone: an additive mask)
                 if e.prim.name in ("add", "add_any", "sub") and any(map(prog.edge_param, e.ins)):
                     sinks.append(o)  # a bias edge enters a boundary node (an offset without a scale)
             elif o in pinned and o in node_set:
@@ -472,7 +477,8 @@ def _masks(prog: Program) -> set[int]:
 def _input_gates(prog: Program) -> set[int]:
     """The results of operations that the |·|^p network does not evaluate (a sigmoid, an exp, a product of two such
     values: an input masked by another) applied to values computed from the inputs without parameters:
-    coefficients of the examples (a gate), never rescaled."""
+    coefficients of the examples (a gate), never rescaled. Sets ``prog.of_inputs``, all the values computed from the
+    inputs alone."""
     kinds = prog.kinds
     plain = {i for i in prog.in_ids[prog.n_params :] if kinds[i] == "act"}
     gates: set[int] = set()
@@ -485,6 +491,7 @@ def _input_gates(prog: Program) -> set[int]:
         product = name in ("mul", "div", "dot_general", "conv_general_dilated") and len(acts) > 1
         known = (rule(name).as_is or name in _EVALUATED) and not product and not any(x in gates for x in acts)
         (plain if known else gates).update(o for o in e.outs if kinds[o] == "act")
+    prog.of_inputs = plain | gates
     return gates
 
 

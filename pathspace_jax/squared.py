@@ -389,10 +389,11 @@ def _dense_of_ones(e: Eqn, ks, ms) -> list | None:
 def _boundary_op(prog: Program, e: Eqn, ks, vals) -> list:
     """An operation whose result is a boundary value (`_find_boundary`): 1 in the |·|^p network. A parameter
     that multiplies it other than as an edge (an "other" leaf) lies on no path. It may read the pinned part of a
-    value whose groups are pinned in part (``prog.cut``: a gate sliced out of a fused kernel's output)."""
-    inside = prog.bnd | set(prog.sinks) | set(prog.cut)
+    value whose groups are pinned in part (``prog.cut``: a gate sliced out of a fused kernel's output), and values
+    of the inputs alone (a gate; an additive attention mask ``(1 - mask) * -1e9``: no parameter, no path)."""
+    inside = prog.bnd | set(prog.sinks) | set(prog.cut) | prog.of_inputs  # (an additive mask of the inputs alone)
     outside = [x for k, x in enumerate(e.ins) if ks[k] == "act" and x not in inside]
-    if outside and e.outs[0] not in prog.gates:  # (a gate computed from the inputs alone reads them)
+    if outside:
         raise prog.err(
             f"{prog.who}: {e.prim.name} at {e.where} combines a value of the positively homogeneous part with a "
             "value of a pinned node group other than by a parameter edge or a sum; path sums are not defined there"

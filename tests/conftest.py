@@ -8,7 +8,6 @@ them alone and ``-m "slow or not slow"`` runs everything (what CI runs).
 """
 
 import gc
-import importlib.util
 import os
 import subprocess
 import sys
@@ -57,11 +56,6 @@ if os.environ.get("PJ_TEST_CACHE", "1") != "0":
         "jax_persistent_cache_min_compile_time_secs": 0.0,
         "jax_persistent_cache_min_entry_size_bytes": 0,
     }
-    # a size limit turns on the cache's file lock (the filelock package, in the test extra): without it, one worker
-    # could read an entry another was still writing, and the truncated executable crashed the reader (seen once,
-    # 2026-11-29, a segmentation fault in `compilation_cache.get_executable_and_time`)
-    if importlib.util.find_spec("filelock") is not None:
-        _CACHE["jax_compilation_cache_max_size"] = 8 << 30
     for _name, _value in _CACHE.items():
         jax.config.update(_name, _value)
         os.environ[_name.upper()] = str(_value)

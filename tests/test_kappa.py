@@ -1630,6 +1630,33 @@ def test_a_value_copied_along_a_layers_units_and_added_pins_them(copied):
     assert pj.trace(fn, zeroed, x).num_hidden == hidden + 3
 
 
+def test_an_additive_attention_mask_of_the_inputs_is_no_path():
+    """``scores + (1 - mask) * -1e9`` (BERT's additive mask, a float input) enters the pinned scores as values of the
+    inputs alone: no parameter, no path. The groups, path norm, κ and DDP-SGD's κ (α 0.5) are those of the mask
+    applied with ``jnp.where``. Before, path_kappa refused it (``exp`` "not positively homogeneous": the sum was no
+    boundary value), and so did the other optimisers where the scores were a node ("combines a value of the
+    positively homogeneous part with a value of a pinned node group")."""
+    ks = jax.random.split(jax.random.key(39), 7)
+    x, mask = _normal(ks[0], (5, 7, 3)), (jax.random.uniform(ks[1], (5, 7)) > 0.3).astype(F64)
+    p = {n: _normal(k, (3, 4) if n == "a" else (4, 2) if n == "o" else (4, 4)) for n, k in zip("aqkvo", ks[2:])}
+
+    def net(p, x, mask, additive=True):
+        h = jax.nn.relu(x @ p["a"])
+        scores = jnp.einsum("bqd,bkd->bqk", h @ p["q"], h @ p["k"])
+        if additive:
+            scores = scores + (1.0 - mask)[:, None, :] * -1e9
+        else:
+            scores = jnp.where(mask[:, None, :] > 0, scores, -1e9)
+        return jax.nn.relu(jax.nn.softmax(scores) @ (h @ p["v"])).mean(1) @ p["o"]
+
+    where = functools.partial(net, additive=False)
+    chex.assert_trees_all_close(net(p, x, mask), where(p, x, mask), rtol=1e-12)
+    _, groups, got = _quantities(net, p, (x, mask), lambda t: t)
+    _, groups_ref, expected = _quantities(where, p, (x, mask), lambda t: t)
+    assert groups == groups_ref
+    chex.assert_trees_all_close(got, expected, rtol=1e-12)
+
+
 class _LearnedQueries(nn.Module):
     """Attention pooling with learned queries: big_vision's MAPHead (a ``probe`` parameter tiled along the batch
     attends to the sequence, then a LayerNorm and an MLP added to it; ``queries=1``) or a Perceiver's latents
