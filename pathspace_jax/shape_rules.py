@@ -423,7 +423,8 @@ class ShapeRules:
             fs = atoms.factors(v.axes[k])
             if len(fs) == 1 and v.kind == ACT:
                 segs.append(fs[0])
-            elif v.kind == ACT and not all(atoms.position[f] for f in fs):  # a flattened feature map, say
+            elif v.kind == ACT and not all(atoms.position[f] for f in fs) and all(atoms.alias[f] is None for f in fs):
+                # a feature map flattened with its positions: its channels at every position (`trace._segments`)
                 segs.append(atoms.new(in_shape[k]))
                 atoms.set_expand(segs[-1], fs)
             elif v.kind == CONST and not v.from_params and not v.random and in_shape[k] > 0:

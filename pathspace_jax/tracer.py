@@ -167,7 +167,8 @@ class Interpreter(ShapeRules):
                 self.other[v.leaf].append(why)
                 atoms.pin(self.all_atoms(v), why)
         for axis, why in self.copied_into:  # (along positions and inputs: a bias shared by them, as usual)
-            atoms.pin([f for f in atoms.factors(axis) if not (atoms.position[f] or atoms.input[f])], why)
+            fs = atoms.factors(axis)  # (said only where no other reason pins them: a LayerNorm's mean has one)
+            atoms.pin([f for f in fs if not (atoms.position[f] or atoms.input[f] or atoms.reasons[f])], why)
 
     def all_atoms(self, v: Val) -> list[int]:
         return [a for ax in v.axes for a in ax] + list(v.scalars)
@@ -436,7 +437,8 @@ class Interpreter(ShapeRules):
             for k, d in enumerate(shape):
                 if d > 1 and (len(v.axes) != len(shape) or self.size(v.axes[k]) == 1 or self.copies & set(v.axes[k])):
                     what = "a parameter" if v.kind == PARAM else "an activation"
-                    self.copied_into.append((axes[k], self.reason(f"adds {what} copied along the nodes of a layer")))
+                    why = f"adds {what} whose value is the same at every unit of a layer: they cannot rescale apart"
+                    self.copied_into.append((axes[k], self.reason(why)))
         if any(not c.zero for c in consts):
             for v in acts:
                 self.pin(v, "adds a constant offset")
