@@ -421,9 +421,10 @@ class ShapeRules:
         segs, atoms = [], self.atoms
         for v, in_shape in zip(ins, in_shapes, strict=True):
             fs = atoms.factors(v.axes[k])
+            nodes = [f for f in fs if not atoms.position[f]]  # (one group side by side of several: one of them)
             if len(fs) == 1 and v.kind == ACT:
                 segs.append(fs[0])
-            elif v.kind == ACT and not all(atoms.position[f] for f in fs) and all(atoms.alias[f] is None for f in fs):
+            elif v.kind == ACT and nodes and (len(nodes) == 1 or all(atoms.alias[f] is None for f in nodes)):
                 # a feature map flattened with its positions: its channels at every position (`trace._segments`)
                 segs.append(atoms.new(in_shape[k]))
                 atoms.set_expand(segs[-1], fs)

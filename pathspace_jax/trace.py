@@ -223,7 +223,7 @@ def record(closed, n_params: int, paths: Sequence[str]) -> tuple[Frame, dict[int
         for k, ax in enumerate(axes[:-1]):
             fs = atoms.factors(ax)
             segs = _segments(atoms, fs[0]) if len(fs) == 1 and atoms.alias[fs[0]] is not None else [fs]
-            pins = [any(r in roots for r in seg) for seg in segs]
+            pins = [any(r in roots for r in atoms.resolve(seg)) for seg in segs]
             if len(segs) > 1 and any(pins) and not all(pins):
                 sizes = tuple(int(np.prod([atoms.size[r] for r in seg])) for seg in segs)
                 if sum(sizes) != atoms.size[fs[0]]:  # a reshaped output's pieces axis: w entries per group
@@ -590,6 +590,9 @@ def _edge_leaves(atoms: Atoms, leaves, paths, leaf_info, groups, key_index) -> l
         sizes, local = [atoms.size[r] for r in seg], np.zeros((), np.int64)
         grids = np.meshgrid(*[np.arange(n) for n in sizes], indexing="ij")
         nodes = sorted((k for k in range(len(seg)) if not atoms.position[seg[k]]), key=lambda k: seg[k])
+        if len(nodes) == 1 and atoms.alias[seg[nodes[0]]] is not None:  # groups side by side, at every position
+            ids = node_ids(seg[nodes[0]]).reshape([-1 if k == nodes[0] else 1 for k in range(len(seg))])
+            return np.broadcast_to(ids, sizes).ravel()
         for k in nodes:  # (the same nodes at every position of a flattened feature map)
             local = local * sizes[k] + grids[k]
         return groups[key_index[tuple(seg[k] for k in nodes)]].offset + np.broadcast_to(local, sizes).ravel()

@@ -1529,31 +1529,38 @@ _CONV = functools.partial(jax.lax.conv_general_dilated, window_strides=(2, 2), p
                           dimension_numbers=("NHWC", "HWIO", "NHWC"))  # fmt: skip
 
 
-@pytest.mark.parametrize("beside", ["inputs", "a layer"])
+@pytest.mark.parametrize("beside", ["inputs", "a layer", "inputs, the map of two branches"])
 def test_a_flattened_feature_map_concatenated_with_other_features_keeps_its_units(beside):
     """A policy network's image encoder flattened and concatenated with a vector of other features (inputs, or a
     layer's units) before a Dense layer: the concatenation is the feature map's channels at every position beside
     the other group, and H, the groups, the path norm, κ and DDP-SGD's κ (α 0.5) are those of the network written
-    with one kernel per part; G-SGD's steps are invariant. Before, the concatenation's axis was positions: the
-    channels pinned, the Dense kernel "a bias per position", and G-SGD's steps not invariant."""
-    ks = jax.random.split(jax.random.key(36), 8)
+    with one kernel per part; G-SGD's steps are invariant. So where the map is itself two branches concatenated
+    (Inception's). Before, the concatenation's axis was positions: the channels pinned, the Dense kernel "a bias per
+    position", and G-SGD's steps not invariant."""
+    ks = jax.random.split(jax.random.key(36), 10)
     img, vec = _normal(ks[0], (5, 6, 6, 2)), _normal(ks[1], (5, 3))
+    two = beside.endswith("branches")
     p = {"c": _normal(ks[2], (3, 3, 2, 4)), "cb": _normal(ks[3], (4,), 0.1), "w": _normal(ks[4], (9 * 4 + 3, 6)),
          "wb": _normal(ks[5], (6,), 0.1), "o": _normal(ks[6], (6, 2))}  # fmt: skip
     if beside == "a layer":
-        p = p | {"d": _normal(ks[7], (3, 3))}
-    other = (lambda p, v: v) if beside == "inputs" else (lambda p, v: jax.nn.relu(v @ p["d"]))
+        p |= {"d": _normal(ks[7], (3, 3))}
+    if two:
+        p |= {"c": _normal(ks[2], (3, 3, 2, 3)), "cb": _normal(ks[3], (3,), 0.1), "e": _normal(ks[8], (1, 1, 2, 1))}
+    other = (lambda p, v: jax.nn.relu(v @ p["d"])) if beside == "a layer" else (lambda p, v: v)
 
-    def head(p, h, z):
+    def flat(p, img):
+        h = jax.nn.relu(_CONV(img, p["c"]) + p["cb"])
+        h = jnp.concatenate([h, jax.nn.relu(_CONV(img, p["e"]))], -1) if two else h
+        return h.reshape(len(img), -1)
+
+    def head(p, z):
         return jax.nn.relu(z + p["wb"]) @ p["o"]
 
     def fn(p, img, vec):
-        flat = jax.nn.relu(_CONV(img, p["c"]) + p["cb"]).reshape(len(img), -1)
-        return head(p, flat, jnp.concatenate([flat, other(p, vec)], -1) @ p["w"])
+        return head(p, jnp.concatenate([flat(p, img), other(p, vec)], -1) @ p["w"])
 
     def apart(q, img, vec):  # the kernel's rows for the feature map and for the vector: two leaves
-        flat = jax.nn.relu(_CONV(img, q["c"]) + q["cb"]).reshape(len(img), -1)
-        return head(q, flat, flat @ q["w"][0] + other(q, vec) @ q["w"][1])
+        return head(q, flat(q, img) @ q["w"][0] + other(q, vec) @ q["w"][1])
 
     q = p | {"w": (p["w"][:36], p["w"][36:])}
     joined = lambda t: t | {"w": jnp.concatenate(t["w"])}  # noqa: E731
