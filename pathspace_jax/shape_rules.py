@@ -458,13 +458,23 @@ class ShapeRules:
     def _piece_of_layer(self, v: Val, axis: int, start: int, shape) -> Val | None:
         """Entries ``start`` on of the node axis ``axis`` of an activation, a layer's output (a fused kernel's:
         ``q, k, v = jnp.split(x @ w + b, 3, -1)``, a gated unit's two halves): the piece as a group of its own, the
-        layer's output axis those groups side by side, as a concatenation's is (`Atoms.set_alias`); else None."""
-        fs = self.atoms.factors(v.axes[axis])
-        if v.kind != ACT or len(fs) != 1 or self.atoms.position[fs[0]] or not self._written_by_a_layer(fs[0]):
+        layer's output axis those groups side by side, as a concatenation's is (`Atoms.set_alias`); or operands of a
+        concatenation read back (`_bounds`); else None."""
+        fs, end = self.atoms.factors(v.axes[axis]), start + shape[axis]
+        if v.kind != ACT or len(fs) != 1 or self.atoms.position[fs[0]]:
             return None
-        if (piece := self._cut(fs[0], start, start + shape[axis])) is None:
+        if not self._written_by_a_layer(fs[0]) and not {start, end} <= self._bounds(fs[0]):
+            return None  # (a concatenation's operands are read back whole, never cut)
+        if (piece := self._cut(fs[0], start, end)) is None:
             return None
         return dataclasses.replace(v, axes=[[piece] if k == axis else list(ax) for k, ax in enumerate(v.axes)])
+
+    def _bounds(self, r: int) -> set[int]:
+        """Where the groups side by side in the axis ``r`` (a concatenation's) begin and end; none where it is one."""
+        if self.atoms.alias[r] is None or self.atoms.blocks[r] > 1:
+            return set()
+        sizes = [self.atoms.size[self.atoms.find(s)] for s in self.atoms.alias[r]]
+        return set(np.cumsum([0, *sizes]).tolist())
 
     def _written_by_a_layer(self, r: int) -> bool:
         """Whether the root ``r`` is the output axis of a parameter's edges."""

@@ -1573,6 +1573,35 @@ def test_a_flattened_feature_map_concatenated_with_other_features_keeps_its_unit
     assert_update_invariant(pj.g_sgd(space, 0.05), loss, space, p, (img, vec), inputs=(img, vec), rtol=1e-9)
 
 
+@pytest.mark.parametrize("flat", [False, True], ids=["units", "a flattened feature map"])
+def test_a_concatenation_read_back_in_its_operands_slices_is_those_operands(flat):
+    """``z = concatenate([h, y])`` read as ``z[:, :n]`` and ``z[:, n:]`` by two layers: each slice is its operand (a
+    layer's units, or a convolution's output flattened, beside an input), and the groups, path norm, κ and DDP-SGD's
+    κ (α 0.5) are those of the network reading h and y directly. Before, the slices pinned every unit (H 0)."""
+    ks = jax.random.split(jax.random.key(40), 7)
+    x, y = _normal(ks[0], (5, 4, 4, 2) if flat else (5, 3)), _normal(ks[1], (5, 3))
+    p = {"a": _normal(ks[2], (3, 3, 2, 3) if flat else (3, 4)), "ab": _normal(ks[3], (3 if flat else 4,), 0.1),
+         "b": _normal(ks[4], (12 if flat else 4, 3)), "o": _normal(ks[5], (3, 2)),
+         "c": _normal(ks[6], (3, 2))}  # fmt: skip
+
+    def h(p, x):
+        if flat:
+            return jax.nn.relu(_CONV(x, p["a"]) + p["ab"]).reshape(len(x), -1)
+        return jax.nn.relu(x @ p["a"] + p["ab"])
+
+    def apart(p, x, y):
+        return jax.nn.relu(h(p, x) @ p["b"]) @ p["o"] + y @ p["c"]
+
+    def fn(p, x, y):
+        z, n = jnp.concatenate([h(p, x), y], -1), p["b"].shape[0]
+        return jax.nn.relu(z[:, :n] @ p["b"]) @ p["o"] + z[:, n:] @ p["c"]
+
+    space, groups, got = _quantities(fn, p, (x, y), lambda t: t)
+    _, groups_ref, expected = _quantities(apart, p, (x, y), lambda t: t)
+    assert groups == groups_ref and space.num_hidden == (3 if flat else 4) + 3
+    chex.assert_trees_all_close(got, expected, rtol=1e-12)
+
+
 @pytest.mark.parametrize("beside", [False, True], ids=["alone", "beside numeric features"])
 def test_a_table_looked_up_at_several_slots_and_flattened_is_shared_along_them(beside):
     """Categorical features looked up in one table and flattened (a tabular model's embeddings, Bengio's neural LM's
