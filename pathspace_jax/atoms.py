@@ -65,6 +65,15 @@ class Atoms:
                 out.extend(self.factors(self.expand[r]))
         return out
 
+    def segments(self, axis: Sequence[int]) -> list[list[int]]:
+        """The groups side by side in an axis (a concatenation's, or a fused layer's output cut into pieces), in
+        order, each as its factor roots (a piece reshaped into heads: two; a feature map flattened with its positions:
+        those and its channels); ``[factors]`` where the axis is one group."""
+        fs = self.factors(axis)
+        if len(fs) != 1 or self.alias[fs[0]] is None:
+            return [fs]
+        return [seg for s in self.alias[fs[0]] for seg in self.segments([s])]
+
     def resolve(self, atoms: Sequence[int]) -> list[int]:
         """`factors`, the groups side by side in a concatenation's axis in its place."""
         out: list[int] = []

@@ -276,7 +276,7 @@ class ShapeRules:
         """Padding keeps the atoms of the axes it does not pad; a padded axis is positions where the original is
         (`_reslice`). Zeros padded at either end of the last axis of a layer's output, a single group (channels
         padded: a CIFAR ResNet's parameter-free shortcut, ``jnp.pad(x, (..., (0, 0), (c, c)))``), are the zeros
-        concatenated beside its units (`_side_by_side`)."""
+        concatenated beside its units (`side_by_side`)."""
         v, pad = ins
         if v.kind == ACT and not pad.zero:
             self.pin(v, "pads with a non-zero value")
@@ -290,7 +290,7 @@ class ShapeRules:
 
     def _zero_channels(self, v: Val, config, size: int) -> list[list[int]] | None:
         """``v``'s axes with its last padded by zeros (``config``: ``(lo, hi, interior)``) into ``size`` entries, as the
-        zeros concatenated beside its units (`_side_by_side`); None where that axis is not one group of a layer's
+        zeros concatenated beside its units (`side_by_side`); None where that axis is not one group of a layer's
         units or the padding is not at its ends."""
         (lo, hi, interior), fs = config, self.atoms.factors(v.axes[-1])
         if interior or lo < 0 or hi < 0 or len(fs) != 1 or self.atoms.input[fs[0]] or self.atoms.position[fs[0]]:
@@ -390,7 +390,7 @@ class ShapeRules:
                 out.append(list(lists[0]))
                 continue
             new = self.atoms.new(d)
-            segs = None if in_shapes is None else self._side_by_side(ins, in_shapes, k)
+            segs = None if in_shapes is None else self.side_by_side(ins, in_shapes, k)
             if segs is not None:
                 self.atoms.alias[new] = segs
             elif in_shapes is None and all(map(self._of_inputs, ins)):  # inputs stacked: ``jnp.stack([x, y], -1)``
@@ -412,7 +412,7 @@ class ShapeRules:
         fs = [f for v in acts for f in self.atoms.factors(v.axes[dim])]
         return bool(fs) and all(self.atoms.position[f] or f in shared for f in fs)
 
-    def _side_by_side(self, ins: Sequence[Val], in_shapes, k: int) -> list[int] | None:
+    def side_by_side(self, ins: Sequence[Val], in_shapes, k: int) -> list[int] | None:
         """The groups of the operands' axis ``k``, one atom each (empty operands left out; an operand's axis of several
         factors, a convolution's output flattened with its positions, one atom made of them), else None. A constant
         beside activations (CoordConv's coordinate channels, a constant feature) is a group of inputs of its own:
@@ -425,11 +425,11 @@ class ShapeRules:
             if len(fs) == 1 and v.kind == ACT:
                 segs.append(fs[0])
             elif v.kind == ACT and nodes and (len(nodes) == 1 or all(atoms.alias[f] is None for f in nodes)):
-                # a feature map flattened with its positions: its channels at every position (`trace._segments`)
+                # a feature map flattened with its positions: its channels at every position (`Atoms.segments`)
                 segs.append(atoms.new(in_shape[k]))
                 atoms.set_expand(segs[-1], fs)
             elif v.kind == CONST and not v.from_params and not v.random and in_shape[k] > 0:
-                segs.append(self.atoms.new(in_shape[k]))
+                segs.append(atoms.new(in_shape[k]))
                 self.beside.append((segs[-1], v.zero))
             elif in_shape[k] > 0:
                 return None

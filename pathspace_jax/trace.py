@@ -221,8 +221,7 @@ def record(closed, n_params: int, paths: Sequence[str]) -> tuple[Frame, dict[int
             return axes is not None and axes
         cut = None
         for k, ax in enumerate(axes[:-1]):
-            fs = atoms.factors(ax)
-            segs = _segments(atoms, fs[0]) if len(fs) == 1 and atoms.alias[fs[0]] is not None else [fs]
+            fs, segs = atoms.factors(ax), atoms.segments(ax)
             pins = [any(r in roots for r in atoms.resolve(seg)) for seg in segs]
             if len(segs) > 1 and any(pins) and not all(pins):
                 sizes = tuple(int(np.prod([atoms.size[r] for r in seg])) for seg in segs)
@@ -244,16 +243,6 @@ class Cut(NamedTuple):
     sizes: tuple[int, ...]
     pinned: tuple[bool, ...]
     blocks: int = 1  # the groups' entries in this many blocks, each the groups' blocks side by side (interleaved)
-
-
-def _segments(atoms: Atoms, root: int) -> list[list[int]]:
-    """The groups side by side in the node axis ``root`` (a concatenation's, or a fused layer's cut into pieces),
-    in order: each as its factor roots (a piece reshaped into heads: two)."""
-    out = []
-    for s in atoms.alias[root]:
-        fs = atoms.factors([s])
-        out += _segments(atoms, fs[0]) if len(fs) == 1 and atoms.alias[fs[0]] is not None else [fs]
-    return out
 
 
 def _groups(interp: Interpreter, leaves, paths):
@@ -505,7 +494,7 @@ def _node_groups(interp: Interpreter, leaf_info) -> tuple[list[NodeGroup], dict,
 
     def add_key(key: tuple[int, ...], step: float, entered: bool, path: str):
         if len(key) == 1 and atoms.alias[key[0]] is not None:
-            for seg in _segments(atoms, key[0]):  # (a flattened feature map's positions are no part of its nodes)
+            for seg in atoms.segments(key):  # (a flattened feature map's positions are no part of its nodes)
                 if nodes := tuple(r for r in seg if not atoms.position[r]):
                     add_key(nodes, step, entered, path)
             return

@@ -136,7 +136,7 @@ class Interpreter(ShapeRules):
 
     def settle(self) -> None:
         """Decide the constants concatenated beside a layer's units (inputs, or pinned where a layer writes into them
-        too: `ShapeRules._side_by_side`), the input positions (`input_positions`), the `defer`red atoms, in order (a
+        too: `ShapeRules.side_by_side`), the input positions (`input_positions`), the `defer`red atoms, in order (a
         later one's source may be an earlier one's result), then the parameters reversed (views where along taps,
         else "other": `ShapeRules.rule_rev`)."""
         written, atoms = set(), self.atoms
