@@ -240,7 +240,8 @@ def evaluate(
             raise prog.err(f"{prog.who}: the edge parameter of {e.prim.name} at {e.where} is computed from parameters "
                            "other than as a view of one; path sums are not defined for it")  # fmt: skip
         vals = [rd(x) for x in e.ins]
-        if e.outs[0] in sink_set:  # only the paths of the homogeneous part end at a sink (not a constant offset)
+        if e.outs[0] in sink_set or e.outs[0] in prog.into_sinks:  # only the paths of the homogeneous part end at
+            # a sink (not a constant offset, not the boundary values of a sum that the sink continues)
             offset = e.prim.name in ("add", "add_any", "sub")
             vals = [V(jnp.zeros_like(v.m), v.e) if not isinstance(x, tuple) and x in boundary
                     else jnp.zeros_like(v) if offset and k == "const" else v

@@ -1666,6 +1666,42 @@ def test_a_value_copied_along_a_layers_units_and_added_pins_them(copied):
     assert pj.trace(fn, zeroed, x).num_hidden == hidden + 3
 
 
+@pytest.mark.parametrize("read", ["reshaped", "cast"])
+def test_a_residual_sum_read_as_its_pinned_node_leaves_out_its_boundary_operand(read):
+    """``z = h + relu(n(h) @ b) @ c`` with ``h`` pinned (normalised: ``n``), then flattened (or cast) into the head:
+    the pinned node is the flattened ``z``, which continues the sum. Only the paths of the homogeneous part end at a
+    sink, so ``h``'s entries (1 in the |·|^p network, as every boundary value) are left out there, as where the head
+    reads ``z`` itself (an einsum): path norm, κ and DDP-SGD's κ equal. Before, the flattened sum's sink counted them
+    (γ² larger by T × D, a constant: κ was equal already)."""
+    t, d = 3, 4
+    x = jax.random.normal(jax.random.key(0), (5, t, 2), F64)
+    ka, kb, kc, ko = jax.random.split(jax.random.key(1), 4)
+    p = {"a": jax.random.normal(ka, (2, d), F64), "b": jax.random.normal(kb, (d, 6), F64),
+         "c": jax.random.normal(kc, (6, d), F64), "o": jax.random.normal(ko, (t, d, 2), F64)}  # fmt: skip
+
+    def block(p, x):
+        h = x @ p["a"]
+        n = h - h.mean(-1, keepdims=True)
+        return h + jax.nn.relu(n / jnp.sqrt((n * n).mean(-1, keepdims=True) + 1e-6) @ p["b"]) @ p["c"]
+
+    def flat(p, x):
+        z = block(p, x)
+        z = z.reshape(len(x), -1) if read == "reshaped" else z.astype(jnp.float32).astype(F64).reshape(len(x), -1)
+        return z @ p["o"].reshape(t * d, 2)
+
+    def direct(p, x):
+        return jnp.einsum("btd,tdo->bo", block(p, x), p["o"])
+
+    np.testing.assert_allclose(flat(p, x), direct(p, x), rtol=1e-6)
+    results = []
+    for fn in (flat, direct):
+        space = pj.trace(fn, p, x)
+        assert any(g.kind == "pinned" for g in space.groups)
+        results.append((pj.path_norm(space, p), pj.path_kappa(space, p), pj.ddp_kappa(space, p, x, alpha=0.5,
+                                                                                      estimator="exact")))  # fmt: skip
+    chex.assert_trees_all_close(*results, rtol=1e-12)
+
+
 def test_an_additive_attention_mask_of_the_inputs_is_no_path():
     """``scores + (1 - mask) * -1e9`` (BERT's additive mask, a float input) enters the pinned scores as values of the
     inputs alone: no parameter, no path. The groups, path norm, κ and DDP-SGD's κ (α 0.5) are those of the mask
