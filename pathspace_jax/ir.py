@@ -37,6 +37,7 @@ class Eqn:
     coefficient: bool = False  # a product by a learned scalar, a coefficient on the paths (`Interpreter.rule_mul`)
     # a maximum over entries that different weights feed (maxout by a reshape, max pooling after nn.ConvLocal)
     exclusive: bool = False
+    layers: bool = False  # a scan over layers that the program keeps rolled (`program._rolled`): never unrolled
 
     @property
     def where(self) -> str:
@@ -52,7 +53,7 @@ class Eqn:
 class LayerStack:
     """A scan over layers as the interpreter recorded it, its body once per layer (`Interpreter._layer_stack`):
     where each layer's equations lie in the frame and what they read and give, so that `pathspace_jax.program` can
-    keep it one ``scan`` where the layers' recordings are the same up to ids (`pathspace_jax.program.roll_layers`)."""
+    keep it one ``scan`` where the layers' recordings are the same up to ids (`pathspace_jax.program._rolled`)."""
 
     eqn: Any  # the scan's jaxpr equation (its source line)
     callers: tuple

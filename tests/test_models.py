@@ -18,6 +18,7 @@ from flax import nnx
 from jax.flatten_util import ravel_pytree
 
 import pathspace_jax as pj
+from pathspace_jax import program as flat
 
 F32, F64 = jnp.float32, jnp.float64
 
@@ -151,13 +152,26 @@ class _MaskedStack(nn.Module):
         return nn.Dense(2, param_dtype=F64, name="out")(x.reshape(x.shape[0], -1))
 
 
+@pytest.fixture
+def rolled_stacks(monkeypatch):
+    """``nn.scan`` stacks of any depth kept one scan in κ's and DDP's programs (by default only from
+    ``ROLL_LAYERS`` layers on), the caches of programs built otherwise cleared before and after."""
+    monkeypatch.setattr(flat, "ROLL_LAYERS", 2)
+    flat._program.cache_clear()
+    jax.clear_caches()
+    yield
+    flat._program.cache_clear()
+    jax.clear_caches()
+
+
 @pytest.mark.parametrize("kind", ["mlp", "transformer", "masked"])
-def test_layers_stacked_with_scan_are_one_scan_in_the_programs_of_kappa_and_ddp(kind):
-    """Path-SGD's κ and DDP-SGD's statistics run an ``nn.scan`` stack as one scan over the stacked leaves, one layer
-    long, as the user's program is: the StableHLO of `pj.ddp_kappa` has about as many lines at 4 layers as at 2
-    (before, each layer was written out: 940 more lines per Transformer block here, and seconds to compile). Its
-    values are the network written as a loop's, in float64 (path norm, κ, DDP-SGD's κ at α 0.5 and 1, exact), also
-    where the layers read a mask of the inputs (a gate), which keeps the layers apart."""
+def test_layers_stacked_with_scan_are_one_scan_in_the_programs_of_kappa_and_ddp(kind, rolled_stacks):
+    """Path-SGD's κ and DDP-SGD's statistics can run an ``nn.scan`` stack as one scan over the stacked leaves, one
+    layer long, as the user's program is (deep stacks: `pathspace_jax.program.ROLL_LAYERS`): the StableHLO of
+    `pj.ddp_kappa` then has about as many lines at 4 layers as at 2 (written out layer by layer: 940 more lines per
+    Transformer block here, and seconds to compile). Its values are the network written as a loop's, in float64
+    (path norm, κ, DDP-SGD's κ at α 0.5 and 1, exact), also where the layers read a mask of the inputs (a gate),
+    which keeps the layers apart."""
     x = jax.random.normal(jax.random.key(0), (5, 4, 5) if kind != "mlp" else (5, 5), F64)
     m = (jax.random.uniform(jax.random.key(1), x.shape[:2]) > 0.3).astype(F64)
     inputs = (x, m) if kind == "masked" else (x,)
