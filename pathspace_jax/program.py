@@ -385,8 +385,8 @@ def _roll(frame: Frame, flags: dict, st: LayerStack, dep: dict, readers: dict):
     last = st.outs[-1]
     defined = {o for k in group for e in _all_eqns([eqns[k]]) for o in e.outs}
     final = set(last[:nk])
-    if any(isinstance(o, tuple) for outs in st.outs for o in outs) or not final <= defined:
-        return None
+    if any(isinstance(x, tuple) for ids in st.ins + st.outs for x in ids) or not final <= defined:
+        return None  # (a literal operand or result: a zero carry to start from)
     for o in defined - final - set(st.ys):
         if not readers.get(o, set()) <= group:  # a value inside a layer read outside the stack
             return None
