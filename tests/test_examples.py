@@ -68,7 +68,7 @@ def test_sequential_digits_quick(tmp_path, monkeypatch):
 
 
 def test_quickstart_nnx_runs(capsys):
-    _load("quickstart_nnx").main()
+    _load("quickstart_nnx").main([])  # (not pytest's own arguments in sys.argv)
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 10
     assert float(lines[-1].rsplit(" ", 1)[-1]) > 0.9  # test accuracy after 10 epochs of G-Adam
