@@ -97,6 +97,37 @@ if os.environ.get("PJ_TEST_FAST_COMPILE", "1") != "0" and "PJ_TEST_XLA_FLAGS" no
     jax.config.update("jax_disable_most_optimizations", True)
 
 
+# A pytest worker now and then dies of a segmentation fault (or an abort) inside XLA:CPU's native code while it
+# compiles or loads a program (`backend_compile_and_load`, or `deserialize_executable` from the cache above): a
+# different test each time, in about one run of the whole suite in three on 2026-11-29 (jaxlib 0.10.2, the flags
+# above), with the persistent cache and without it (which took 14.8 minutes instead of 6.4); the crashed tests
+# repeated 30 times in fresh processes did not crash. A core dump (gdb) showed libgcc's unwinder faulting in
+# `_Unwind_Find_FDE` while the loader threw its error (`xla::ValueOrThrow`); a likely cause is the unwinding tables
+# of compiled programs already freed but still registered. Nothing of this library's code is on that stack. A
+# test whose worker crashed is run once more on a fresh worker (xdist starts one) and reported as a rerun ("R",
+# listed at the end); a second crash fails it. Without xdist (-p no:xdist) a crash ends the run as before.
+_CRASHED: set[str] = set()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_handlecrashitem(crashitem, report, sched):
+    if crashitem not in _CRASHED:
+        _CRASHED.add(crashitem)
+        sched.mark_test_pending(crashitem)
+        report.outcome = "rerun"
+
+
+def pytest_report_teststatus(report):
+    if report.outcome == "rerun":
+        return "rerun", "R", ("RERUN", {"yellow": True})
+
+
+def pytest_terminal_summary(terminalreporter):
+    for report in terminalreporter.stats.get("rerun", []):
+        line = f"RERUN {report.nodeid}: {report.longrepr}; run once more on a fresh worker"
+        terminalreporter.write_line(line, yellow=True)
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest's own -m selection
 def pytest_collection_modifyitems(config, items):
     seen = set()
