@@ -102,7 +102,8 @@ if os.environ.get("PJ_TEST_FAST_COMPILE", "1") != "0" and "PJ_TEST_XLA_FLAGS" no
 # different test each time, in about one run of the whole suite in three on 2026-11-29 (jaxlib 0.10.2, the flags
 # above), with the persistent cache and without it (which took 14.8 minutes instead of 6.4); the crashed tests
 # repeated 30 times in fresh processes did not crash. A core dump (gdb) showed libgcc's unwinder faulting in
-# `_Unwind_Find_FDE` while the loader threw its error (`xla::ValueOrThrow`); a likely cause is the unwinding tables
+# `_Unwind_Find_FDE` while the loader threw its error (`xla::ValueOrThrow`: "Failed to materialize symbols: {
+# (<xla_jit_dylib_0>, { select_n.1_kernel }) }", LLVM's JIT); a likely cause of the fault is the unwinding tables
 # of compiled programs already freed but still registered. Nothing of this library's code is on that stack. A
 # test whose worker crashed is run once more on a fresh worker (xdist starts one) and reported as a rerun ("R",
 # listed at the end); a second crash fails it. Without xdist (-p no:xdist) a crash ends the run as before.
