@@ -99,9 +99,10 @@ if os.environ.get("PJ_TEST_FAST_COMPILE", "1") != "0" and "PJ_TEST_XLA_FLAGS" no
 
 # A pytest worker now and then dies of a segmentation fault (or an abort) inside XLA:CPU's native code while it
 # compiles or loads a program (`backend_compile_and_load`, or `deserialize_executable` from the cache above): a
-# different test each time, in about one run of the whole suite in three on 2026-11-29 (jaxlib 0.10.2, the flags
-# above), with the persistent cache and without it (which took 14.8 minutes instead of 6.4); the crashed tests
-# repeated 30 times in fresh processes did not crash. A core dump (gdb) showed libgcc's unwinder faulting in
+# different test each time, in 4 of 8 runs of the whole suite on 2026-11-29 (jaxlib 0.10.2), with the persistent
+# cache and without it (which took 14.8 minutes instead of 6.4). test_kappa.py alone in one process crashed in 3 of
+# 3 runs: with the flags above, without -O0, and without the older emitters; its crashed tests repeated 30 times in
+# fresh processes never did. A core dump (gdb) showed libgcc's unwinder faulting in
 # `_Unwind_Find_FDE` while the loader threw its error (`xla::ValueOrThrow`: "Failed to materialize symbols: {
 # (<xla_jit_dylib_0>, { select_n.1_kernel }) }", LLVM's JIT); a likely cause of the fault is the unwinding tables
 # of compiled programs already freed but still registered. Nothing of this library's code is on that stack. A
