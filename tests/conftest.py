@@ -97,6 +97,21 @@ if os.environ.get("PJ_TEST_FAST_COMPILE", "1") != "0" and "PJ_TEST_XLA_FLAGS" no
     jax.config.update("jax_disable_most_optimizations", True)
 
 
+# XLA:CPU of jaxlib 0.10 and 0.11 runs the independent parts of a compiled program on several threads, and with
+# more than one a program can return different values from one call to the next on the same buffers (an open JAX
+# issue: "[CPU] One compiled module returns different results across calls when the process has more than one
+# thread", jax-ml/jax#39741). Measured on 2026-11-29, 2 cores: ddp_kappa at alpha 1 (exact) of a four-block
+# Transformer in float64, outside jit, its one executable called again and again, gave a query bias's kappa 1.2-1.8
+# instead of 1.0 in 4-5 % of the calls with jaxlib 0.10.2 (1 in 421 with the flags above) and 0.11.2; 0 of 578 on
+# one core (taskset); 0 of 1204 with jaxlib 0.12.0.1 on two. Each pytest worker therefore runs on one core of its
+# own (xdist starts one worker per core), set before JAX starts its backend; the tests' subprocesses inherit it.
+# PJ_TEST_ONE_CORE=0 leaves the workers on every core.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _WORKER.startswith("gw") and os.environ.get("PJ_TEST_ONE_CORE", "1") != "0" and hasattr(os, "sched_setaffinity"):
+    _cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {_cores[int(_WORKER[2:]) % len(_cores)]})
+
+
 # A pytest worker now and then dies of a segmentation fault (or an abort) inside XLA:CPU's native code while it
 # compiles or loads a program (`backend_compile_and_load`, or `deserialize_executable` from the cache above): a
 # different test each time, in 4 of 8 runs of the whole suite on 2026-11-29 (jaxlib 0.10.2), with the persistent
