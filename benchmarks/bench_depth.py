@@ -2,8 +2,9 @@
 
 ``nn.scan`` over layers keeps a model's program one block long however deep it is. G-SGD's update reads the
 stacked leaves as they are; Path-SGD's κ and DDP-SGD's statistics run the |·|^p network and the node statistics
-layer by layer (each layer's slice is a leaf of its own, `pathspace_jax.trace`), so their programs hold every
-layer. Per depth and optimiser: building the transformation and lowering the step (``build_s``, trace included),
+layer by layer (each layer's slice is a leaf of its own, `pathspace_jax.trace`) below
+`pathspace_jax.program.ROLL_LAYERS` blocks, so their programs hold every layer there, and as one scan from it on.
+Per depth and optimiser: building the transformation and lowering the step (``build_s``, trace included),
 compiling it (``compile_s``) and the lines of StableHLO (``hlo_lines``); ``x_sgd`` is compile_s over SGD's at
 that depth, measured in the same process.
 
@@ -22,7 +23,7 @@ from common import write_results
 import pathspace_jax as pj
 
 WIDTH, VOCAB, T, B = 64, 64, 32, 8
-DEPTHS = (2, 4, 8, 16)
+DEPTHS = (2, 4, 8, 16, 32)
 
 
 class Block(nn.Module):

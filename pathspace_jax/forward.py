@@ -99,7 +99,7 @@ def _run_scan(e, vals, inner: list, batch: int) -> tuple[list, list]:
     # whole batch (the scan runs per example under a vmap, where they look ``batch`` times smaller) in its three
     # passes (forward, linearised and transposed): counted per example, the language model's DDP step took 502 MB
     # of temporaries, not 177 MB
-    unroll = flat.scan_unroll(e.scan.length, 3 * batch * flat.nbytes(init)) if unrolled() else 1
+    unroll = flat.scan_unroll(e.scan.length, 3 * batch * flat.nbytes(init)) if unrolled() and not e.layers else 1
     carry, (ys, got) = jax.lax.scan(
         step, list(init), list(xs), length=e.scan.length, reverse=e.scan.reverse, unroll=unroll
     )

@@ -3,9 +3,9 @@ abstract interpreter (`pathspace_jax.tracer`) writes them with as it runs a jaxp
 
 The interpreter is the one walk over a traced function's equations: every equation it interprets is recorded
 once, calls inlined (a ``custom_jvp``/``custom_vjp`` call also kept as one equation with its body's equations,
-``inner``), a scan over layers once per layer, a recurrence as one ``scan`` equation whose ``body`` is a
-recording of its own. `pathspace_jax.program` turns the recording into the `Program` that the |·|^p network,
-the forward executor and DDP-Normalization run.
+``inner``), a scan over layers once per layer (where: `LayerStack`), a recurrence as one ``scan`` equation whose
+``body`` is a recording of its own. `pathspace_jax.program` turns the recording into the `Program` that the |·|^p
+network, the forward executor and DDP-Normalization run.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ class Eqn:
     coefficient: bool = False  # a product by a learned scalar, a coefficient on the paths (`Interpreter.rule_mul`)
     # a maximum over entries that different weights feed (maxout by a reshape, max pooling after nn.ConvLocal)
     exclusive: bool = False
+    layers: bool = False  # a scan over layers that the program keeps rolled (`program._rolled`): never unrolled
 
     @property
     def where(self) -> str:
@@ -49,13 +50,33 @@ class Eqn:
 
 
 @dataclasses.dataclass
+class LayerStack:
+    """A scan over layers as the interpreter recorded it, its body once per layer (`Interpreter._layer_stack`):
+    where each layer's equations lie in the frame and what they read and give, so that `pathspace_jax.program` can
+    keep it one ``scan`` where the layers' recordings are the same up to ids (`pathspace_jax.program._rolled`)."""
+
+    eqn: Any  # the scan's jaxpr equation (its source line)
+    callers: tuple
+    scan: jx.Scan
+    init: list  # the carry's initial ids
+    xs: list  # the ids of the scanned operands (stacked over the layers)
+    spans: list  # each layer's equations, (start, end) in the frame's, in the order they ran
+    ins: list  # each layer's body inputs (ids): consts, carry, its slices of xs
+    outs: list  # each layer's body outputs (ids): carry, ys
+    ys: list  # the ids of the ys stacked over the layers
+    plain: bool  # its xs are params leaves or activations sliced along the layers (no counter, no stacked leaves)
+
+
+@dataclasses.dataclass
 class Frame:
-    """What the interpreter records for one jaxpr: its input ids, equations, constants and output ids."""
+    """What the interpreter records for one jaxpr: its input ids, equations, constants and output ids, and the
+    scans over layers recorded in it."""
 
     in_ids: list[int] = dataclasses.field(default_factory=list)
     eqns: list[Eqn] = dataclasses.field(default_factory=list)
     consts: dict[int, Any] = dataclasses.field(default_factory=dict)
     out_ids: list = dataclasses.field(default_factory=list)
+    stacks: list[LayerStack] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass

@@ -278,7 +278,7 @@ class Scan(NamedTuple):
     num_carry: int
     length: int
     reverse: bool
-    body: ClosedJaxpr  # inputs consts + carry + x slices, outputs carry + y slices
+    body: ClosedJaxpr | None  # inputs consts + carry + x slices, outputs carry + y slices (None: layers rolled)
 
 
 def scan_split(params: dict, num_operands: int) -> tuple[int, int]:

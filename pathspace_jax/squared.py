@@ -532,7 +532,7 @@ def _eval_scan(e: Eqn, vals, power, pert, record, idx, sinks=None, body_post=Non
         (xs_m, pert, data, tap_perts),
         length=length,
         reverse=reverse,
-        unroll=scan_unroll(length, nbytes(init_c)) if unroll else 1,
+        unroll=scan_unroll(length, nbytes(init_c)) if unroll and not e.layers else 1,
     )
     outs = [V(*c) if isinstance(c, tuple) else c for c in carry]
     if taps is not None:

@@ -37,7 +37,7 @@ from pathspace_jax import jaxpr as jx
 from pathspace_jax import rules
 from pathspace_jax.atoms import ACT, CONST, PARAM, Atoms, Val
 from pathspace_jax.graph import FROZEN
-from pathspace_jax.ir import Eqn, Recorder
+from pathspace_jax.ir import Eqn, LayerStack, Recorder
 from pathspace_jax.shape_rules import ShapeRules
 
 MIXES_COMPUTED = "mixes nodes with coefficients computed from parameters"
@@ -1198,11 +1198,14 @@ class Interpreter(ShapeRules):
         i's slices as leaves of their own, and each layer's carry feeds the next (their groups are not tied).
         With ``counter`` (`_layer_counter`), that carry is a literal at each step, so the body's ``ws[i]`` is a
         static slice: layer i's. Returns the last carry and the per-step outputs (``ys``, recorded stacked), their
-        atoms tied across the layers."""
+        atoms tied across the layers. The frame notes where each layer's equations lie (`pathspace_jax.ir.LayerStack`),
+        for the programs that run the stack as one scan (`pathspace_jax.program`)."""
         nk = len(init)
         x_avals, y_avals = jx.in_avals(sc.body)[len(consts) + nk :], jx.out_avals(sc.body)[nk:]
         carry, per_layer = [v if k == counter else self._carry_in(v) for k, v in enumerate(init)], {}
         slices = [self.rec.layers(v.id, (sc.length, *a.shape), a.dtype) for v, a in zip(xs, x_avals, strict=True)]
+        frame, eqn = self.rec.frames[-1], self.eqn
+        spans, body_ins, body_outs = [], [], []
         for layer in reversed(range(sc.length)) if sc.reverse else range(sc.length):
             body_xs = []
             for v, ids in zip(xs, slices, strict=True):
@@ -1214,7 +1217,11 @@ class Interpreter(ShapeRules):
                     body_xs.append(Val(PARAM, [list(ax) for ax in self.leaf_axes[leaf]], leaf=leaf, id=i))
                 else:
                     body_xs.append(dataclasses.replace(v, axes=[list(ax) for ax in v.axes[1:]], id=i))
+            start = len(frame.eqns)
             outs = self.run_closed(sc.body, list(consts) + carry + body_xs)
+            spans.append((start, len(frame.eqns)))
+            body_ins.append([v.id for v in list(consts) + carry + body_xs])
+            body_outs.append([v.id for v in outs])
             carry, per_layer[layer] = (
                 [v if k == counter else self._carry_in(v) for k, v in enumerate(outs[:nk])],
                 outs[nk:],
@@ -1229,6 +1236,9 @@ class Interpreter(ShapeRules):
                 for a0, b in zip(vals[0].axes, v.axes, strict=True):
                     self.atoms.unify(a0, b, self.reason("stacked over the layers of a scan"))
             ys.append(dataclasses.replace(vals[0], id=self.rec.stack([v.id for v in vals], a.shape, a.dtype)))
+        plain = counter is None and all(v.layers is None for v in xs)
+        frame.stacks.append(LayerStack(eqn, tuple(self.callers), sc, [v.id for v in init], [v.id for v in xs], spans,
+                                       body_ins, body_outs, [v.id for v in ys], plain))  # fmt: skip
         return carry, ys
 
     def rule_scan(self, eqn, ins):
