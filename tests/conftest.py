@@ -105,7 +105,9 @@ if os.environ.get("PJ_TEST_FAST_COMPILE", "1") != "0" and "PJ_TEST_XLA_FLAGS" no
 # instead of 1.0 in 4-5 % of the calls with jaxlib 0.10.2 (1 in 421 with the flags above) and 0.11.2; 0 of 578 on
 # one core (taskset); 0 of 1204 with jaxlib 0.12.0.1 on two. Each pytest worker therefore runs on one core of its
 # own (xdist starts one worker per core), set before JAX starts its backend; the tests' subprocesses inherit it.
-# PJ_TEST_ONE_CORE=0 leaves the workers on every core.
+# The whole suite took as long (2 workers, 2 cores; runs in pairs, side by side): 9:22 pinned (the first run after
+# a change, cache misses) then 8:23 not; 8:38 not then 7:56 pinned. PJ_TEST_ONE_CORE=0 leaves the workers on
+# every core.
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
 if _WORKER.startswith("gw") and os.environ.get("PJ_TEST_ONE_CORE", "1") != "0" and hasattr(os, "sched_setaffinity"):
     _cores = sorted(os.sched_getaffinity(0))
