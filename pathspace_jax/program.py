@@ -393,7 +393,6 @@ def _roll(frame: Frame, flags: dict, st: LayerStack, dep: dict, readers: dict):
     if not all(readers.get(o, set()) - group for o in final):  # the final carry is read
         return None
     ys_read = [j for j, y in enumerate(st.ys) if readers.get(y)]
-    body_consts: dict = {}
     for layer in range(1, length):
         m = dict(zip(st.ins[layer], st.ins[0], strict=True))
 
@@ -403,7 +402,6 @@ def _roll(frame: Frame, flags: dict, st: LayerStack, dep: dict, readers: dict):
             if a in m:
                 return m[a] == b
             if a in consts and b in consts and a != b:
-                body_consts[b] = consts[b]
                 return _same(consts[a], consts[b])
             return a == b
 
@@ -430,7 +428,8 @@ def _roll(frame: Frame, flags: dict, st: LayerStack, dep: dict, readers: dict):
     own = set(st.ins[0]) | {o for e in _all_eqns(first) for o in e.outs}
     free = list(dict.fromkeys(x for e in _all_eqns(first) for x in e.ins
                               if not isinstance(x, tuple) and x not in own and x not in consts))  # fmt: skip
-    body_consts |= {x: consts[x] for e in _all_eqns(first) for x in e.ins if not isinstance(x, tuple) and x in consts}
+    read = [x for e in _all_eqns(first) for x in e.ins] + st.outs[0]
+    body_consts = {x: consts[x] for x in read if not isinstance(x, tuple) and x in consts}
     outer = free + st.ins[0][:nc]
     if any(dep.get(x) in ({"p"}, {"x"}) for x in outer + st.init if not isinstance(x, tuple)):
         return None  # a weight every layer reads (tying), a value of the inputs alone (a mask)
@@ -461,15 +460,11 @@ def _kept_whole(e: Eqn, ks) -> bool:
     """Whether a custom_jvp/custom_vjp call is kept as one equation (not entered): ReLU-like code (``jax.nn.relu``)
     whose primitives the |·|^p network evaluates as they are, without sums and without parameters, and whose
     results its body computes."""
-
-    def names(eqns):
-        return {n for x in eqns for n in (names(x.inner) if x.inner is not None else {x.prim.name})}
-
     made = {o for x in e.inner for o in x.outs}
     return (
         "param" not in ks
         and all(not isinstance(o, tuple) and o in made for o in e.outs)
-        and all(rule(n).as_is and not rule(n).sums for n in names(e.inner))
+        and all(rule(x.prim.name).as_is and not rule(x.prim.name).sums for x in _all_eqns(e.inner) if x.inner is None)
     )
 
 
