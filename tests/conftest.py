@@ -118,8 +118,9 @@ if _WORKER.startswith("gw") and os.environ.get("PJ_TEST_ONE_CORE", "1") != "0" a
 # compiles or loads a program (`backend_compile_and_load`, or `deserialize_executable` from the cache above): a
 # different test each time, in 4 of 8 runs of the whole suite on 2026-11-29 (jaxlib 0.10.2), with the persistent
 # cache and without it (which took 14.8 minutes instead of 6.4). test_kappa.py alone in one process crashed in 3 of
-# 3 runs: with the flags above, without -O0, and without the older emitters; its crashed tests repeated 30 times in
-# fresh processes never did. A core dump (gdb) showed libgcc's unwinder faulting in
+# 3 runs: with the flags above, without -O0, without the older emitters, and in a fourth on one core (taskset, so
+# not the thread race above); its crashed tests repeated 30 times in fresh processes never did. A core dump (gdb)
+# showed libgcc's unwinder faulting in
 # `_Unwind_Find_FDE` while the loader threw its error (`xla::ValueOrThrow`: "Failed to materialize symbols: {
 # (<xla_jit_dylib_0>, { select_n.1_kernel }) }", LLVM's JIT); a likely cause of the fault is the unwinding tables
 # of compiled programs already freed but still registered. Nothing of this library's code is on that stack. A
