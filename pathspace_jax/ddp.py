@@ -100,7 +100,7 @@ from pathspace_jax import squared
 from pathspace_jax.errors import DDPUnsupportedError
 from pathspace_jax.exact import V
 from pathspace_jax.forward import forward, run_program, scan_nodes
-from pathspace_jax.frames import jit_when_eager, kappa_from_frame, on_params_mesh, to_canonical_frame
+from pathspace_jax.frames import eager_jit, jit_when_eager, kappa_from_frame, on_params_mesh, to_canonical_frame
 from pathspace_jax.graph import PathSpace, check_path_space, compute_dtype
 from pathspace_jax.kappa import kappa_canonical
 from pathspace_jax.rules import rule
@@ -319,7 +319,7 @@ def ddp_kappa(
     return space.unflatten_like(params, kappa_from_frame(space, kappa, lg))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7, 9, 10, 11))
+@functools.partial(eager_jit, static_argnums=(0, 4, 5, 6, 7, 9, 10, 11))
 def ddp_kappa_canonical(
     space,
     leaves,

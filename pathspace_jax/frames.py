@@ -17,13 +17,16 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import os
 from collections.abc import Hashable
 
 import jax
 import jax.numpy as jnp
+import jaxlib.version
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from pathspace_jax import jaxpr
 from pathspace_jax.exact import pow2
 from pathspace_jax.graph import PathSpace, check_path_space
 from pathspace_jax.skeleton import skeleton
@@ -139,6 +142,53 @@ def on_params_mesh(fn):
     return run
 
 
+def _xla_cpu_options() -> dict[str, str]:
+    """XLA options for the programs that pathspace_jax compiles itself, on the CPU: none but with jaxlib 0.10 and
+    0.11, whose XLA:CPU runs reductions as YNNPACK fusions that race when the process has more than one thread.
+
+    The same compiled program then returns different sums from call to call ("[CPU] One compiled module returns
+    different results across calls when the process has more than one thread", jax-ml/jax#39741). Measured on 2
+    cores (2026-11-29): ``jnp.sum(jnp.broadcast_to(x, (5, *x.shape)), axis=(0, 1))`` with ``x`` of shape
+    (546, 4, 2, 4) differed from its most common result in 6-32 % of 3000 calls, by up to 10 times, in float32 and
+    float64 (jaxlib 0.10.2 and 0.11.2; in none with jaxlib 0.12.0.1, on one core, or with these options). These keep
+    YNNPACK's dot fusions, the default's other half (the same programs as ``--xla_cpu_experimental_ynn_fusion_type
+    =-reduce``). Left to the user where their ``XLA_FLAGS`` choose the YNNPACK fusions themselves."""
+    users_choice = "xla_cpu_experimental_ynn_fusion_type" in os.environ.get("XLA_FLAGS", "")
+    if jaxlib.version.__version_info__[:2] >= (0, 12) or users_choice:
+        return {}
+    return {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT,LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
+
+
+_XLA_CPU_OPTIONS = _xla_cpu_options()
+
+
+def xla_options() -> dict[str, str] | None:
+    """The compiler options of a program that pathspace_jax compiles itself at top level (`_xla_cpu_options` where
+    the default backend is the CPU), or None."""
+    return _XLA_CPU_OPTIONS if _XLA_CPU_OPTIONS and jax.default_backend() == "cpu" else None
+
+
+class eager_jit:  # lower case: used as jax.jit is
+    """``jax.jit(fn, **jit_kwargs)`` that, called eagerly, compiles with `xla_options`.
+
+    The library's own programs (a public function called with concrete arrays, a transformation's ``init`` or
+    ``update`` called outside ``jit``) then return the same values at every call on every jaxlib; inside the
+    caller's trace it is a plain nested ``jit``, part of the caller's program and of its options. Its other
+    attributes (``lower``, ``trace``, ...) are the eager one's.
+    """
+
+    def __init__(self, fn, **jit_kwargs):
+        functools.update_wrapper(self, fn)
+        self._plain = jax.jit(fn, **jit_kwargs)
+        self._eager = jax.jit(fn, compiler_options=_XLA_CPU_OPTIONS, **jit_kwargs) if _XLA_CPU_OPTIONS else self._plain
+
+    def __call__(self, *args, **kwargs):
+        return (self._eager if jaxpr.at_top_level() and xla_options() else self._plain)(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._eager, name)
+
+
 def jit_when_eager(*static: str):
     """A public function ``fn(space, tree, ...)`` that runs as one compiled program when called with concrete arrays.
 
@@ -162,7 +212,7 @@ def jit_when_eager(*static: str):
             pairs = zip(leaves, placement, strict=True)
             return treedef.unflatten([x if s is None else jax.lax.with_sharding_constraint(x, s) for x, s in pairs])
 
-        jitted = jax.jit(placed, static_argnums=0, static_argnames=(*static, "placement"))
+        jitted = eager_jit(placed, static_argnums=0, static_argnames=(*static, "placement"))
 
         @functools.wraps(fn)
         def run(space, tree, *args, **kwargs):

@@ -33,6 +33,7 @@ from pathspace_jax.frames import (
     pow2_pair,
     safe_inv,
     take,
+    xla_options,
 )
 from pathspace_jax.graph import BIAS_NODE, PathSpace, compute_dtype
 from pathspace_jax.skeleton import Skeleton, levels, skeleton
@@ -231,7 +232,7 @@ def frame_level(space: PathSpace) -> np.ndarray:
         ref.append(np.reshape(1 / np.sqrt(fan_in * per_node), dst.shape).astype(np.float32))
     # compiled ahead of time and called with numpy arrays: concrete inside a trace too, and one program (op by op,
     # seconds for a U-Net)
-    norms = jax.jit(path_norms, static_argnums=(0, 2)).lower(space, ref, "float32").compile()
+    norms = jax.jit(path_norms, static_argnums=(0, 2)).lower(space, ref, "float32").compile(xla_options())
     q_in, q_out = (np.asarray(q, np.float64) for q in norms(ref))
     ok = (q_in > 0) & (q_out > 0) & np.isfinite(q_in) & np.isfinite(q_out)  # nodes on at least one path each way
     level = np.ones(space.num_nodes, np.float32)
@@ -365,7 +366,8 @@ def check_chart(space: PathSpace, params, who: str = "check_chart") -> None:
         if isinstance(w, jax.core.Tracer) or li.kind == "other" or not getattr(w, "is_fully_addressable", True):
             continue  # abstract, or spread over other processes: checked where the values are (or not at all)
         for what, idx in (("incoming skeleton", li.inskel_flat), ("gauge (outgoing skeleton)", li.gauge_flat)):
-            at = np.asarray(jnp.ravel(w)[idx]) if idx.size else idx  # read the skeleton's entries only, on device
+            with jax.ensure_compile_time_eval():  # concrete params closed over by the caller's jit: read them now
+                at = np.asarray(jnp.ravel(w)[idx]) if idx.size else idx  # the skeleton's entries only, on device
             for k in idx[at == 0]:
                 bad.append(f"'{leaf.path}' entry {tuple(int(i) for i in np.unravel_index(k, leaf.shape))} ({what})")
     if bad:

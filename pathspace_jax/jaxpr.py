@@ -36,6 +36,7 @@ from pathspace_jax.errors import UnsupportedJaxprError
 
 __all__ = [
     "UnsupportedJaxprError",
+    "at_top_level",
     "Scan",
     "While",
     "bind",
@@ -515,3 +516,11 @@ def plain_conv_specs(params: dict) -> tuple | None:
     dn = params["dimension_numbers"]
     pads = tuple(tuple(int(p) for p in pair) for pair in params["padding"])
     return tuple(dn.lhs_spec), tuple(dn.rhs_spec), tuple(dn.out_spec), tuple(params["window_strides"]), pads
+
+
+def at_top_level() -> bool:
+    """Whether operations run eagerly where this is called: no ``jit``, ``vmap``, ``grad`` or other trace around
+    it. Only there may a ``jax.jit`` given ``compiler_options`` be called (JAX refuses them on a nested one)."""
+    from jax._src import core  # JAX exports no public equivalent
+
+    return core.trace_state_clean()

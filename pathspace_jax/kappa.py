@@ -108,7 +108,14 @@ from pathspace_jax import program as flat
 from pathspace_jax import squared
 from pathspace_jax.errors import PathKappaUnsupportedError
 from pathspace_jax.exact import V, ldexp, power_v
-from pathspace_jax.frames import jit_when_eager, kappa_from_frame, on_params_mesh, replicated, to_canonical_frame
+from pathspace_jax.frames import (
+    eager_jit,
+    jit_when_eager,
+    kappa_from_frame,
+    on_params_mesh,
+    replicated,
+    to_canonical_frame,
+)
 from pathspace_jax.graph import PathSpace, check_path_space, compute_dtype
 from pathspace_jax.squared import evaluate
 
@@ -301,7 +308,7 @@ def _dense_sites(prog: flat.Program, param_pos: dict) -> dict:
     return sites
 
 
-@functools.partial(jax.jit, static_argnums=(0, 2, 3))
+@functools.partial(eager_jit, static_argnums=(0, 2, 3))
 def kappa_canonical(space, leaves, second_order, factored=False):
     """κ in the canonical frame (`pathspace_jax.frames.to_canonical_frame`) and the frame's log-gauge l.
 
@@ -435,7 +442,7 @@ def path_norm(space: PathSpace, params, p: float = 2.0):
     return _norm_jit(space, leaves, p).astype(out_dtype)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 2))
+@functools.partial(eager_jit, static_argnums=(0, 2))
 def _norm_jit(space, leaves, p):
     dt, ps, _, prog, ones = _setup(space, leaves)
     zero = jnp.zeros((), jnp.int32)

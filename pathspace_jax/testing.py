@@ -9,6 +9,7 @@ import chex
 import jax
 import numpy as np
 
+from pathspace_jax.frames import eager_jit
 from pathspace_jax.graph import PathSpace
 from pathspace_jax.rescale import random_rescale
 
@@ -115,14 +116,14 @@ def assert_update_invariant(
     if not isinstance(inputs, tuple):
         inputs = (inputs,)
     grad_fn = jax.grad(loss_fn)
-    fn = jax.jit(lambda p, xs: space.fn(p, *xs))
+    fn = eager_jit(lambda p, xs: space.fn(p, *xs))
     # arrays (the batch, update's inputs= and key=) are arguments of the compiled step, not constants baked into
     # it; anything else (refresh_kappa, a Python bool; a batch holding Python numbers) is part of the program
     arrays = {k: v for k, v in kwargs.items() if _is_arrays(v)}
     static = {k: v for k, v in kwargs.items() if k not in arrays}
     batch_arg = batch if _is_arrays(batch) else None
 
-    @jax.jit  # as in training; op by op, a step dispatches (and first compiles) each of its many operations alone
+    @eager_jit  # as in training; op by op, a step dispatches (and first compiles) each of its many operations alone
     def step(p, state, batch_arg, arrays):
         grads = grad_fn(p, batch if batch_arg is None else batch_arg)
         updates, state = tx.update(grads, state, p, **arrays, **static)

@@ -12,7 +12,7 @@ import optax
 
 from pathspace_jax import gsgd
 from pathspace_jax.ddp import check_ddp_space, check_inputs, check_options, ddp_kappa_canonical
-from pathspace_jax.frames import on_mesh_of
+from pathspace_jax.frames import eager_jit, on_mesh_of
 from pathspace_jax.graph import check_path_space, compute_dtype, warn_if_plain
 from pathspace_jax.kappa import check_kappa_space, kappa_canonical
 from pathspace_jax.scaling import (
@@ -275,7 +275,7 @@ def scale_by_ddp(
     return _accept_masked(space, "scale_by_ddp", tx, runs_network=alpha > 0.0)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), static_argnames="refresh")
+@functools.partial(eager_jit, static_argnums=(0, 1), static_argnames="refresh")
 def _ddp_update(space, config, updates, state, params, xs, key, damping, floor, eps, every, probe_damping, *, refresh):
     """One `scale_by_ddp` step (jitted, so that calls outside ``jit`` compile once); ``xs``: the batch's leaves."""
 
@@ -427,7 +427,7 @@ def in_path_space(
     return _accept_masked(space, "in_path_space", optax.GradientTransformationExtraArgs(init_fn, update_fn))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+@functools.partial(eager_jit, static_argnums=(0, 1, 2))
 def _chart_step(space, normalize, rebalance, params, grads):
     """G-SGD's chart at ``params`` for ``grads`` (`gsgd.chart_at`): ``(∂L/∂φ as a tree like grads, φ as a tree like
     params, the chart's node vectors, the balanced frame α)``. Jitted (compiled once per space and options), as
@@ -444,10 +444,10 @@ def _allocate_at(space, normalize, ct, min_ratio, min_share, w, dphi, nodes, alp
     return gsgd.allocate(space, w, dphi, nodes._replace(guard=not normalize), ct, min_ratio, min_share, alpha)
 
 
-_allocate = jax.jit(_allocate_at, static_argnums=(0, 1, 2, 3, 4))
+_allocate = eager_jit(_allocate_at, static_argnums=(0, 1, 2, 3, 4))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+@functools.partial(eager_jit, static_argnums=(0, 1, 2))
 def _chart_coords(space, normalize, rebalance, params):
     """The coordinates of ``params`` in G-SGD's chart, for the inner optimizer's init: compiled once per space and
     options (run eagerly, the chart dispatches and first compiles each of its many small operations alone, seconds
@@ -583,7 +583,7 @@ def scale_by_path_sgd(
     return _accept_masked(space, "scale_by_path_sgd", optax.GradientTransformationExtraArgs(init_fn, update_fn))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2), static_argnames="refresh")
+@functools.partial(eager_jit, static_argnums=(0, 1, 2), static_argnames="refresh")
 def _path_sgd_update(space, second_order, normalize, updates, state, params, damping, floor, eps, every, *, refresh):
     """One `scale_by_path_sgd` step (jitted, so that calls outside ``jit`` compile once)."""
 

@@ -6,6 +6,9 @@ from a rescaled start."""
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
+import sys
 
 import chex
 import flax.linen as nn
@@ -206,6 +209,43 @@ def test_layers_stacked_with_scan_are_one_scan_in_the_programs_of_kappa_and_ddp(
         got, want = f(ss, params), f(sl, _unstack(params))
         chex.assert_trees_all_close(_unstack(got) if isinstance(got, dict) else got, want, rtol=1e-10, atol=1e-12,
                                     custom_message=f"{name}: one scan against the layers apart")  # fmt: skip
+
+
+_REPEAT = """
+import os, sys
+os.sched_setaffinity(0, range(os.cpu_count()))  # every core: the pytest worker that starts this has one
+import jax, numpy as np
+jax.config.update("jax_enable_x64", True)
+sys.path.insert(0, sys.argv[1])
+import test_models as tm
+import pathspace_jax as pj
+x = jax.random.normal(jax.random.key(0), (5, 4, 5), tm.F64)
+net = tm._Stack("transformer", True, dtype=tm.F64)
+params = net.init(jax.random.key(1), x)["params"]
+space = pj.trace(lambda p, x: net.apply({"params": p}, x), params, x)
+in_users_jit = jax.jit(lambda p: pj.ddp_kappa(space, p, x, alpha=1.0))
+def distinct(f, n=150):
+    return len({b"".join(np.asarray(v).tobytes() for v in jax.tree_util.tree_leaves(f())) for _ in range(n)})
+print(distinct(lambda: pj.ddp_kappa(space, params, x, alpha=1.0)), distinct(lambda: in_users_jit(params)))
+"""
+
+
+@pytest.mark.slow
+def test_the_librarys_own_programs_repeat_bit_for_bit_on_a_cpu_with_several_threads():
+    """jaxlib 0.10-0.11's XLA:CPU runs reductions as YNNPACK fusions that race with more than one thread (measured:
+    this float64 Transformer's exact DDP κ, the same executable on the same buffers, differed in 4 % of the calls;
+    the JAX issue jax-ml/jax#39741). The programs that pathspace_jax compiles itself, such as `pj.ddp_kappa` called
+    with concrete arrays, leave reductions to XLA's own emitters there (`frames.eager_jit`), so they give the same
+    κ at every call. Run in a process on every core, with XLA's default flags (the workers run on one core each)."""
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("needs a machine with two cores or more")
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_DISABLE_MOST_OPTIMIZATIONS")}
+    env["JAX_PLATFORMS"] = "cpu"
+    code = [sys.executable, "-c", _REPEAT, os.path.dirname(__file__)]
+    out = subprocess.run(code, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    eager, users = map(int, out.stdout.split()[-2:])
+    assert eager == 1, f"pj.ddp_kappa gave {eager} different κ in 150 calls (in the caller's own jit: {users})"
 
 
 class _NnxStack(nnx.Module):
