@@ -703,8 +703,9 @@ def test_g_sgd_from_skeleton_init_trains_like_sgd():
 
 @pytest.mark.slow
 def test_zero_skeleton_weight_is_a_clear_error_at_init_and_a_zero_update_inside_jit():
-    """A dead unit (all incoming weights 0) cannot be represented: the chart says where, G-SGD's init refuses it,
-    and under jit (no check possible) the update is finite and leaves the unrepresentable weights alone."""
+    """A dead unit (all incoming weights 0) cannot be represented: the chart says where, G-SGD's init refuses it
+    (also inside a jit that closes over the params: they are concrete there), and under jit with the params traced
+    (no check possible) the update is finite and leaves the unrepresentable weights alone."""
     model = nn.Sequential([nn.Dense(6), nn.relu, nn.Dense(5), nn.relu, nn.Dense(3)])
     x = jax.random.normal(jax.random.key(0), (8, 4))
     params = model.init(jax.random.key(1), x)["params"]
@@ -714,6 +715,8 @@ def test_zero_skeleton_weight_is_a_clear_error_at_init_and_a_zero_update_inside_
     pj.gsgd.check_chart(space, params)  # the standard init is fine
     with pytest.raises(ValueError, match=r"'layers_2/kernel' entry \(\d, 3\) \((incoming skeleton|gauge)"):
         pj.g_sgd(space, 0.1).init(dead)
+    with pytest.raises(ValueError, match=r"'layers_2/kernel' entry \(\d, 3\)"):  # closed over by a jit: concrete
+        jax.jit(lambda: pj.g_sgd(space, 0.1).init(dead))()
     back = pj.from_coords(space, pj.to_coords(space, dead))
     out = np.asarray(pj.coord_mask(space)["layers_4"]["kernel"][3])  # unit 3's outgoing coordinate entries
     np.testing.assert_array_equal(back["layers_4"]["kernel"][3][out], 0.0)  # documented: not representable
