@@ -97,17 +97,19 @@ if os.environ.get("PJ_TEST_FAST_COMPILE", "1") != "0" and "PJ_TEST_XLA_FLAGS" no
     jax.config.update("jax_disable_most_optimizations", True)
 
 
-# XLA:CPU of jaxlib 0.10 and 0.11 runs the independent parts of a compiled program on several threads, and with
-# more than one a program can return different values from one call to the next on the same buffers (an open JAX
-# issue: "[CPU] One compiled module returns different results across calls when the process has more than one
-# thread", jax-ml/jax#39741). Measured on 2026-11-29, 2 cores: ddp_kappa at alpha 1 (exact) of a four-block
-# Transformer in float64, outside jit, its one executable called again and again, gave a query bias's kappa 1.2-1.8
-# instead of 1.0 in 4-5 % of the calls with jaxlib 0.10.2 (1 in 421 with the flags above) and 0.11.2; 0 of 578 on
-# one core (taskset); 0 of 1204 with jaxlib 0.12.0.1 on two. Each pytest worker therefore runs on one core of its
-# own (xdist starts one worker per core), set before JAX starts its backend; the tests' subprocesses inherit it.
-# The whole suite took as long (2 workers, 2 cores; runs in pairs, side by side): 9:22 pinned (the first run after
-# a change, cache misses) then 8:23 not; 8:38 not then 7:56 pinned. PJ_TEST_ONE_CORE=0 leaves the workers on
-# every core.
+# XLA:CPU of jaxlib 0.10 and 0.11 runs reductions as YNNPACK fusions that race when the process has more than one
+# thread: a compiled program can return different values from one call to the next on the same buffers (an open
+# JAX issue: "[CPU] One compiled module returns different results across calls when the process has more than one
+# thread", jax-ml/jax#39741; jaxlib 0.12 fixed it). Measured on 2026-11-29, 2 cores: ddp_kappa at alpha 1 (exact)
+# of a four-block Transformer in float64, outside jit, its one executable called again and again, gave a query
+# bias's kappa 1.2-1.8 instead of 1.0 in 4-5 % of the calls with jaxlib 0.10.2 (1 in 421 with the flags above) and
+# 0.11.2; 0 of 578 on one core (taskset); 0 of 1204 with jaxlib 0.12.0.1 on two. The library's own programs now
+# compile without those fusions there (pathspace_jax.frames.eager_jit; its test runs on every core, in a
+# subprocess), but the tests' own jitted steps are compiled as a user's are. Each pytest worker therefore runs on
+# one core of its own (xdist starts one worker per core), set before JAX starts its backend; the tests'
+# subprocesses inherit it. The whole suite took as long (2 workers, 2 cores; runs in pairs, side by side): 9:22
+# pinned (the first run after a change, cache misses) then 8:23 not; 8:38 not then 7:56 pinned.
+# PJ_TEST_ONE_CORE=0 leaves the workers on every core.
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
 if _WORKER.startswith("gw") and os.environ.get("PJ_TEST_ONE_CORE", "1") != "0" and hasattr(os, "sched_setaffinity"):
     _cores = sorted(os.sched_getaffinity(0))
