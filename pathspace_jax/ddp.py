@@ -599,7 +599,10 @@ def _second_order_exact(prog, leaves, xs, want, zs, nus, moment, conv_vjp=False)
         for j, J in zip(rest, jac, strict=True):
             if moment == "variance":
                 J = J - jnp.mean(J, axis=0, keepdims=True)
-            out[j] = jnp.sum(weights.reshape((1, -1) + (1,) * (J.ndim - 2)) * J * J, axis=(0, 1)) / n
+            # the mean over the examples first: where J is the same for each (vmap broadcasts it), XLA folds the
+            # mean away; summed over both axes at once, it raced between threads on jaxlib 0.10-0.11's CPU (a
+            # YNNPACK reduction of the broadcast, `frames._xla_cpu_options`), also inside the caller's jit
+            out[j] = jnp.tensordot(weights, jnp.mean(J * J, axis=0), axes=1)
     return out
 
 
