@@ -599,10 +599,10 @@ def _second_order_exact(prog, leaves, xs, want, zs, nus, moment, conv_vjp=False)
         for j, J in zip(rest, jac, strict=True):
             if moment == "variance":
                 J = J - jnp.mean(J, axis=0, keepdims=True)
-            # the mean over the examples first: where J is the same for each (vmap broadcasts it), XLA folds the
-            # mean away; summed over both axes at once, it raced between threads on jaxlib 0.10-0.11's CPU (a
-            # YNNPACK reduction of the broadcast, `frames._xla_cpu_options`), also inside the caller's jit
-            out[j] = jnp.tensordot(weights, jnp.mean(J * J, axis=0), axes=1)
+            # Σ_i Σ_t ν_t J² as one product with ν tiled over the examples: summed with jnp.sum over both axes,
+            # a leaf whose J is the same for every example (vmap broadcasts it) made a reduction that raced between
+            # threads on jaxlib 0.10-0.11's CPU, also inside the caller's jit (`frames._xla_cpu_options`)
+            out[j] = (jnp.tile(weights, n) @ (J * J).reshape(n * weights.size, -1)).reshape(jnp.shape(J)[2:]) / n
     return out
 
 
