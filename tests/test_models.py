@@ -214,32 +214,37 @@ def test_layers_stacked_with_scan_are_one_scan_in_the_programs_of_kappa_and_ddp(
 _REPEAT = """
 import os, sys
 os.sched_setaffinity(0, range(os.cpu_count()))  # every core: the pytest worker that starts this has one
-import jax, numpy as np
+import jax, jax.numpy as jnp, numpy as np
 jax.config.update("jax_enable_x64", True)
 sys.path.insert(0, sys.argv[1])
 import test_models as tm
 import pathspace_jax as pj
+from pathspace_jax.frames import eager_jit
+def distinct(f, n=150):
+    return len({b"".join(np.asarray(v).tobytes() for v in jax.tree_util.tree_leaves(f())) for _ in range(n)})
+# a sum over a broadcast axis and another: the reduction that races
+b = jax.random.normal(jax.random.key(2), (546, 32))
+racing = lambda b: jnp.sum(jnp.broadcast_to(b, (64, *b.shape)), axis=(0, 1))
 x = jax.random.normal(jax.random.key(0), (5, 4, 5), tm.F64)
 net = tm._Stack("transformer", True, dtype=tm.F64)
 params = net.init(jax.random.key(1), x)["params"]
 space = pj.trace(lambda p, x: net.apply({"params": p}, x), params, x)
 in_users_jit = jax.jit(lambda p: pj.ddp_kappa(space, p, x, alpha=1.0))
-def distinct(f, n=150):
-    return len({b"".join(np.asarray(v).tobytes() for v in jax.tree_util.tree_leaves(f())) for _ in range(n)})
-print(distinct(lambda: pj.ddp_kappa(space, params, x, alpha=1.0)), distinct(lambda: in_users_jit(params)))
+print(distinct(lambda: eager_jit(racing)(b)), distinct(lambda: pj.ddp_kappa(space, params, x, alpha=1.0)),
+      distinct(lambda: in_users_jit(params)), distinct(lambda: jax.jit(racing)(b)))
 """
 
 
 @pytest.mark.slow
 def test_the_librarys_own_programs_repeat_bit_for_bit_on_a_cpu_with_several_threads():
     """jaxlib 0.10-0.11's XLA:CPU runs reductions as YNNPACK fusions that race with more than one thread (the JAX
-    issue jax-ml/jax#39741). The programs that pathspace_jax compiles itself, such as `pj.ddp_kappa` called with
-    concrete arrays, leave reductions to XLA's own emitters there (`frames.eager_jit`): without that, this float64
-    Transformer's exact DDP κ gave 6 different values in 150 calls. And the one racing reduction found in the
-    library's code (the exact DDP statistic of a leaf whose Jacobian is the same for every example, summed over the
-    examples and the entries at once) is written so that it does not race inside the caller's own jit either:
-    6 different κ in 300 calls before, 1 after. Run in a process on every core, with XLA's default flags (the
-    workers run on one core each)."""
+    issue jax-ml/jax#39741): a sum over a broadcast axis and another gave different values in most of its calls.
+    The programs that pathspace_jax compiles itself (`frames.eager_jit`: `pj.ddp_kappa` called with concrete
+    arrays, say) leave reductions to XLA's own emitters there, and give the same values at every call. The one such
+    reduction found in the library's code (the exact DDP statistic of a leaf whose Jacobian is the same for every
+    example, summed over the examples and the entries at once) is written so that it does not race inside the
+    caller's own jit either: this float64 Transformer's κ there, 6 different values in 300 calls before, 1 after.
+    Run in a process on every core, with XLA's default flags (the workers run on one core each)."""
     if (os.cpu_count() or 1) < 2:
         pytest.skip("needs a machine with two cores or more")
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_DISABLE_MOST_OPTIMIZATIONS")}
@@ -247,8 +252,11 @@ def test_the_librarys_own_programs_repeat_bit_for_bit_on_a_cpu_with_several_thre
     code = [sys.executable, "-c", _REPEAT, os.path.dirname(__file__)]
     out = subprocess.run(code, env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
-    eager, users = map(int, out.stdout.split()[-2:])
-    assert (eager, users) == (1, 1), f"in 150 calls, different κ: {eager} called eagerly, {users} in the caller's jit"
+    sums, eager, users, plain = map(int, out.stdout.split()[-4:])
+    assert (sums, eager, users) == (1, 1, 1), (
+        f"different values in 150 calls: the racing sum {sums} through eager_jit ({plain} through jax.jit), "
+        f"ddp_kappa {eager} called eagerly and {users} in the caller's jit"
+    )
 
 
 class _NnxStack(nnx.Module):
