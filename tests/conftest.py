@@ -110,8 +110,12 @@ if os.environ.get("PJ_TEST_FAST_COMPILE", "1") != "0" and "PJ_TEST_XLA_FLAGS" no
 # subprocesses inherit it. The whole suite took as long (2 workers, 2 cores; runs in pairs, side by side): 9:22
 # pinned (the first run after a change, cache misses) then 8:23 not; 8:38 not then 7:56 pinned.
 # PJ_TEST_ONE_CORE=0 leaves the workers on every core.
+# A worker that xdist starts in place of a crashed one (gwN with N >= the worker count, below) is left on every core:
+# pinned by its number it would share a core with another worker and leave one idle (whole runs with a crash took
+# 12:35 and 12:41, user 17 minutes, against 7:22-7:54 without one).
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
-if _WORKER.startswith("gw") and os.environ.get("PJ_TEST_ONE_CORE", "1") != "0" and hasattr(os, "sched_setaffinity"):
+_FIRST = _WORKER.startswith("gw") and int(_WORKER[2:]) < int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+if _FIRST and os.environ.get("PJ_TEST_ONE_CORE", "1") != "0" and hasattr(os, "sched_setaffinity"):
     _cores = sorted(os.sched_getaffinity(0))
     os.sched_setaffinity(0, {_cores[int(_WORKER[2:]) % len(_cores)]})
 
