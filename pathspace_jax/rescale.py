@@ -114,21 +114,51 @@ def _plain_note(space: PathSpace) -> str:
     return ""
 
 
-def describe(space: PathSpace) -> str:
-    """A readable table of the parameter leaves' roles and of the node groups."""
+def _off_path(space: PathSpace, params) -> list[str]:
+    """Per leaf, the entries that lie on no path (Path-SGD's κ⁽¹⁾ exactly 0) and why, as `describe` shows them."""
+    from pathspace_jax.kappa import path_kappa  # (kappa imports this module's neighbours; only describe needs it)
+
+    leaves = space.leaves_of(params, "params")
+    ones = space.unflatten_like(params, [jnp.ones(jnp.shape(w), jnp.result_type(w)) for w in leaves])
+    on_graph = space.leaves_of(path_kappa(space, ones, second_order=False))  # 0: on no path of the graph itself
+    at_values = space.leaves_of(path_kappa(space, params, second_order=False))
+    notes = []
+    for leaf, k1, k in zip(space.leaves, on_graph, at_values, strict=True):
+        graph, dead = int(np.sum(np.asarray(k1) == 0)), int(np.sum((np.asarray(k) == 0) & (np.asarray(k1) != 0)))
+        why = []
+        if graph and leaf.kind != "other":
+            taps = len(leaf.shape) - (leaf.stacked is not None) > 2  # a convolution's kernel
+            why.append(f"{graph} {'taps that read only padding' if taps else 'on no path'}")
+        if dead and leaf.kind != "other":
+            why.append(f"{dead} through a dead unit (its weights in or out all 0)")
+        notes.append("; ".join(why))
+    return notes
+
+
+def describe(space: PathSpace, params=None) -> str:
+    """A readable table of the parameter leaves' roles and of the node groups.
+
+    With ``params``, each edge leaf also says how many of its entries lie on no path: Path-SGD's κ is exactly 0
+    there (taps of a convolution that read only padding, as in a 3×3 kernel on 1×1 maps; weights into or out of a
+    unit whose other weights are all 0). They do not change the function, and Path-SGD and DDP-SGD give them the
+    plain step of the learning rate (weight decay's, for instance), not one divided by κ.
+    """
     names = [g.name for g in space.groups]
+    off = _off_path(space, params) if params is not None else [""] * len(space.leaves)
 
     def side(idx):
         return "|".join(names[i] for i in idx) if idx else "bias"
 
     rows = []
-    for leaf in space.leaves:
+    for leaf, note in zip(space.leaves, off, strict=True):
         if leaf.kind == "other":
             role = "not an edge: " + leaf.note
         else:
             role = f"{side(leaf.src_groups)} -> {side(leaf.dst_groups)}"
             if leaf.recurrent:
                 role += " (recurrent)"
+            if note:
+                role += f"; entries on no path: {note}"
         rows.append((leaf.path, "x".join(map(str, leaf.shape)) or "scalar", role))
     w = max(len("parameter"), *(len(r[0]) for r in rows))
     ws = max(len("shape"), *(len(r[1]) for r in rows))

@@ -266,9 +266,11 @@ def divide_by_kappa(space, updates, kept: KeptKappa, normalize, damping, floor, 
     α is the balanced frame and m the leaf's geometric mean of κ in it (`KeptKappa`). With s = 2^(k_u − k_v)
     (`pathspace_jax.frames.edge_factors`), κ = κ_c / s², so the update is ``g m s² / (max(κ_c + damping · m f²,
     floor · m f²) + eps s²)`` (f: `pathspace_jax.frames.frame_factors` of α): the gradient taken to the canonical
-    frame, divided there, and brought back, so nothing overflows where the update itself is representable. 0 where
-    the denominator is 0 (never NaN from finite params); a non-finite κ or gradient gives a non-finite step, as
-    SGD's, which ``optax.apply_if_finite`` sees; leaves of kind "other" pass through.
+    frame, divided there, and brought back, so nothing overflows where the update itself is representable. Where κ
+    is exactly 0 (the entry lies on no path, or on none that the batch reaches: it does not change the function)
+    the update is ``g`` itself, the plain step of the same learning rate, never one divided by the floor (so never
+    NaN from finite params); a non-finite κ or gradient gives a non-finite step, as SGD's, which
+    ``optax.apply_if_finite`` sees; leaves of kind "other" pass through.
     """
 
     out = []
@@ -289,5 +291,8 @@ def divide_by_kappa(space, updates, kept: KeptKappa, normalize, damping, floor, 
         if is_traced(eps) or eps > 0:
             den = den + eps * s * s
         num = jnp.asarray(g, ct) * (s * s * m if normalize else s * s)  # (g s): to the canonical frame; (g s) s: back
-        out.append(jnp.where(den == 0, 0, num / jnp.where(den == 0, 1, den)).astype(leaf_dtype))
+        scaled = num / jnp.where(den == 0, 1, den)  # den is 0 only where κ is
+        # κ exactly 0: the entry lies on no path (a tap that reads only padding, a weight out of a dead unit) and
+        # does not change the function; its gradient is the loss's own term (weight decay): the plain step
+        out.append(jnp.where(jnp.asarray(k) == 0, g, scaled.astype(leaf_dtype)))
     return space.unflatten_like(updates, out)

@@ -192,8 +192,9 @@ def scale_by_ddp(
     the balanced frame, so the exact κ at α = 1 is the per-example Fisher there, and the default damping is 0. κ is
     computed in the canonical frame (gauge weights ±1) and the gradient divided there, so nothing overflows under
     any rescaling; ``eps`` is a plain additive constant in the params' units, off by default (it breaks the
-    invariance). A dead unit has κ = 0 and gradient 0: its update is 0, never NaN. Leaves that ``trace`` marked
-    ``"other"`` pass through.
+    invariance). An entry with κ = 0 (on no path that the batch reaches: a dead unit, a tap that reads only padding)
+    gets the plain step ``g`` (its gradient is then the loss's own term, e.g. weight decay's), never NaN. Leaves that
+    ``trace`` marked ``"other"`` pass through.
 
     **Stability of the natural gradient.** At α = 1 the exact estimator is the diagonal natural gradient,
     which divides by a batch's Fisher. Where a unit is at its kink on the batch, or a feature almost constant on
@@ -527,8 +528,10 @@ def scale_by_path_sgd(
     √2, `pathspace_jax.frames.to_canonical_frame`) and the gradient divided there and brought back, so
     neither κ nor the update overflows or underflows under any rescaling as long as the update itself is
     representable. ``eps`` is a plain additive constant in the params' own units, off by default: it breaks
-    the invariance. An entry whose denominator is 0 (a dead unit with ``floor = damping = eps = 0``) gets update 0,
-    never NaN. Leaves that ``trace`` marked ``"other"`` pass through unscaled.
+    the invariance. An entry whose κ is exactly 0 lies on no path (a tap that reads only padding, a weight out of a
+    dead unit): it does not change the function, and its update is the gradient itself (the plain step of the same
+    learning rate, e.g. weight decay's), never a step divided by the floor; `pathspace_jax.describe` counts such
+    entries. Leaves that ``trace`` marked ``"other"`` pass through unscaled.
 
     Args:
       space: the `PathSpace` of the network (``pathspace_jax.trace``).
