@@ -288,6 +288,9 @@ class PathSpace:
       skeleton_edges: ``(incoming, outgoing)``, per node the index into ``ravel_pytree(params)[0]`` of
         the skeleton edge chosen from the params' values (`pathspace_jax.skeleton`), -1 where the
         index rule decides; None: the index rule everywhere.
+      skeleton_rule: how they were chosen: ``"index"`` (from the graph alone), ``"values"`` (``trace(...,
+        skeleton="values")``) or ``"index, off zeros"`` (the index rule, except at the nodes where it would take a
+        weight that is exactly 0 in the traced params: a zero-initialised scale).
       positions_first: the inputs (indices into ``jax.tree_util.tree_leaves(arg_specs)``) whose first axis the
         function scans or convolves over (time-major sequences), not a batch of examples.
     """
@@ -300,6 +303,7 @@ class PathSpace:
     arg_specs: Any = dataclasses.field(repr=False)
     skeleton_edges: tuple[np.ndarray, np.ndarray] | None = dataclasses.field(default=None, repr=False)
     positions_first: tuple[int, ...] = dataclasses.field(default=(), repr=False)
+    skeleton_rule: str = dataclasses.field(default="index", repr=False)
 
     # -- sizes --------------------------------------------------------------
     @property

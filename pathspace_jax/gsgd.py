@@ -371,12 +371,11 @@ def check_chart(space: PathSpace, params, who: str = "check_chart") -> None:
             for k in idx[at == 0]:
                 bad.append(f"'{leaf.path}' entry {tuple(int(i) for i in np.unravel_index(k, leaf.shape))} ({what})")
     if bad:
-        shown = "; ".join(bad[:8]) + (f"; and {len(bad) - 8} more" if len(bad) > 8 else "")
+        shown = "; ".join(bad[:2]) + (f"; {len(bad) - 2} more" if len(bad) > 2 else "")
         raise ValueError(
-            f"{who}: {len(bad)} skeleton weight(s) are exactly 0: {shown}. The basis paths through a zero skeleton "
-            "weight have value 0, so the weights after it cannot be represented in path coordinates and G-SGD "
-            "would never move them. Give those entries a small nonzero value, or trace with skeleton='values' "
-            "to choose skeleton edges among the nonzero weights of these params."
+            f"{who}: {len(bad)} skeleton weight(s) are exactly 0 ({shown}): G-SGD could never move the weights "
+            "behind them. Fix: trace with these params (trace then avoids zero weights where it can), or give "
+            "those entries a nonzero value."
         )
 
 

@@ -135,6 +135,16 @@ def _off_path(space: PathSpace, params) -> list[str]:
     return notes
 
 
+def _skeleton_note(space: PathSpace) -> str:
+    if space.skeleton_rule == "values":
+        return "from the params' values"
+    if space.skeleton_rule == "index, off zeros":
+        moved = sum(int(np.sum(e >= 0)) for e in space.skeleton_edges)
+        return (f"by index (from the graph alone), but {moved} skeleton edge(s) moved off weights that were exactly 0 "
+                "when traced (zero-initialised scales)")  # fmt: skip
+    return "by index (from the graph alone)"
+
+
 def describe(space: PathSpace, params=None) -> str:
     """A readable table of the parameter leaves' roles and of the node groups.
 
@@ -165,7 +175,7 @@ def describe(space: PathSpace, params=None) -> str:
     lines = [
         f"PathSpace: {space.num_params} parameters (m), {space.num_hidden} hidden nodes (H), "
         f"{space.num_coords} path coordinates (m - H); skeleton chosen "
-        + ("from the params' values" if space.skeleton_edges is not None else "by index (from the graph alone)")
+        + _skeleton_note(space)
         + _plain_note(space),
         "",
         f"{'parameter':<{w}}  {'shape':<{ws}}  role",

@@ -388,6 +388,36 @@ def choose_by_value(space: PathSpace, leaves) -> tuple[np.ndarray, np.ndarray]:
     return pick(depth, True), pick(dist, False)
 
 
+def off_zeros(space: PathSpace, leaves) -> tuple[np.ndarray, np.ndarray] | None:
+    """Skeleton edges that keep the index rule except where it takes a weight that is exactly 0 in ``leaves``.
+
+    A standard recipe zero-initialises some weights (a residual block's last BatchNorm scale, a zeroed branch):
+    where the index rule would make such an entry a skeleton edge, the chart is singular (`pathspace_jax.gsgd`'s
+    ``check_chart``). There the node takes the edge `choose_by_value` gives it, nonzero wherever a nonzero
+    admissible edge exists. Zeros are the same for every rescaling of the params, and only the nodes whose
+    index-rule edge is 0 are moved, so the chart still serves any params of the structure (an ensemble, a
+    checkpoint) that are nonzero on it. ``(incoming, outgoing)`` as `choose_by_value` gives them (-1: the index
+    rule), or None where no skeleton edge is 0.
+    """
+    try:
+        sk = skeleton(space)
+    except ValueError:  # a node with no admissible edge: G-SGD says so when asked; trace itself does not need it
+        return None
+
+    def zero(leaf, flat):
+        found = np.zeros(space.num_nodes, bool)
+        for li in np.unique(leaf[sk.hidden & (leaf >= 0)]):
+            at = sk.hidden & (leaf == li)
+            found[at] = np.asarray(jnp.ravel(leaves[li])[flat[at]]) == 0  # the skeleton's entries only
+        return found
+
+    zero_in, zero_out = zero(sk.in_leaf, sk.in_flat), zero(sk.out_leaf, sk.out_flat)
+    if not (zero_in.any() or zero_out.any()):
+        return None
+    by_value_in, by_value_out = choose_by_value(space, leaves)
+    return np.where(zero_in, by_value_in, -1), np.where(zero_out, by_value_out, -1)
+
+
 def _prefer(space: PathSpace, preferred, leaf, flat, other, forward: bool):
     """Replace the index rule's choice by ``preferred`` (ravel indices, -1: keep) where given."""
     if preferred is None or not (preferred >= 0).any():

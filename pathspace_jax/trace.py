@@ -32,7 +32,7 @@ from pathspace_jax.graph import (
     reduced,
 )
 from pathspace_jax.ir import Frame
-from pathspace_jax.skeleton import choose_by_value
+from pathspace_jax.skeleton import choose_by_value, off_zeros
 from pathspace_jax.tracer import Interpreter
 
 __all__ = ["trace", "UnsupportedModelError", "leaf_path_strings"]
@@ -85,7 +85,10 @@ def trace(fn: Callable[..., Any], params, *args, strict: bool = False, skeleton:
       skeleton: how the skeleton (the basis paths of `to_coords` and G-SGD) is
         chosen. ``"index"`` (default): from the graph alone (the ``j mod n``
         pattern), so the space describes structure only and serves any params of
-        that structure (an ensemble, a checkpoint, another seed). ``"values"``
+        that structure (an ensemble, a checkpoint, another seed); only a node whose
+        index-rule edge is exactly 0 in these ``params`` (a zero-initialised
+        BatchNorm scale closing a residual block) takes a nonzero one instead
+        (`pathspace_jax.skeleton.off_zeros`; `describe` says so). ``"values"``
         (opt-in): per node, the incoming and outgoing edge of the largest path value
         in *these* ``params`` (`pathspace_jax.skeleton.choose_by_value`; the same for
         every rescaling of them), which ties the chart to them: use it only with
@@ -119,7 +122,11 @@ def trace(fn: Callable[..., Any], params, *args, strict: bool = False, skeleton:
         for x in leaves
     )
     if skeleton == "values" and concrete:
-        space = dataclasses.replace(space, skeleton_edges=choose_by_value(space, leaves))
+        space = dataclasses.replace(space, skeleton_edges=choose_by_value(space, leaves), skeleton_rule="values")
+    elif concrete and all(getattr(x, "is_fully_addressable", True) for x in leaves):
+        edges = off_zeros(space, leaves)
+        if edges is not None:
+            space = dataclasses.replace(space, skeleton_edges=edges, skeleton_rule="index, off zeros")
     return space
 
 
