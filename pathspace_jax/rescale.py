@@ -174,9 +174,7 @@ def describe(space: PathSpace, params=None) -> str:
     ws = max(len("shape"), *(len(r[1]) for r in rows))
     lines = [
         f"PathSpace: {space.num_params} parameters (m), {space.num_hidden} hidden nodes (H), "
-        f"{space.num_coords} path coordinates (m - H); skeleton chosen "
-        + _skeleton_note(space)
-        + _plain_note(space),
+        f"{space.num_coords} path coordinates (m - H); skeleton chosen " + _skeleton_note(space) + _plain_note(space),
         "",
         f"{'parameter':<{w}}  {'shape':<{ws}}  role",
     ]
