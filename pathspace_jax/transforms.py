@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 
 from pathspace_jax import gsgd
 from pathspace_jax.ddp import check_ddp_space, check_inputs, check_options, ddp_kappa_canonical
@@ -41,7 +42,10 @@ def path_labels(space, params=None, *, path: str = "path", other: str = "other")
     Args:
       space: the `PathSpace` of the whole model.
       params: a params tree to label (its structure is used: nnx states, plain dicts); None for the
-        traced structure.
+        traced structure. An nnx ``State`` of ``Param`` variables is labelled in its pure form
+        (``nnx.as_pure``): the structure in which ``nnx.Optimizer`` passes the updates, and which its ``init``
+        on the ``State`` accepts too, so ``nnx.Optimizer(model, optax.partition(..., pj.path_labels(space,
+        state)), wrt=nnx.Param)`` works as written.
       path, other: the two labels.
 
     Returns:
@@ -52,7 +56,13 @@ def path_labels(space, params=None, *, path: str = "path", other: str = "other")
     if params is None:
         return jax.tree_util.tree_unflatten(space.treedef, labels)
     space.leaves_of(params, "params")
+    if any(isinstance(x, nnx.Variable) for x in jax.tree_util.tree_leaves(params, is_leaf=_is_variable)):
+        params = nnx.as_pure(params)
     return space.unflatten_like(params, labels)
+
+
+def _is_variable(x) -> bool:
+    return isinstance(x, nnx.Variable)
 
 
 def _is_masked(x) -> bool:

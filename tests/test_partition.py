@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 import pathspace_jax as pj
 
@@ -161,3 +162,34 @@ def test_kappa_scaling_in_a_partition_and_masked(name):
     mask = jax.tree_util.tree_map_with_path(lambda path, _: "layers_0" in jax.tree_util.keystr(path), params)
     with pytest.raises(ValueError, match=r"masked edge leaves of the network: \['layers_2/bias', 'layers_2/kernel'\]"):
         optax.masked(make(), mask).init(params)
+
+
+class _NnxNormed(nnx.Module):
+    def __init__(self, rngs):
+        self.l1, self.l2 = nnx.Linear(4, 8, rngs=rngs), nnx.Linear(8, 8, rngs=rngs)
+        self.norm, self.head = nnx.LayerNorm(8, rngs=rngs), nnx.Linear(8, 3, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(jnp.tanh(self.norm(jax.nn.relu(self.l2(jax.nn.relu(self.l1(x)))))))
+
+
+def test_path_labels_of_an_nnx_state_serve_nnx_optimizer():
+    """``nnx.Optimizer`` inits on the ``State`` of ``Param`` variables and updates on its pure form: the labels of
+    the ``State`` serve both (labels with ``Param`` wrappers failed inside JAX at the first update)."""
+    model = _NnxNormed(nnx.Rngs(0))
+    x, y = jax.random.normal(jax.random.key(1), (16, 4)), jnp.arange(16) % 3
+    graphdef, state = nnx.split(model, nnx.Param)
+    space = pj.trace(lambda p, x: nnx.merge(graphdef, p)(x), state, x)
+    labels = pj.path_labels(space, state)
+    assert jax.tree.leaves(labels) == jax.tree.leaves(pj.path_labels(space, nnx.as_pure(state)))
+    tx = optax.partition({"path": pj.g_sgd(space, 0.1), "other": optax.adam(1e-2)}, labels)
+    opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, opt):
+        loss, g = nnx.value_and_grad(lambda m: optax.softmax_cross_entropy_with_integer_labels(m(x), y).mean())(model)
+        opt.update(model, g)
+        return loss
+
+    losses = [float(step(model, opt)) for _ in range(10)]
+    assert np.all(np.isfinite(losses)) and losses[-1] < losses[0], losses
