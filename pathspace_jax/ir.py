@@ -184,11 +184,11 @@ class Recorder:
 
     def layers(self, x, shape, dtype) -> list:
         """Record the slices ``x[0], x[1], ...`` of a value stacked over layers (leading axis); their ids."""
-        return self._inline(_layers_of(tuple(shape), np.dtype(dtype)), [x])
+        return self._inline(_layers_of(tuple(shape), dtype), [x])  # (a PRNG key dtype too: not a numpy one)
 
     def stack(self, xs: list, shape, dtype) -> int:
         """Record the values ``xs`` (one per layer, each of ``shape``) stacked along a new leading axis; its id."""
-        return self._inline(_stacked(tuple(shape), np.dtype(dtype), len(xs)), xs)[0]
+        return self._inline(_stacked(tuple(shape), dtype, len(xs)), xs)[0]
 
     def _inline(self, closed, ins: list) -> list:
         eqns, outs = jx.equations(closed, ins, self.new)
@@ -199,11 +199,11 @@ class Recorder:
 
 # The library's own small functions that a scan over layers adds to a program, traced once per shape.
 @functools.lru_cache(maxsize=256)
-def _layers_of(shape: tuple, dtype: np.dtype):
+def _layers_of(shape: tuple, dtype):
     return jax.make_jaxpr(lambda x: [x[i] for i in range(shape[0])])(jax.ShapeDtypeStruct(shape, dtype))
 
 
 @functools.lru_cache(maxsize=256)
-def _stacked(shape: tuple, dtype: np.dtype, n: int):
+def _stacked(shape: tuple, dtype, n: int):
     spec = jax.ShapeDtypeStruct(shape, dtype)
     return jax.make_jaxpr(lambda *v: jnp.concatenate([x[None] for x in v]))(*[spec] * n)
