@@ -11,7 +11,8 @@ import numpy as np
 import optax
 
 from pathspace_jax import gsgd
-from pathspace_jax.ddp import check_ddp_space, check_inputs, check_options, ddp_kappa_canonical
+from pathspace_jax.ddp import check_ddp_space, check_examples, check_options, ddp_kappa_canonical
+from pathspace_jax.ddp_inputs import check_inputs
 from pathspace_jax.frames import eager_jit, on_mesh_of
 from pathspace_jax.graph import check_path_space, compute_dtype, warn_if_plain
 from pathspace_jax.kappa import check_kappa_space, kappa_canonical
@@ -177,6 +178,7 @@ def scale_by_ddp(
     floor: float = 1e-6,
     eps: float = 0.0,
     every: int = 1,
+    batch_axes=0,
 ) -> optax.GradientTransformationExtraArgs:
     """Divide each gradient entry by DDP-SGD's κ = ½ ∂²γ²_net/∂w² on the current batch.
 
@@ -222,20 +224,27 @@ def scale_by_ddp(
       eps: added to κ in the params' frame (≥ 0; breaks the invariance, default 0).
       every: recompute κ every ``every`` steps (steps 0, k, 2k, ...), reusing the stored κ between
         (``jax.lax.cond`` on the step count: no Python branching, no recompilation, also outside ``jit``).
+      batch_axes: where the examples of ``inputs`` are, as ``jax.vmap``'s ``in_axes``: a pytree prefix of the inputs
+        tuple with 0 (examples on the leading axis; the default, for every leaf) or None (shared by every example:
+        a PRNG key, nnx state, a scale or mask of the model); None for every input: the whole batch is one example
+        (a graph batch). See `pathspace_jax.ddp_kappa`.
 
     Returns:
       An `optax.GradientTransformationExtraArgs`. ``update(updates, state, params, *, inputs, key=None,
       refresh_kappa=None)`` needs ``params`` and the batch ``inputs`` (the positional arguments of the traced
-      function after params); ``key`` seeds the probes (when omitted, probes are drawn from ``jax.random.key(0)``
-      folded with the step count, the same for every member of a vmapped ensemble); ``refresh_kappa``, a Python
-      bool, recomputes κ (True) or reuses the kept one (False, with ``every > 1``) in place of the ``every``
-      schedule, with no conditional in the compiled step (see `scale_by_path_sgd`). Other extra keyword
-      arguments are ignored. The state is `ScaleByDDPState`.
+      function after params: one as it is, a tuple for several; any pytree, its examples where ``batch_axes``
+      says); ``key`` seeds the probes (when omitted, probes are drawn from ``jax.random.key(0)`` folded with the
+      step count, the same for every member of a vmapped ensemble); ``refresh_kappa``, a Python bool, recomputes
+      κ (True) or reuses the kept one (False, with ``every > 1``) in place of the ``every`` schedule, with no
+      conditional in the compiled step (see `scale_by_path_sgd`). Other extra keyword arguments are ignored. The
+      state is `ScaleByDDPState`.
 
     Example:
       >>> tx = optax.chain(pj.scale_by_ddp(space, alpha=1.0), optax.scale(-0.1))
       >>> state = tx.init(params)
       >>> updates, state = tx.update(grads, state, params, inputs=x)
+      >>> tx = pj.scale_by_ddp(space_kx, alpha=1.0, batch_axes=(None, 0))  # space_kx = pj.trace(fn, params, key, x)
+      >>> updates, state = tx.update(grads, tx.init(params), params, inputs=(key, x))
 
     References:
       Neyshabur, Salakhutdinov, Tomioka, Srebro, "Data-dependent path normalization in neural networks",
@@ -263,21 +272,37 @@ def scale_by_ddp(
                 "scale_by_ddp needs the batch as a keyword argument: tx.update(updates, state, params, inputs=x) "
                 "(inputs = the positional arguments of the traced function after params)"
             )
-        xs = check_inputs(space, inputs)
+        xs, axes = check_inputs(space, inputs, batch_axes, "scale_by_ddp")
+        check_examples(axes, moment, alpha)
         if key is None:
             key = jax.random.fold_in(jax.random.key(0), state.count)
         refresh = check_refresh(refresh_kappa, state.kept, "scale_by_ddp")
         return _ddp_update(
-            space, config, updates, state, params, xs, key, damping, floor, eps, every, probe_damping, refresh=refresh
+            space,
+            config,
+            updates,
+            state,
+            params,
+            xs,
+            key,
+            damping,
+            floor,
+            eps,
+            every,
+            probe_damping,
+            refresh=refresh,
+            axes=axes,
         )
 
     tx = optax.GradientTransformationExtraArgs(init_fn, update_fn)
     return _accept_masked(space, "scale_by_ddp", tx, runs_network=alpha > 0.0)
 
 
-@functools.partial(eager_jit, static_argnums=(0, 1), static_argnames="refresh")
-def _ddp_update(space, config, updates, state, params, xs, key, damping, floor, eps, every, probe_damping, *, refresh):
-    """One `scale_by_ddp` step (jitted, so that calls outside ``jit`` compile once); ``xs``: the batch's leaves."""
+@functools.partial(eager_jit, static_argnums=(0, 1), static_argnames=("refresh", "axes"))
+def _ddp_update(space, config, updates, state, params, xs, key, damping, floor, eps, every, probe_damping, *, refresh,
+                axes):  # fmt: skip
+    """One `scale_by_ddp` step (jitted, so that calls outside ``jit`` compile once); ``xs``: the batch's leaves,
+    ``axes`` their batch axes (0 or None)."""
 
     alpha, moment, estimator, num_probes, probe_batch_size, normalize = config
 
@@ -285,7 +310,7 @@ def _ddp_update(space, config, updates, state, params, xs, key, damping, floor, 
         leaves = [jnp.asarray(p) for p in space.leaves_of(params, "params")]
         in_cond = state.kept is not None and refresh is None
         kappa, lg = ddp_kappa_canonical(space, leaves, xs, key, alpha, moment, estimator, num_probes, probe_damping,
-                                        True, probe_batch_size, in_cond)  # fmt: skip
+                                        True, probe_batch_size, in_cond, axes)  # fmt: skip
         return kept_kappa(space, params, space.unflatten_like(params, kappa), lg)
 
     kept, stored = current_kappa(compute, state.kept, state.count, every, refresh)
