@@ -103,6 +103,7 @@ from pathspace_jax.ddp_inputs import (
     all_ones,
     batch_size,
     check_inputs,
+    constant_inputs,
     dtype_of,
     example_shapes,
     is_key,
@@ -329,8 +330,9 @@ def ddp_kappa_canonical(
     # a key's dtype as it is (its name does not parse back into one)
     input_key = tuple((s, dtype_of(x) if is_key(x) else str(dtype_of(x))) for s, x in zip(example_shapes(xs, axes), xs))
     dt, out_dtypes = compute_dtype(leaves), [p.dtype for p in leaves]
+    const = constant_inputs(xs, axes)  # the inputs shared by the batch: constants of the network, as closed over
     prog = flat.program(space, param_key, input_key, dtype=dt, who="ddp_kappa", err=DDPUnsupportedError,
-                        allow_scan=True)  # fmt: skip
+                        allow_scan=True, const_inputs=const if any(const) else None)  # fmt: skip
     flat.refuse_tying(prog, space, "ddp_kappa", "DDP-SGD's κ is not implemented for that (path_sgd with "
                       "second_order=False needs no such condition)")  # fmt: skip
     if alpha == 0.0:

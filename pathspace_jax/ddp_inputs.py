@@ -35,6 +35,7 @@ __all__ = [
     "per_example",
     "take_examples",
     "all_ones",
+    "constant_inputs",
     "is_key",
     "dtype_of",
 ]
@@ -223,10 +224,20 @@ def take_examples(xs, axes, pick) -> list:
     return [x[pick] if a == 0 else x for x, a in zip(xs, axes, strict=True)]
 
 
+def constant_inputs(xs, axes) -> tuple:
+    """Which inputs are constants of the network (of kind ``"const"`` in the program, values as if closed over): the
+    inputs shared by every example, except the floating-point ones where the whole batch is one example (no input
+    batched: its features are the network's inputs, γ² = 1, as in `pathspace_jax.path_kappa`)."""
+    batched = any(a == 0 for a in axes)
+    floats = [jnp.issubdtype(dtype_of(x), jnp.floating) for x in xs]
+    return tuple(a is None and (batched or not f) for a, f in zip(axes, floats, strict=True))
+
+
 def all_ones(xs, axes) -> list:
-    """The all-ones input of the γ² recursion (γ² = 1 on inputs; `pathspace_jax.path_kappa`'s), one example in each
-    input's dtype: the recursion runs the program traced on the inputs, which casts them as the model does; token
-    ids stay integers, masks all True. A key is no value of the network: it is passed as it is."""
-    shapes = example_shapes(xs, axes)
-    return [(x[:1] if a == 0 else x) if is_key(x) else jnp.ones(s, jnp.result_type(x))
-            for x, s, a in zip(xs, shapes, axes, strict=True)]  # fmt: skip
+    """The inputs of the γ² recursion, one example: all ones (γ² = 1 on the network's inputs; `path_kappa`'s), in each
+    input's dtype (the recursion runs the program traced on the inputs, which casts them as the model does; token
+    ids stay integers, masks all True); the constants of the network (`constant_inputs`: a key, a mask or scale
+    shared by every example, a graph's indices) as they are."""
+    shapes, const = example_shapes(xs, axes), constant_inputs(xs, axes)
+    pairs = zip(xs, shapes, const, strict=True)
+    return [x if c else x[:1] if is_key(x) else jnp.ones(s, dtype_of(x)) for x, s, c in pairs]
