@@ -259,8 +259,8 @@ def ddp_kappa(
         every entry of the batch's activations; at α = 1 (second moment) κ = Σ_t (∂f_t/∂w)² over every output entry
         t of the batch, the diagonal Fisher of a unit-variance Gaussian model of all the outputs at once: where the
         graphs do not interact, the per-graph squared gradients summed over the graphs. The variance needs two
-        examples and is refused there. The γ² recursion (1 − α) reads every input as `pathspace_jax.path_kappa`
-        does, whatever its axis, so α = 0 stays Path-SGD's κ.
+        examples and is refused there. A shared input beside batched ones is a constant of the network (κ is
+        that of the function closed over it, at every α); see `pathspace_jax.ddp_inputs`.
 
     Returns:
       κ, a pytree like ``params`` with the params' dtypes; entries are ≥ 0 (exactly 0 for a weight

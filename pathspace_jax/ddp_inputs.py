@@ -8,9 +8,12 @@ examples, the function applied to each as a batch of one (a ``vmap`` over the ba
 whole). With no batched leaf (``batch_axes=None``) the whole batch is one example: a graph batch, which has no
 per-example axis (`pathspace_jax.ddp_kappa` says what the statistics then are).
 
-``batch_axes`` says where the examples are and nothing else: the γ² recursion of the path norm (the 1 − α part)
-reads every input as `pathspace_jax.path_kappa` does (γ² = 1 on the inputs, masks all True), whatever its axis, so
-that α = 0 is Path-SGD's κ of the same space.
+An input shared by every example while others carry the examples is a constant of the network, as if the function
+closed over it: the statistics and the γ² recursion (the 1 − α part) read its values, so κ is that of the closed
+function at every α (a mask of the model prunes its paths, a scale is a coefficient on them). The batched inputs are
+the network's inputs: γ² = 1 there, masks all True, as in `pathspace_jax.path_kappa`. Where the whole batch is one
+example, its floating-point leaves (the features) are the network's inputs and the others (a graph's indices, masks,
+keys) constants.
 """
 
 from __future__ import annotations
