@@ -136,7 +136,7 @@ def _check_structure(space: PathSpace, args: tuple) -> None:
     if want != got:
         raise ValueError(
             f"inputs must be the arguments after params that the space was traced with ({len(space.arg_specs)}; a "
-            f"tuple for several): expected the structure {_short(want, 110)}, got {_short(got, 110)}"
+            f"tuple for several): expected the structure {_short(want, 80)}, got {_short(got, 80)}"
         )
 
 
