@@ -34,6 +34,7 @@ from pathspace_jax.errors import (
 from pathspace_jax.graph import EdgeLeaf, NodeGroup, PathSpace
 from pathspace_jax.gsgd import coord_scales
 from pathspace_jax.kappa import path_kappa, path_norm
+from pathspace_jax.masking import path_labels
 from pathspace_jax.normalize import ddp_normalize, ddp_normalized_weights
 from pathspace_jax.rescale import describe, random_alphas, random_rescale, rescale
 from pathspace_jax.trace import trace
@@ -43,7 +44,6 @@ from pathspace_jax.transforms import (
     ScaleByDDPState,
     ScaleByPathSGDState,
     in_path_space,
-    path_labels,
     scale_by_ddp,
     scale_by_path_sgd,
 )

@@ -25,6 +25,7 @@ def ddp_sgd(
     damping: float = 0.0,
     floor: float = 1e-6,
     eps: float = 0.0,
+    batch_axes=0,
 ) -> optax.GradientTransformationExtraArgs:
     """DDP-SGD (Neyshabur et al., ICLR 2016): w ← w − η g / κ, κ = ½ ∂²γ²_net/∂w² on the current batch.
 
@@ -39,6 +40,9 @@ def ddp_sgd(
       learning_rate: η, a float or an optax schedule.
       alpha, moment, estimator, num_probes, probe_damping, probe_batch_size: see `pathspace_jax.scale_by_ddp`.
       every, normalize, damping, floor, eps: see `pathspace_jax.scale_by_ddp`.
+      batch_axes: where the examples of ``inputs`` are (0: the leading axis, the default; None: shared by every
+        example, or for every input: the whole batch one example), a pytree prefix of the inputs tuple as
+        ``jax.vmap``'s ``in_axes``; see `pathspace_jax.scale_by_ddp`.
       momentum: heavy-ball decay (``optax.trace``), or None.
 
     Returns:
@@ -49,6 +53,7 @@ def ddp_sgd(
       >>> tx = pj.ddp_sgd(space, 0.1, alpha=1.0)  # one damped probe per step; estimator="exact" for exact κ
       >>> state = tx.init(params)
       >>> updates, state = tx.update(grads, state, params, inputs=x, key=key)
+      >>> tx = pj.ddp_sgd(graph_space, 0.1, alpha=1.0, batch_axes=None)  # a jraph.GraphsTuple: the batch one example
 
     References:
       Neyshabur et al., "Data-dependent path normalization in neural networks", ICLR 2016.
@@ -67,6 +72,7 @@ def ddp_sgd(
             floor=floor,
             eps=eps,
             every=every,
+            batch_axes=batch_axes,
         )
     ]
     if momentum is not None:

@@ -57,8 +57,10 @@ that an offset enters without a scale) is a node of the recursion whose γ_v² i
 the boundary values are inputs of the homogeneous part: γ² = 1 there, and their values are held
 fixed (``stop_gradient``) in the node statistics of the layers after them, so γ²_net stays quadratic
 in every weight. Parameters that are not edges (a PReLU's slope) get κ = 0 and pass through the
-transformations. The inputs' leading axis is the batch axis, and the function is applied to each
-example as a batch of one (``jax.vmap``), so functions that mix examples are not supported.
+transformations. The examples are where ``batch_axes`` says (`pathspace_jax.ddp_inputs`; by default the leading
+axis of every input), and the function is applied to each example as a batch of one (``jax.vmap``, the inputs
+shared by every example passed whole), so functions that mix examples are not supported; with no batched input the
+whole batch is one example (a graph batch).
 Token ids (integer inputs) are a one-hot input times the embedding table, and an integer input cast to
 floats is the input's values (uint8 pixels), as in `pathspace_jax.path_kappa`.
 
@@ -94,16 +96,26 @@ import jax.numpy as jnp
 import numpy as np
 
 from pathspace_jax import forward as fw
-from pathspace_jax import jaxpr as jx
 from pathspace_jax import program as flat
 from pathspace_jax import squared
+from pathspace_jax.ddp_exact import second_order_exact
+from pathspace_jax.ddp_inputs import (
+    all_ones,
+    batch_size,
+    check_inputs,
+    constant_inputs,
+    dtype_of,
+    example_shapes,
+    is_key,
+    per_example,
+    take_examples,
+)
 from pathspace_jax.errors import DDPUnsupportedError
 from pathspace_jax.exact import V
-from pathspace_jax.forward import forward, run_program, scan_nodes
+from pathspace_jax.forward import forward, scan_nodes
 from pathspace_jax.frames import eager_jit, jit_when_eager, kappa_from_frame, on_params_mesh, to_canonical_frame
 from pathspace_jax.graph import PathSpace, check_path_space, compute_dtype
 from pathspace_jax.kappa import kappa_canonical
-from pathspace_jax.rules import rule
 
 __all__ = ["ddp_kappa", "DDPUnsupportedError"]
 
@@ -118,12 +130,6 @@ _PROBE_LOOP_MAX = 8
 def _moment(z, moment: str):
     """S(z) over the batch (axis 0): the uncentred second moment or the variance."""
     return jnp.mean(z * z, axis=0) if moment == "second" else jnp.var(z, axis=0)
-
-
-def _ones(xs) -> list:
-    """The all-ones input of the γ² recursion (γ² = 1 on inputs), in each input's dtype: the recursion runs the
-    program traced on the inputs, which casts them as the model does; token ids stay integers, masks all True."""
-    return [jnp.ones((1, *jnp.shape(x)[1:]), jnp.result_type(x)) for x in xs]
 
 
 def _mixer(alpha: float, stats: dict):
@@ -156,10 +162,6 @@ def check_ddp_space(space: PathSpace) -> None:
     flat.refuse_undefined(space, "ddp_kappa", DDPUnsupportedError)
 
 
-def _as_tuple(inputs) -> tuple:
-    return tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
-
-
 def check_options(alpha, moment, estimator, num_probes, probe_batch_size=None) -> tuple[float, int, int | None]:
     """Validate DDP's options; returns ``(alpha, num_probes, probe_batch_size)`` as Python numbers."""
     alpha = float(alpha)
@@ -184,59 +186,17 @@ def check_options(alpha, moment, estimator, num_probes, probe_batch_size=None) -
     return alpha, int(num_probes), probe_batch_size
 
 
-def refuse_local_batch(xs, what: str) -> None:
-    """A batch split over the manual axes of ``jax.shard_map`` is an error: ``what`` is a mean over the batch,
-    and each device would take it over its own part."""
-    axes = sorted(set().union(*(jx.varying_axes(x) for x in xs)))
-    if axes:
+def check_examples(axes, moment: str, alpha: float) -> None:
+    """The variance is over two examples at least: refused where no input is batched (the batch one example)."""
+    if moment == "variance" and alpha > 0.0 and not any(a == 0 for a in axes):
         raise ValueError(
-            f"inputs differ between devices along the mesh axes {axes} of jax.shard_map: {what} is a mean over the "
-            "batch, and each device would take it over its own part. Run the step under jax.jit with the batch "
-            "sharded instead (jax.device_put(x, NamedSharding(mesh, P('data'))) or in_shardings): the statistics "
-            "are then summed over the whole batch. G-SGD, G-Adam and Path-SGD, which read only the params, run "
-            "inside jax.shard_map."
+            "moment='variance' is a variance over the examples, and with batch_axes None for every input the batch "
+            "is one example: use moment='second', or put the examples on a leading axis (batch_axes=0)"
         )
-
-
-def check_inputs(space: PathSpace, inputs) -> list:
-    """The batch's leaves, checked against the traced arguments: structure, dtype, per-example shape."""
-    args = _as_tuple(inputs)
-    specs = jax.tree_util.tree_leaves(space.arg_specs)
-    if jax.tree_util.tree_structure(args) != jax.tree_util.tree_structure(space.arg_specs):
-        raise ValueError(
-            f"inputs must match the positional arguments after params that the space was traced with: expected "
-            f"{len(specs)} array(s) in the structure {jax.tree_util.tree_structure(space.arg_specs)}, got "
-            f"{jax.tree_util.tree_structure(args)}"
-        )
-    xs = jax.tree_util.tree_leaves(args)
-    if not xs or any(jnp.ndim(x) == 0 for x in xs):
-        raise ValueError("inputs: every input needs a leading batch axis")
-    refuse_local_batch(xs, "DDP-SGD's κ")
-    n = int(jnp.shape(xs[0])[0])
-    for i, (x, spec) in enumerate(zip(xs, specs, strict=True)):
-        dt = jnp.result_type(x)
-        if jax.dtypes.issubdtype(dt, jax.dtypes.prng_key):
-            raise DDPUnsupportedError(
-                f"ddp_kappa: input #{i} is a PRNG key (a dropout key?). DDP's κ is defined for a deterministic "
-                "network: trace and train a function that closes over the key, or the deterministic one "
-                "(e.g. deterministic=True)."
-            )
-        if not flat.supported_input(dt):
-            raise DDPUnsupportedError(f"ddp_kappa: input #{i} must be floating point, token ids or a mask, got {dt}")
-        if tuple(jnp.shape(x))[1:] != tuple(spec.shape)[1:]:
-            raise ValueError(
-                f"inputs: input #{i} has shape {tuple(jnp.shape(x))}, but the space was traced with examples of "
-                f"shape {tuple(spec.shape)[1:]} (batch axis first): pass a batch of the traced example shape"
-            )
-        if jnp.shape(x)[0] != n:
-            raise ValueError(f"inputs: all inputs need the same batch size, got {[jnp.shape(x)[0] for x in xs]}")
-    if n < 1:
-        raise ValueError("inputs: the batch is empty")
-    return list(xs)
 
 
 @on_params_mesh
-@jit_when_eager("alpha", "moment", "estimator", "num_probes", "probe_damping", "probe_batch_size")
+@jit_when_eager("alpha", "moment", "estimator", "num_probes", "probe_damping", "probe_batch_size", "batch_axes")
 def ddp_kappa(
     space: PathSpace,
     params,
@@ -249,6 +209,7 @@ def ddp_kappa(
     probe_damping: float = 0.3,
     probe_batch_size: int | None = None,
     key=None,
+    batch_axes=0,
 ):
     """DDP-SGD's scaling κ = ½ diag ∇²γ²_net on a batch (Neyshabur et al., ICLR 2016, eq. 15), as a pytree like params.
 
@@ -261,8 +222,9 @@ def ddp_kappa(
     Args:
       space: the `PathSpace` of the network (``pathspace_jax.trace``).
       params: the parameters (same structure as traced).
-      inputs: the batch: the positional arguments of the traced function after ``params`` (an
-        array, or a tuple for several); the leading axis of every input is the batch axis.
+      inputs: the batch: the positional arguments of the traced function after ``params`` (one argument as it
+        is, a tuple for several), any pytree the function takes (arrays, a dict, a ``jraph.GraphsTuple``, nnx
+        state, a PRNG key).
       alpha: α in [0, 1] (a Python float: it selects which terms are computed).
       moment: ``"second"`` (uncentred) or ``"variance"``.
       estimator: ``"exact"`` (one batched backward pass per output entry at α = 1, per unrolled node
@@ -289,6 +251,16 @@ def ddp_kappa(
         b/n of a forward and backward pass of the batch. The node statistics S(z) of 0 < α < 1 still
         use the whole batch (one forward pass). Not with a recurrence at 0 < α < 1.
       key: PRNG key for the probes (required for ``estimator="probes"`` when 0 < α).
+      batch_axes: where the examples are, as ``jax.vmap``'s ``in_axes``: a pytree prefix of the inputs tuple with 0
+        (the examples along the leading axis) or None (shared by every example: a key, a scale, a mask of the
+        model, nnx state) at each leaf. The default 0: every leaf batched. The function runs on each example as a
+        batch of one, the shared leaves whole. With ``None`` for every leaf the whole batch is one example (a graph
+        batch, which no per-example ``vmap`` splits): its statistics are then those of one example whose nodes are
+        every entry of the batch's activations; at α = 1 (second moment) κ = Σ_t (∂f_t/∂w)² over every output entry
+        t of the batch, the diagonal Fisher of a unit-variance Gaussian model of all the outputs at once: where the
+        graphs do not interact, the per-graph squared gradients summed over the graphs. The variance needs two
+        examples and is refused there. A shared input beside batched ones is a constant of the network (κ is
+        that of the function closed over it, at every α); see `pathspace_jax.ddp_inputs`.
 
     Returns:
       κ, a pytree like ``params`` with the params' dtypes; entries are ≥ 0 (exactly 0 for a weight
@@ -299,6 +271,8 @@ def ddp_kappa(
       >>> space = pj.trace(fn, params, x)
       >>> kappa = pj.ddp_kappa(space, params, x, alpha=0.5)
       >>> kappa = pj.ddp_kappa(space, params, x, alpha=1.0, estimator="probes", key=jax.random.key(0))
+      >>> space = pj.trace(fn_with_mask, params, x, mask)  # fn_with_mask(params, x, mask), one mask for the batch
+      >>> kappa = pj.ddp_kappa(space, params, (x, mask), alpha=1.0, batch_axes=(0, None))
 
     References:
       Neyshabur et al., "Data-dependent path normalization in neural networks", ICLR 2016, eq. (4),
@@ -311,15 +285,26 @@ def ddp_kappa(
     if estimator == "probes" and alpha > 0 and key is None:
         raise ValueError("ddp_kappa(estimator='probes') needs a PRNG key: pass key=jax.random.key(...)")
     leaves = space.leaves_of(params, "params")
-    xs = check_inputs(space, inputs)
+    xs, axes = check_inputs(space, inputs, batch_axes)
+    check_examples(axes, moment, alpha)
     leaves = [jnp.asarray(p) for p in leaves]
     kappa, lg = ddp_kappa_canonical(
-        space, leaves, xs, key, alpha, moment, estimator, num_probes, probe_damping, probe_batch_size=probe_batch_size
+        space,
+        leaves,
+        xs,
+        key,
+        alpha,
+        moment,
+        estimator,
+        num_probes,
+        probe_damping,
+        probe_batch_size=probe_batch_size,
+        axes=axes,
     )
     return space.unflatten_like(params, kappa_from_frame(space, kappa, lg))
 
 
-@functools.partial(eager_jit, static_argnums=(0, 4, 5, 6, 7, 9, 10, 11))
+@functools.partial(eager_jit, static_argnums=(0, 4, 5, 6, 7, 9, 10, 11, 12))
 def ddp_kappa_canonical(
     space,
     leaves,
@@ -333,16 +318,21 @@ def ddp_kappa_canonical(
     clamp=False,
     probe_batch_size=None,
     in_cond=False,
+    axes=None,
 ):
     """κ in the canonical frame (`pathspace_jax.frames.to_canonical_frame`) and the frame's log-gauge l.
     ``clamp``: κ at the recurrent kernels (0 < α < 1) is clamped at 0 before the probe damping is added.
     ``probe_batch_size``: the probes run on that many examples drawn at random (`ddp_kappa`). ``in_cond``:
-    computed inside a ``lax.cond`` (DDP-SGD at ``every > 1``; `conv`)."""
+    computed inside a ``lax.cond`` (DDP-SGD at ``every > 1``; `conv`). ``axes``: each input's batch axis, 0 or None
+    (`pathspace_jax.ddp_inputs.check_inputs`); None: every input batched."""
+    axes = (0,) * len(xs) if axes is None else axes
     param_key = tuple((tuple(p.shape), str(p.dtype)) for p in leaves)
-    input_key = tuple(((1, *jnp.shape(x)[1:]), str(jnp.result_type(x))) for x in xs)
+    # a key's dtype as it is (its name does not parse back into one)
+    input_key = tuple((s, dtype_of(x) if is_key(x) else str(dtype_of(x))) for s, x in zip(example_shapes(xs, axes), xs))
     dt, out_dtypes = compute_dtype(leaves), [p.dtype for p in leaves]
+    const = constant_inputs(xs, axes)  # the inputs shared by the batch: constants of the network, as closed over
     prog = flat.program(space, param_key, input_key, dtype=dt, who="ddp_kappa", err=DDPUnsupportedError,
-                        allow_scan=True)  # fmt: skip
+                        allow_scan=True, const_inputs=const if any(const) else None)  # fmt: skip
     flat.refuse_tying(prog, space, "ddp_kappa", "DDP-SGD's κ is not implemented for that (path_sgd with "
                       "second_order=False needs no such condition)")  # fmt: skip
     if alpha == 0.0:
@@ -356,8 +346,10 @@ def ddp_kappa_canonical(
         key, rec_key = jax.random.split(key)
     frame, lg = to_canonical_frame(space, leaves, dt)
     leaves = [c.astype(jnp.promote_types(p.dtype, dt)) for c, p in zip(frame, leaves, strict=True)]
-    xs = flat.at_least(xs, dt)  # as the program computes (`flat.widen`: bfloat16 compute, float32 params)
-    n = int(jnp.shape(xs[0])[0])
+    xs = [
+        x if is_key(x) else flat.at_least([x], dt)[0] for x in xs
+    ]  # as the program computes (`flat.widen`: bfloat16 compute, float32 params)
+    n = batch_size(xs, axes)
     b = n if probe_batch_size is None or alpha == 0.0 else min(probe_batch_size, n)  # checked: estimator="probes"
     if b < n and recurrent:
         raise ValueError(
@@ -368,9 +360,9 @@ def ddp_kappa_canonical(
     if b < n:  # the probes' examples: a uniformly random subset of the batch
         key, sub_key = jax.random.split(key)
         pick = jax.random.choice(sub_key, n, (b,), replace=False)
-        probe_xs = [x[pick] for x in xs]
+        probe_xs = take_examples(xs, axes, pick)
     dtype = jnp.result_type(*leaves)
-    ones = _ones(xs)
+    ones = all_ones(xs, axes)
 
     # -- the real forward pass, per example, keeping every node's pre-activation
     # (the nodes inside a scan body: stacked over the steps)
@@ -381,7 +373,7 @@ def ddp_kappa_canonical(
     zs_vjp = conv_vjp and not recurrent  # the recurrent term takes forward mode, which a custom VJP does not have
 
     def zs_of(ps, xs=xs):
-        return jax.vmap(lambda *x: forward(prog, ps, [xi[None] for xi in x], want, len(xs[0]), zs_vjp))(*xs)
+        return per_example(lambda x: forward(prog, ps, x, want, batch_size(xs, axes), zs_vjp), xs, axes)
 
     def gamma_net(sq, stats):  # stats: one per entry of want
         scan_stats: dict = {}
@@ -414,7 +406,7 @@ def ddp_kappa_canonical(
             sqs = _second_order_probes(vjp, probe_zs, nus, key, num_probes, moment, b, n)
             kappa = [k + a for k, a in zip(kappa, sqs, strict=False)]
         else:
-            second = _second_order_exact(prog, leaves, xs, want, zs, nus, moment, conv_vjp)
+            second = second_order_exact(prog, leaves, xs, axes, want, zs, nus, moment, conv_vjp)
             kappa = [k + a for k, a in zip(kappa, second, strict=True)]
     if recurrent:  # the terms of the recurrent kernels that a feed-forward weight does not have
         rec = [j for j, leaf in enumerate(space.leaves) if leaf.recurrent]
@@ -490,122 +482,6 @@ def _second_order_probes(vjp, probe_zs, nus, key, num_probes, moment, b, n) -> l
     # (b − 1)/(n − 1) Σ (a − ā)² for a random subset S: the finite-population factor)
     per = 1.0 / b if moment == "second" or b == n else (n - 1) / (n * (b - 1))
     return [s * per for s in sqs]
-
-
-def _outer_product_leaves(prog: flat.Program, shapes: dict) -> dict:
-    """The leaves whose per-example gradient is an outer product, as ``{leaf: (tap var, activation var or
-    None)}``: a dense kernel W used once, in ``a @ W`` with a (1, k) per example (gradient a ⊗ δ, δ the
-    cotangent of the product: the tap), and a bias used once (after a reshape) in ``z + b`` with z of
-    b's size per example (gradient δ at the sum). ``shapes``: the per-example shape of every value."""
-    uses: dict[int, list] = {}
-    for e in prog.eqns:
-        for x in e.ins:
-            if not isinstance(x, tuple):
-                uses.setdefault(x, []).append(e)
-    out = {}
-    for j, p in enumerate(prog.in_ids[: prog.n_params]):
-        v, size = p, int(np.prod(shapes[p], dtype=np.int64))
-        while len(uses.get(v, [])) == 1 and rule(uses[v][0].prim.name).same_entries and len(uses[v][0].outs) == 1:
-            v = uses[v][0].outs[0]  # a relabelling of the same entries (a bias reshaped to (1, m))
-        if len(uses.get(v, [])) != 1 or int(np.prod(shapes[v], dtype=np.int64)) != size:
-            continue
-        e = uses[v][0]
-        other = [x for x in e.ins if x != v]
-        if len(e.ins) != 2 or len(other) != 1 or isinstance(other[0], tuple):
-            continue
-        a = other[0]
-        if e.prim.name == "dot_general" and e.ins[1] == v and shapes[v] == shapes[p] and len(shapes[p]) == 2:
-            if jx.is_plain_matmul(e.params) and shapes[a] == (1, shapes[p][0]):
-                out[j] = (e.outs[0], a)
-        elif e.prim.name in ("add", "add_any") and shapes[a] == shapes[v] == (1, size):
-            out[j] = (e.outs[0], None)
-    return out
-
-
-def _second_order_exact(prog, leaves, xs, want, zs, nus, moment, conv_vjp=False) -> list:
-    """Σ_t ν_t mean_i (∂z_t(x_i)/∂w)² (centred over i for the variance), exactly: one batched backward pass
-    per entry t of the per-example nodes ``want``, without per-example gradients where they are outer
-    products (`_outer_product_leaves`): there Σ_i (a_i ⊗ δ_i)² = (a²)ᵀ δ², one product per layer (the
-    per-example squared-gradient identity used for the exact diagonal Gauss–Newton in BackPACK; Dangel,
-    Kunstner, Hennig, ICLR 2020). Other leaves (convolutions, shared and recurrent weights, embeddings)
-    take per-example gradients."""
-    n, dtype = int(jnp.shape(xs[0])[0]), jnp.result_type(*leaves)
-    shapes = {i: (1, *jnp.shape(x)[1:]) for i, x in zip(prog.in_ids[prog.n_params :], xs, strict=True)}
-    shapes.update({i: tuple(jnp.shape(p)) for i, p in zip(prog.in_ids, leaves, strict=False)})
-
-    dtypes = {}  # an activation's dtype can be wider than the params' (float64 inputs, float32 params)
-
-    def record(o, v, e):
-        shapes[o], dtypes[o] = tuple(jnp.shape(v)), jnp.result_type(v)
-        return v
-
-    jax.eval_shape(lambda ps, *x: run_program(prog, list(ps) + [xi[:1] for xi in x], [], post=record), leaves, *xs)
-    outer = _outer_product_leaves(prog, shapes)
-    taps = list(dict.fromkeys(t for t, _ in outer.values()))
-    acts = list(dict.fromkeys(a for _, a in outer.values() if a is not None))
-    rest = [j for j in range(len(leaves)) if j not in outer]
-
-    def one(eps, w_rest, *x):  # one example; eps (zero) is added at the taps
-        ps = list(leaves)
-        for j, w in zip(rest, w_rest, strict=True):
-            ps[j] = w
-        add = dict(zip(taps, eps, strict=True))
-
-        def tap(o, v, e):
-            return v + add[o] if o in add else v
-
-        x1 = [xi[None] for xi in x]
-        vals = run_program(prog, ps + x1, list(want) + acts, post=tap, batch=n, conv_vjp=conv_vjp)[1]
-        return vals[: len(want)], vals[len(want) :]
-
-    weights = jnp.concatenate([jnp.broadcast_to(nu, jnp.shape(z)[1:]).ravel() for nu, z in zip(nus, zs, strict=True)])
-    out = [None] * len(leaves)
-    w_rest = [leaves[j] for j in rest]
-    if outer:  # one batched backward pass per entry o, to the taps only: Σ_o ν_o δ_o², then (a²)ᵀ(·) per layer
-        eps0 = [jnp.zeros((n, *shapes[t]), dtypes[t]) for t in taps]
-        _, vjp, act_vals = jax.vjp(lambda e: jax.vmap(lambda ei, *x: one(ei, w_rest, *x))(e, *xs), eps0, has_aux=True)
-        act_of = {a: v.reshape(n, -1) for a, v in zip(acts, act_vals, strict=True)}
-        sizes = [int(np.prod(jnp.shape(z)[1:], dtype=np.int64)) for z in zs]
-
-        def mean_grad(j, d_eps):  # ḡ = mean_i a_i ⊗ δ_i (a kernel) or mean_i δ_i (a bias), shaped like the leaf
-            t, a = outer[j]
-            d = d_eps[taps.index(t)].reshape(n, -1)
-            return (act_of[a].T @ d / n if a is not None else jnp.mean(d, axis=0)).reshape(jnp.shape(leaves[j]))
-
-        def body(acc, o):
-            parts = jnp.split(jax.nn.one_hot(o, weights.size, dtype=dtype), np.cumsum(sizes)[:-1])
-            (d_eps,) = vjp([jnp.broadcast_to(c.reshape(z.shape[1:]), z.shape).astype(z.dtype)
-                            for c, z in zip(parts, zs, strict=True)])  # fmt: skip
-            sq, mean_sq = acc
-            sq = [s + weights[o] * d.reshape(n, -1) ** 2 for s, d in zip(sq, d_eps, strict=True)]
-            if moment == "variance":  # Σ_i (g_i − ḡ)² = Σ_i g_i² − n ḡ²
-                mean_sq = {j: m + weights[o] * n * mean_grad(j, d_eps) ** 2 for j, m in mean_sq.items()}
-            return (sq, mean_sq), None
-
-        init = ([jnp.zeros((n, int(np.prod(shapes[t], dtype=np.int64))), dtypes[t]) for t in taps],
-                {j: jnp.zeros(jnp.shape(leaves[j]), dtype) for j in outer} if moment == "variance" else {})  # fmt: skip
-        (sq, mean_sq), _ = jax.lax.scan(body, init, jnp.arange(weights.size))
-        for j, (t, a) in outer.items():
-            d2 = sq[taps.index(t)]
-            k = ((act_of[a] ** 2).T @ d2 if a is not None else jnp.sum(d2, axis=0)).reshape(jnp.shape(leaves[j]))
-            out[j] = (k - mean_sq[j] if moment == "variance" else k) / n
-    if rest:  # per-example Jacobians of every entry, for these leaves only: (n, entries, *leaf)
-        zero = [jnp.zeros(shapes[t], dtypes[t]) for t in taps]
-
-        def flat(w, *x):
-            return jnp.concatenate([z.ravel() for z in one(zero, w, *x)[0]])
-
-        jac = jax.vmap(lambda *x: jax.jacrev(flat)(w_rest, *x))(*xs)
-        for j, J in zip(rest, jac, strict=True):
-            if moment == "variance":
-                J = J - jnp.mean(J, axis=0, keepdims=True)
-            # Σ_i Σ_t ν_t J² over the examples and entries as one axis (ν tiled over the examples): over both axes
-            # at once, a leaf whose J is the same for every example (vmap broadcasts it) made a reduction of the
-            # broadcast that raced between threads on jaxlib 0.10-0.11's CPU, also inside the caller's jit
-            # (`frames._xla_cpu_options`). As a matrix-vector product instead, the ReLU RNN's step took 30-45 % longer
-            sq = (J * J).reshape(n * weights.size, -1)
-            out[j] = jnp.sum(jnp.tile(weights, n)[:, None] * sq, axis=0).reshape(jnp.shape(J)[2:]) / n
-    return out
 
 
 def _recurrent_term(leaves, kappa, kappa_a, rec, zs, lin, stats, gamma_net, moment, estimator, num_probes, key):

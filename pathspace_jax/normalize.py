@@ -49,7 +49,7 @@ import numpy as np
 
 from pathspace_jax import jaxpr as jx
 from pathspace_jax import program as flat
-from pathspace_jax.ddp import refuse_local_batch
+from pathspace_jax.ddp_inputs import refuse_local_batch
 from pathspace_jax.errors import DDPNormalizationError
 from pathspace_jax.forward import run_program
 from pathspace_jax.frames import node_sum, take

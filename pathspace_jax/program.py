@@ -676,7 +676,8 @@ def program(space: PathSpace, param_key: tuple, input_key: tuple, *, dtype=None,
 
     Cached per space, keys and mesh: under a mesh (``jax.set_mesh``) JAX records shardings in the equations'
     params, and a program traced under one mesh (or none) does not run under another. ``options``: ``who`` and
-    ``err`` (the public function and the error it raises), ``allow_scan``, ``inline_custom`` (see `_finish`).
+    ``err`` (the public function and the error it raises), ``allow_scan``, ``inline_custom`` (see `_finish`),
+    ``const_inputs`` (a bool per input: constants of the network, of kind ``"const"`` like a value closed over).
 
     ``dtype``: the floating-point type to compute in at least (`widen`), where the function computes in a
     narrower one (a model with ``dtype=jnp.bfloat16`` and float32 parameters): κ and DDP's statistics are
@@ -746,8 +747,11 @@ def _program(space: PathSpace, param_key: tuple, input_key: tuple, mesh, dtype=N
     frame, flags = record(closed, len(param_specs), [leaf.path for leaf in space.leaves])
     if options.get("allow_scan"):  # (DDP-Normalization divides each layer's slice: it keeps them apart)
         frame = _rolled(frame, flags, len(param_specs))
-    int_inputs = [not jnp.issubdtype(s.dtype, jnp.floating) for s in input_specs]  # token ids and masks
-    numbers = [jnp.issubdtype(s.dtype, jnp.integer) for s in input_specs]  # not masks: a mask cast to floats stays one
+    # ``const_inputs``: inputs that are constants of the network, as if closed over (DDP's inputs shared by the batch)
+    const = options.pop("const_inputs", None) or (False,) * len(input_specs)
+    int_inputs = [c or not jnp.issubdtype(s.dtype, jnp.floating) for s, c in zip(input_specs, const, strict=True)]
+    # integers read as numbers where cast to floats, not masks (a mask cast to floats stays one), nor constants
+    numbers = [not c and jnp.issubdtype(s.dtype, jnp.integer) for s, c in zip(input_specs, const, strict=True)]
     narrow = dtype is not None and any(narrower(t, dtype) for t in jx.float_dtypes(closed))
     if narrow:  # a custom call kept whole would run its own jaxpr, typed in the narrow type: entered instead
         options["inline_custom"] = True

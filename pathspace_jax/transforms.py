@@ -9,13 +9,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
 
 from pathspace_jax import gsgd
-from pathspace_jax.ddp import check_ddp_space, check_inputs, check_options, ddp_kappa_canonical
-from pathspace_jax.frames import eager_jit, on_mesh_of
+from pathspace_jax.ddp import check_ddp_space, check_examples, check_options, ddp_kappa_canonical
+from pathspace_jax.ddp_inputs import check_inputs
+from pathspace_jax.frames import eager_jit
 from pathspace_jax.graph import check_path_space, compute_dtype, warn_if_plain
 from pathspace_jax.kappa import check_kappa_space, kappa_canonical
+from pathspace_jax.masking import accept_masked
 from pathspace_jax.scaling import (
     PackedKappa,
     check_refresh,
@@ -25,118 +26,6 @@ from pathspace_jax.scaling import (
     kappa_state,
     kept_kappa,
 )
-
-# ---------------------------------------------------------------------------- optax.partition / optax.masked
-
-
-def path_labels(space, params=None, *, path: str = "path", other: str = "other"):
-    """Labels for ``optax.partition``: ``path`` at the edge leaves of the traced network, ``other`` elsewhere.
-
-    The edge leaves (roles ``u -> v`` in `pathspace_jax.describe`) are the parameters of the positively
-    homogeneous part, which path-space transformations act on together; the leaves of kind ``"other"``
-    ("not an edge": a LayerNorm scale, a learned temperature) can go to another optimizer::
-
-        tx = optax.partition({"path": pj.g_sgd(space, 0.05), "other": optax.adam(1e-3)},
-                             pj.path_labels(space, params))
-
-    Args:
-      space: the `PathSpace` of the whole model.
-      params: a params tree to label (its structure is used: nnx states, plain dicts); None for the
-        traced structure. An nnx ``State`` of ``Param`` variables is labelled in its pure form
-        (``nnx.as_pure``): the structure in which ``nnx.Optimizer`` passes the updates, and which its ``init``
-        on the ``State`` accepts too, so ``nnx.Optimizer(model, optax.partition(..., pj.path_labels(space,
-        state)), wrt=nnx.Param)`` works as written.
-      path, other: the two labels.
-
-    Returns:
-      A pytree of strings with the structure of ``params`` (or of the traced params).
-    """
-    check_path_space(space, "path_labels")
-    labels = [path if leaf.kind != "other" else other for leaf in space.leaves]
-    if params is None:
-        return jax.tree_util.tree_unflatten(space.treedef, labels)
-    space.leaves_of(params, "params")
-    if any(isinstance(x, nnx.Variable) for x in jax.tree_util.tree_leaves(params, is_leaf=_is_variable)):
-        params = nnx.as_pure(params)
-    return space.unflatten_like(params, labels)
-
-
-def _is_variable(x) -> bool:
-    return isinstance(x, nnx.Variable)
-
-
-def _is_masked(x) -> bool:
-    return isinstance(x, optax.MaskedNode)
-
-
-def _unmask(space, tree, who: str):
-    """``(tree, flags)`` with masked leaves of kind "other" replaced by zeros, or ``(tree, None)``.
-
-    ``optax.partition`` and ``optax.masked`` hand a transformation its trees with the leaves of other
-    labels replaced by ``optax.MaskedNode``. Path-space transformations need every edge of the network
-    (coordinates, κ and the balanced frame involve them all), so a masked edge leaf is an error; masked
-    leaves of kind "other", which they pass through anyway, get placeholders here and are masked again in
-    the result (`_remask`).
-    """
-    if tree is None:
-        return tree, None
-    leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=_is_masked)
-    flags = tuple(_is_masked(x) for x in leaves)
-    if not any(flags) or len(leaves) != len(space.leaves):
-        return tree, None  # nothing masked (or another structure, which leaves_of reports)
-    edges = [leaf.path for leaf, f in zip(space.leaves, flags) if f and leaf.kind != "other"]
-    if edges:
-        raise ValueError(
-            f"{who}: optax.partition / optax.masked masked edge leaves of the network: {edges}. Path-space "
-            "transformations act on every edge of the positively homogeneous part at once (path coordinates and "
-            "κ involve all of them): give every edge leaf this transformation's label, e.g. with "
-            "pj.path_labels(space, params), and only leaves of kind 'other' another one."
-        )
-    filled = [jnp.zeros(leaf.shape, leaf.dtype) if f else x for x, f, leaf in zip(leaves, flags, space.leaves)]
-    return jax.tree_util.tree_unflatten(treedef, filled), flags
-
-
-def _remask(tree, flags):
-    if flags is None:
-        return tree
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    return jax.tree_util.tree_unflatten(treedef, [optax.MaskedNode() if f else x for x, f in zip(leaves, flags)])
-
-
-def _accept_masked(space, who: str, tx, *, runs_network: bool = False):
-    """``tx`` that also takes the masked trees of ``optax.partition`` / ``optax.masked`` (see `_unmask`).
-
-    ``runs_network``: ``tx`` evaluates the real network (DDP-SGD's statistics), which needs the values of
-    every leaf, so masked leaves in ``params`` are an error that says how to compose instead.
-    """
-
-    def init_fn(params):
-        with on_mesh_of(params):
-            return tx.init(_unmask(space, params, who)[0])
-
-    def update_fn(updates, state, params=None, **extra_args):
-        with on_mesh_of(updates):
-            return _update(updates, state, params, **extra_args)
-
-    def _update(updates, state, params, **extra_args):
-        updates, flags = _unmask(space, updates, who)
-        params, pflags = _unmask(space, params, who)
-        if runs_network and pflags is not None:
-            masked = [leaf.path for leaf, f in zip(space.leaves, pflags) if f]
-            raise ValueError(
-                f"{who}: optax.partition / optax.masked hid the values of {masked}, but DDP-SGD's node statistics "
-                "(alpha > 0) run the whole network, which needs them. Scale the whole tree, then split: "
-                "optax.chain(pj.scale_by_ddp(space, alpha=...), optax.partition({'path': optax.sgd(lr), "
-                "'other': ...}, pj.path_labels(space, params))); scale_by_ddp passes the leaves of kind 'other' "
-                "through unscaled."
-            )
-        new, state = tx.update(updates, state, params, **extra_args)
-        return _remask(new, flags), state
-
-    return type(tx)(init_fn, update_fn)
-
-
-# ---------------------------------------------------------------------------- κ scaling (Path-SGD, DDP-SGD)
 
 
 def _check_every_eps(every, eps, damping, floor) -> None:
@@ -187,6 +76,7 @@ def scale_by_ddp(
     floor: float = 1e-6,
     eps: float = 0.0,
     every: int = 1,
+    batch_axes=0,
 ) -> optax.GradientTransformationExtraArgs:
     """Divide each gradient entry by DDP-SGD's κ = ½ ∂²γ²_net/∂w² on the current batch.
 
@@ -233,20 +123,27 @@ def scale_by_ddp(
       eps: added to κ in the params' frame (≥ 0; breaks the invariance, default 0).
       every: recompute κ every ``every`` steps (steps 0, k, 2k, ...), reusing the stored κ between
         (``jax.lax.cond`` on the step count: no Python branching, no recompilation, also outside ``jit``).
+      batch_axes: where the examples of ``inputs`` are, as ``jax.vmap``'s ``in_axes``: a pytree prefix of the inputs
+        tuple with 0 (examples on the leading axis; the default, for every leaf) or None (shared by every example:
+        a PRNG key, nnx state, a scale or mask of the model); None for every input: the whole batch is one example
+        (a graph batch). See `pathspace_jax.ddp_kappa`.
 
     Returns:
       An `optax.GradientTransformationExtraArgs`. ``update(updates, state, params, *, inputs, key=None,
       refresh_kappa=None)`` needs ``params`` and the batch ``inputs`` (the positional arguments of the traced
-      function after params); ``key`` seeds the probes (when omitted, probes are drawn from ``jax.random.key(0)``
-      folded with the step count, the same for every member of a vmapped ensemble); ``refresh_kappa``, a Python
-      bool, recomputes κ (True) or reuses the kept one (False, with ``every > 1``) in place of the ``every``
-      schedule, with no conditional in the compiled step (see `scale_by_path_sgd`). Other extra keyword
-      arguments are ignored. The state is `ScaleByDDPState`.
+      function after params: one as it is, a tuple for several; any pytree, its examples where ``batch_axes``
+      says); ``key`` seeds the probes (when omitted, probes are drawn from ``jax.random.key(0)`` folded with the
+      step count, the same for every member of a vmapped ensemble); ``refresh_kappa``, a Python bool, recomputes
+      κ (True) or reuses the kept one (False, with ``every > 1``) in place of the ``every`` schedule, with no
+      conditional in the compiled step (see `scale_by_path_sgd`). Other extra keyword arguments are ignored. The
+      state is `ScaleByDDPState`.
 
     Example:
       >>> tx = optax.chain(pj.scale_by_ddp(space, alpha=1.0), optax.scale(-0.1))
       >>> state = tx.init(params)
       >>> updates, state = tx.update(grads, state, params, inputs=x)
+      >>> tx = pj.scale_by_ddp(space_kx, alpha=1.0, batch_axes=(None, 0))  # space_kx = pj.trace(fn, params, key, x)
+      >>> updates, state = tx.update(grads, tx.init(params), params, inputs=(key, x))
 
     References:
       Neyshabur, Salakhutdinov, Tomioka, Srebro, "Data-dependent path normalization in neural networks",
@@ -274,21 +171,37 @@ def scale_by_ddp(
                 "scale_by_ddp needs the batch as a keyword argument: tx.update(updates, state, params, inputs=x) "
                 "(inputs = the positional arguments of the traced function after params)"
             )
-        xs = check_inputs(space, inputs)
+        xs, axes = check_inputs(space, inputs, batch_axes, "scale_by_ddp")
+        check_examples(axes, moment, alpha)
         if key is None:
             key = jax.random.fold_in(jax.random.key(0), state.count)
         refresh = check_refresh(refresh_kappa, state.kept, "scale_by_ddp")
         return _ddp_update(
-            space, config, updates, state, params, xs, key, damping, floor, eps, every, probe_damping, refresh=refresh
+            space,
+            config,
+            updates,
+            state,
+            params,
+            xs,
+            key,
+            damping,
+            floor,
+            eps,
+            every,
+            probe_damping,
+            refresh=refresh,
+            axes=axes,
         )
 
     tx = optax.GradientTransformationExtraArgs(init_fn, update_fn)
-    return _accept_masked(space, "scale_by_ddp", tx, runs_network=alpha > 0.0)
+    return accept_masked(space, "scale_by_ddp", tx, runs_network=alpha > 0.0)
 
 
-@functools.partial(eager_jit, static_argnums=(0, 1), static_argnames="refresh")
-def _ddp_update(space, config, updates, state, params, xs, key, damping, floor, eps, every, probe_damping, *, refresh):
-    """One `scale_by_ddp` step (jitted, so that calls outside ``jit`` compile once); ``xs``: the batch's leaves."""
+@functools.partial(eager_jit, static_argnums=(0, 1), static_argnames=("refresh", "axes"))
+def _ddp_update(space, config, updates, state, params, xs, key, damping, floor, eps, every, probe_damping, *, refresh,
+                axes):  # fmt: skip
+    """One `scale_by_ddp` step (jitted, so that calls outside ``jit`` compile once); ``xs``: the batch's leaves,
+    ``axes`` their batch axes (0 or None)."""
 
     alpha, moment, estimator, num_probes, probe_batch_size, normalize = config
 
@@ -296,7 +209,7 @@ def _ddp_update(space, config, updates, state, params, xs, key, damping, floor, 
         leaves = [jnp.asarray(p) for p in space.leaves_of(params, "params")]
         in_cond = state.kept is not None and refresh is None
         kappa, lg = ddp_kappa_canonical(space, leaves, xs, key, alpha, moment, estimator, num_probes, probe_damping,
-                                        True, probe_batch_size, in_cond)  # fmt: skip
+                                        True, probe_batch_size, in_cond, axes)  # fmt: skip
         return kept_kappa(space, params, space.unflatten_like(params, kappa), lg)
 
     kept, stored = current_kappa(compute, state.kept, state.count, every, refresh)
@@ -435,7 +348,7 @@ def in_path_space(
         out = [x.astype(jnp.result_type(y)) for x, y in zip(u, g)]
         return space.unflatten_like(updates, out), InPathSpaceState(inner_state=inner_state)
 
-    return _accept_masked(space, "in_path_space", optax.GradientTransformationExtraArgs(init_fn, update_fn))
+    return accept_masked(space, "in_path_space", optax.GradientTransformationExtraArgs(init_fn, update_fn))
 
 
 @functools.partial(eager_jit, static_argnums=(0, 1, 2))
@@ -593,7 +506,7 @@ def scale_by_path_sgd(
             space, second_order, normalize, updates, state, params, damping, floor, eps, every, refresh=refresh
         )
 
-    return _accept_masked(space, "scale_by_path_sgd", optax.GradientTransformationExtraArgs(init_fn, update_fn))
+    return accept_masked(space, "scale_by_path_sgd", optax.GradientTransformationExtraArgs(init_fn, update_fn))
 
 
 @functools.partial(eager_jit, static_argnums=(0, 1, 2), static_argnames="refresh")

@@ -414,7 +414,7 @@ def test_ddp_inputs_of_the_wrong_width_are_named():
     fn, params, x, y, space = _setup("mlp")
     tx = pj.ddp_sgd(space, 0.01, alpha=1.0)
     g = jax.grad(_mse(fn))(params, (x, y))
-    with pytest.raises(ValueError, match=r"input #0 has shape \(32, 5\).*\(8,\)"):
+    with pytest.raises(ValueError, match=r"inputs\[0\] has shape \(32, 5\).*\(8,\)"):
         tx.update(g, tx.init(params), params, inputs=x[:, :5])
 
 
