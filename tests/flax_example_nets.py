@@ -232,7 +232,7 @@ def add_graphs_tuples(graphs: jraph.GraphsTuple, other: jraph.GraphsTuple) -> jr
     )
 
 
-class GraphMLP(nn.Module):
+class MLP(nn.Module):
     """ogbg_molpcba's ``MLP``: Dense, activation, dropout, for each size."""
 
     feature_sizes: Sequence[int]
@@ -272,7 +272,7 @@ class GraphConvNet(nn.Module):
     def __call__(self, graphs):
         processed = jraph.GraphMapFeatures(embed_node_fn=nn.Dense(self.latent_size))(graphs)
         for _ in range(self.message_passing_steps):
-            mlp = GraphMLP([self.latent_size] * self.num_mlp_layers, self.dropout_rate, self.deterministic)
+            mlp = MLP([self.latent_size] * self.num_mlp_layers, self.dropout_rate, self.deterministic)
             conv = jraph.GraphConvolution(update_node_fn=jraph.concatenated_args(mlp), add_self_edges=True)
             processed = add_graphs_tuples(conv(processed), processed) if self.skip_connections else conv(processed)
             if self.layer_norm:

@@ -312,8 +312,8 @@ class Embedder(nn.Module):
     @nn.compact
     def __call__(self, inputs, deterministic: bool):
         table = self.param("embedding", nn.initializers.normal(stddev=0.1), (self.vocab_size, self.embedding_size))
-        inputs = WordDropout(self.word_dropout_rate, self.unk_idx)(inputs, deterministic=deterministic)
-        return nn.Dropout(rate=self.dropout_rate)(table[inputs], deterministic=deterministic)
+        inputs = WordDropout(self.word_dropout_rate, self.unk_idx, name="word_dropout_layer")(inputs, deterministic)
+        return nn.Dropout(rate=self.dropout_rate, name="dropout_layer")(table[inputs], deterministic=deterministic)
 
 
 class SimpleLSTM(nn.Module):
@@ -359,7 +359,7 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, inputs, deterministic: bool):
         hidden = nn.tanh(nn.Dense(self.hidden_size, name="intermediate_layer")(inputs))
-        hidden = nn.Dropout(rate=self.dropout_rate)(hidden, deterministic=deterministic)
+        hidden = nn.Dropout(rate=self.dropout_rate, name="dropout_layer")(hidden, deterministic=deterministic)
         return nn.Dense(self.output_size, use_bias=False, name="output_layer")(hidden)
 
 
@@ -386,7 +386,7 @@ class AttentionClassifier(nn.Module):
 
     @nn.compact
     def __call__(self, encoded_inputs, lengths, deterministic: bool):
-        dropout = nn.Dropout(rate=self.dropout_rate)
+        dropout = nn.Dropout(rate=self.dropout_rate, name="dropout_layer")
         encoded_inputs = dropout(encoded_inputs, deterministic=deterministic)
         mask = sequence_mask(lengths, encoded_inputs.shape[1])
         attention = KeysOnlyMlpAttention(self.hidden_size, name="keys_only_mlp_attention")(encoded_inputs, mask)
