@@ -86,7 +86,7 @@ def mnist_nnx_bn() -> ExampleCase:
     graphdef, params, stats = nnx.split(model, nnx.Param, ...)
 
     def fn(p, x, key):
-        return nnx.merge(graphdef, p, stats)(x, nnx.Rngs(key))
+        return nnx.merge(graphdef, p, stats, copy=True)(x, nnx.Rngs(key))
 
     loss = lambda p, x, k: optax.softmax_cross_entropy_with_integer_labels(fn(p, x, k), labels).mean()  # noqa: E731
     return ExampleCase("mnist_nnx_bn", "examples/mnist/train.py", fn, params, (x, jax.random.key(5)), loss,
@@ -277,7 +277,7 @@ def vae_nnx() -> ExampleCase:
     graphdef, params, rng_state = nnx.split(model, nnx.Param, nnx.RngState)
 
     def fn(p, x, rng_state):
-        model = nnx.merge(graphdef, p, rng_state)
+        model = nnx.merge(graphdef, p, rng_state, copy=True)
         logits = model(x)
         return logits, sum(jax.tree_util.tree_leaves(nnx.pop(model, nets.Loss)), 0.0)
 
@@ -345,7 +345,7 @@ def scan_over_layers() -> ExampleCase:
     model, x = nets.ScanMLP(6, n_layers=3, rngs=nnx.Rngs(0)), _images((8, 6), 9)
     y = _images((8, 6), 10)
     graphdef, params, rng_state, stats = nnx.split(model, nnx.Param, nnx.RngState, ...)
-    fn = lambda p, x, r: nnx.merge(graphdef, p, r, stats)(x)  # noqa: E731
+    fn = lambda p, x, r: nnx.merge(graphdef, p, r, stats, copy=True)(x)  # noqa: E731
     loss = lambda p, x, r: jnp.mean((fn(p, x, r) - y) ** 2)  # noqa: E731
     return ExampleCase("scan_over_layers", "examples/nnx_toy_examples/06_scan_over_layers.py", fn, params,
                        (x, rng_state), loss, rng_inputs=(1,), state=stats)  # fmt: skip
