@@ -308,10 +308,12 @@ class Embedder(nn.Module):
     dropout_rate: float = 0.0
     word_dropout_rate: float = 0.0
     unk_idx: int = 1
+    dtype: Any = jnp.float32
 
     @nn.compact
     def __call__(self, inputs, deterministic: bool):
-        table = self.param("embedding", nn.initializers.normal(stddev=0.1), (self.vocab_size, self.embedding_size))
+        shape = (self.vocab_size, self.embedding_size)
+        table = self.param("embedding", nn.initializers.normal(stddev=0.1), shape, self.dtype)
         inputs = WordDropout(self.word_dropout_rate, self.unk_idx, name="word_dropout_layer")(inputs, deterministic)
         return nn.Dropout(rate=self.dropout_rate, name="dropout_layer")(table[inputs], deterministic=deterministic)
 
