@@ -41,7 +41,7 @@ if os.environ.get("PJ_TEST_CACHE", "1") != "0":
 # has no switch for them, and XLA aborts the process on a flag it does not know, so a subprocess tries it first
 # (once per run: the pytest workers and the tests' subprocesses inherit the environment). Set before JAX starts
 # its backend; tests that set XLA_FLAGS for their subprocesses append to it. PJ_TEST_FAST_COMPILE=0 compiles as
-# users do. CONTRIBUTING.md says what each of these saves.
+# users do. docs/contributing.md says what each of these saves.
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=1 --xla_llvm_disable_expensive_passes=true"
 LEGACY_FUSION_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
 
