@@ -1,9 +1,9 @@
-"""Write the tables of ``benchmarks/README.md`` (and the cost table of the top-level README) from the JSON.
+"""Write the benchmark tables from the JSON under ``benchmarks/results/``.
 
-Every ``results/<platform>-jax<version>/`` folder becomes one generated section of ``benchmarks/README.md``,
-between ``<!-- BEGIN generated ... -->`` and ``<!-- END generated ... -->`` lines (appended at the end the
-first time); the top-level README's cost table comes from ``--readme-from`` (default: the CPU folder of the
-installed JAX). Each table is the JSON it came from, key for key. Run: ``python benchmarks/report.py``.
+Every ``results/<platform>-jax<version>/`` folder gets a ``README.md`` of its own with every table of its JSON, key
+for key. ``benchmarks/README.md`` gets, between ``<!-- BEGIN generated ... -->`` and ``<!-- END generated ... -->``
+lines, a summary of the step costs on every machine (``summary``) and the cost table of the shapes users train of
+each folder that has one (``cost <folder>``). Run: ``python benchmarks/report.py``.
 """
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ import argparse
 import json
 import re
 from pathlib import Path
-
-import jax
 
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
@@ -100,8 +98,57 @@ def section(folder: Path) -> str:
         blocks.append(render(path.stem, data["results"]) + f"\n\n<sub>{path.name}: {metas[path.stem]}</sub>")
     png = folder / "scale.png"
     if png.exists():
-        blocks.append(f"![step time against batch and width]({png.relative_to(HERE).as_posix()})")
-    return f"### `{folder.name}`\n\n" + "\n\n".join(blocks)
+        blocks.append(f"![step time against batch and width]({png.name})")
+    head = (
+        f"# Benchmark tables: `{folder.name}`\n\nWritten by `python benchmarks/report.py` from the JSON in this folder "
+        "(`benchmarks/README.md` says what each benchmark measures). Keys: `a/b`, `vs_sgd`, `vs_adam`: step time of "
+        "`a` over that of `b`; `state_mb`: the optimizer state; `peak_vs_sgd`: the compiled step's peak memory over "
+        "SGD's; `build_compile_s`: building and compiling the step, seconds."
+    )
+    return head + "\n\n" + "\n\n".join(blocks) + "\n"
+
+
+# The summary table: one row per optimiser setting, one column per results folder; each cell the ratios to
+# optax.sgd's step on the three models of common.py (ReLU RNN / MLP / small CNN), "—" where not measured.
+SUMMARY_MODELS = ("relu_rnn_h100_t28_b64", "mlp_784_512_512_10_b128", "small_cnn_b64")
+SUMMARY_ROWS = (
+    ("G-SGD", "gsgd", "g_sgd/sgd"),
+    ("G-Adam (× Adam)", "gsgd", "g_adam/adam"),
+    ("Path-SGD κ⁽¹⁾", "path_sgd", "kappa1_every1"),
+    ("Path-SGD κ⁽¹⁾, `every=10`", "path_sgd", "kappa1_every10"),
+    ("Path-SGD exact κ⁽²⁾", "path_sgd", "exact_kappa2_every1"),
+    ("DDP-SGD α=1, one probe", "ddp", "alpha1_probes1"),
+    ("DDP-SGD α=1, probe on ¼ of the batch", "ddp", "alpha1_probes1_quarter_batch"),
+    ("DDP-SGD α=1, exact", "ddp", "alpha1_exact"),
+)
+
+
+def summary(folders: list[Path]) -> str:
+    data = {
+        f: {
+            n: json.loads((f / f"{n}.json").read_text())
+            for n in ("gsgd", "path_sgd", "ddp")
+            if (f / f"{n}.json").exists()
+        }
+        for f in folders
+    }
+    folders = [f for f in folders if data[f]]
+    links = [f"[`{f.name}`](results/{f.name}/README.md)" for f in folders]
+    head = "| × `optax.sgd` (RNN / MLP / CNN) | " + " | ".join(links)
+    rows = [head + " |", "|---|" + "---|" * len(folders)]
+    for label, name, key in SUMMARY_ROWS:
+        cells = []
+        for f in folders:
+            res = data[f].get(name, {}).get("results", {})
+            vals = [res.get(m, {}).get(key) for m in SUMMARY_MODELS]
+            cells.append(" / ".join(cell(v) for v in vals) if any(v is not None for v in vals) else "—")
+        rows.append(f"| {label} | " + " | ".join(cells) + " |")
+    dates = []
+    for f in folders:
+        ds = sorted({d["meta"].get("date") or "date not recorded" for d in data[f].values()})
+        dates.append(ds[0] if len(ds) == 1 else f"{ds[0]} to {ds[-1]}")
+    rows.append("| measured on | " + " | ".join(dates) + " |")
+    return "\n".join(rows)
 
 
 def replace_between(text: str, tag: str, body: str) -> str:
@@ -127,18 +174,17 @@ def cost_table(folder: Path) -> str:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--readme-from", default=f"cpu-jax{jax.__version__}", help="results folder of the README table")
-    args = ap.parse_args(argv)
+    ap.parse_args(argv)
     bench_readme = HERE / "README.md"
     text = bench_readme.read_text()
-    for folder in sorted(p for p in RESULTS.iterdir() if p.is_dir()):
-        text = replace_between(text, folder.name, section(folder))
+    folders = sorted(p for p in RESULTS.iterdir() if p.is_dir())
+    for folder in folders:
+        (folder / "README.md").write_text(section(folder))
+        if (folder / "scale.json").exists():
+            text = replace_between(text, f"cost {folder.name}", cost_table(folder))
+    text = replace_between(text, "summary", summary(folders))
     bench_readme.write_text(text)
-    source = RESULTS / args.readme_from
-    if (source / "scale.json").exists():
-        top = HERE.parent / "README.md"
-        top.write_text(replace_between(top.read_text(), "cost", cost_table(source)))
-    print("wrote", bench_readme)
+    print("wrote", bench_readme, "and", ", ".join(str(f / "README.md") for f in folders))
 
 
 if __name__ == "__main__":

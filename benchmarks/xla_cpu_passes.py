@@ -5,7 +5,7 @@ its update: the path norms into and out of every node (column and row sums of ``
 (row sums of ``w² α²``) and the in-skeleton correction (row sums of ``g w``). XLA:CPU runs such a fused
 reduction about as slowly as SGD's whole update of the matrix (read w and g, write w), and several times
 slower than a matrix-vector product that reads the same matrix once; that, not the arithmetic, is what
-G-SGD's step costs on an MLP beyond SGD's (benchmarks/README.md, "Why they are missed"). The column sums
+G-SGD's step costs on an MLP beyond SGD's (benchmarks/README.md, "Accepted floors"). The column sums
 are written ``w (w p)`` as `pathspace_jax.gsgd.path_norms` writes them: ``(w w) p``, the same sum, is
 tens of times slower on the 2048 x 2048 matrix (the last line).
 Run: ``python benchmarks/xla_cpu_passes.py`` (prints microseconds; under a minute on 2 cores).

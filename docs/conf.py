@@ -27,6 +27,9 @@ extensions = [
     "sphinx.ext.napoleon",
     "sphinx.ext.mathjax",
     "sphinx.ext.doctest",
+    # MathJax 3 bundled into _static/mathjax (its setup points mathjax_path there): the maths renders offline,
+    # where sphinx.ext.mathjax alone loads MathJax from a CDN.
+    "sphinx-mathjax-offline",
 ]
 
 source_suffix = {".md": "markdown"}
@@ -82,9 +85,17 @@ w_tilde, x_calib = params, x
 i, j = 1, 2
 """
 
-html_theme = "alabaster"
+# The theme of optax's and flax's documentation. Its assets (fonts and icons included) are bundled with it.
+html_theme = "sphinx_book_theme"
+html_title = "pathspace_jax"
 html_static_path = ["_static"]
-html_theme_options = {"description": "Path-space optimisation of ReLU networks in JAX"}
+html_css_files = ["custom.css"]  # code blocks wrap their long lines within the column
+html_theme_options = {
+    "home_page_in_toc": True,
+    "show_toc_level": 2,
+    "use_download_button": False,
+    "use_fullscreen_button": False,
+}
 
 
 # The docstrings write absolute values as |x| (e.g. "|p_e|^p" in path_norm), which reST would read as
