@@ -133,7 +133,7 @@ def second_order_exact(prog, leaves, xs, axes, want, zs, nus, moment, conv_vjp=F
             # Σ_i Σ_t ν_t J² over the examples and entries as one axis (ν tiled over the examples): over both axes
             # at once, a leaf whose J is the same for every example (vmap broadcasts it) made a reduction of the
             # broadcast that raced between threads on jaxlib 0.10-0.11's CPU, also inside the caller's jit
-            # (`frames._xla_cpu_options`). As a matrix-vector product instead, the ReLU RNN's step took 30-45 % longer
+            # (`frames._xla_cpu_options`); a matrix-vector product instead is slower (benchmarks/README.md)
             sq = (J * J).reshape(n * weights.size, -1)
             out[j] = jnp.sum(jnp.tile(weights, n)[:, None] * sq, axis=0).reshape(jnp.shape(J)[2:]) / n
     return out

@@ -50,9 +50,9 @@ def ldexp(x, k) -> jax.Array:
     clipped, ``k3`` what is left): every one is a normal float wherever x and the result are, and every
     partial product lies between x and the result, so each product is exact. Clips and subtractions only:
     an earlier split into thirds (integer floor divisions) was most of what a Transformer's |·|^p network
-    compiled to, since XLA repeats such scalar arithmetic in every kernel that reads it (12.9 s → 3.5 s to
-    compile its path norm). No ``frexp`` of x: its bit-level selects, repeated along the chains of
-    renormalisations, made LLVM's loop vectoriser take minutes on one fused kernel (jaxlib 0.12, CPU).
+    compiled to, since XLA repeats such scalar arithmetic in every kernel that reads it. No ``frexp`` of x: its
+    bit-level selects, repeated along the chains of renormalisations, made LLVM's loop vectoriser take minutes on
+    one fused kernel (jaxlib 0.12, CPU).
     """
     x = jnp.asarray(x)
     k = jnp.asarray(k, jnp.int32)

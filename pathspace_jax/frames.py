@@ -147,8 +147,8 @@ def _xla_cpu_options() -> dict[str, str]:
     0.11, whose XLA:CPU runs reductions as YNNPACK fusions that race when the process has more than one thread.
 
     The same compiled program then returns different sums from call to call ("[CPU] One compiled module returns
-    different results across calls when the process has more than one thread", jax-ml/jax#39741). Measured on 2
-    cores (2026-11-29): ``jnp.sum(jnp.broadcast_to(x, (5, *x.shape)), axis=(0, 1))`` with ``x`` of shape
+    different results across calls when the process has more than one thread", jax-ml/jax#39741). On 2 cores,
+    ``jnp.sum(jnp.broadcast_to(x, (5, *x.shape)), axis=(0, 1))`` with ``x`` of shape
     (546, 4, 2, 4) differed from its most common result in 6-32 % of 3000 calls, by up to 10 times, in float32 and
     float64 (jaxlib 0.10.2 and 0.11.2; in none with jaxlib 0.12.0.1, on one core, or with these options). These keep
     YNNPACK's dot fusions, the default's other half (the same programs as ``--xla_cpu_experimental_ynn_fusion_type
@@ -385,8 +385,7 @@ def materialize(*vecs):
     loop that reads it, so it is recomputed once per entry, in each of those loops; a gather is never fused
     there (an optimization barrier is removed before fusion). On the 784-512-512-10 MLP this took 0.15 ms of
     G-SGD's 1.1 ms update. One gather per vector, not one of the vectors stacked as columns: the per-entry
-    loops then read each vector contiguously. On a GPU (H200) the columns' strided reads made G-SGD's weight
-    updates on the MLP 784-2048-2048-10 take 29 and 28 µs instead of 12 and 7 (its device time per step 205 →
-    157 µs); on the CPU the separate gathers measured 0.93–1.00× the stacked ones.
+    loops then read each vector contiguously. On a GPU the columns' strided reads slow G-SGD's weight updates
+    down; on the CPU separate gathers cost the same as stacked ones (benchmarks/README.md).
     """
     return tuple(replicated(jnp.take(v, np.arange(v.shape[0], dtype=np.int32), mode="clip")) for v in vecs)

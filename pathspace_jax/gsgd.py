@@ -139,9 +139,9 @@ def _separate_sums() -> bool:
     """Whether `path_norms` keeps each dense kernel's sums out of the fusions that consume them: on a GPU.
 
     XLA:GPU fuses a dense kernel's column sum into the elementwise op over every node that consumes it, one
-    thread per node summing its column alone: 12 of the 89 µs of device time of G-SGD's step on an MLP
-    784-512-512-10 (one H200). An optimisation barrier keeps each such sum a reduction of its own (89 → 80 µs;
-    Path-SGD κ⁽¹⁾, whose frame takes the same path norms, 101 → 89 µs). XLA:CPU fuses the sweeps well.
+    thread per node summing its column alone, a sizeable part of a small step's device time. An optimisation
+    barrier keeps each such sum a reduction of its own, which is faster there (also for Path-SGD's κ⁽¹⁾, whose
+    frame takes the same path norms). XLA:CPU fuses the sweeps well.
     """
     return jax.default_backend() == "gpu"
 

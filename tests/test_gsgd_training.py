@@ -9,12 +9,12 @@ fifth of the steps) must be finite for every member, and the ensemble's mean at 
 optimiser's.
 
 G-SGD's edge of stability on ReLU RNNs lies below SGD's, a property of the algorithm of Meng et al. (measured
-on this module's setting, CPU, 2026-11-25, over seven learning rates within 0.1 % of 0.3, 28 runs per model: SGD
+on this module's setting, on the CPU, over seven learning rates within 0.1 % of 0.3, 28 runs per model: SGD
 diverged in none, G-SGD in 0 of 28 on the one-layer RNN and 2 on the stacked one, four of the seven ensemble
 means within 1.2 times SGD's): so the recurrent models are compared at the best learning rate at which SGD is
 stable over seeds with room to spare, 0.1 and below (docs/g_sgd.md gives the measured edge and the invariant
 remedy, clipping inside the path-space optimiser, which `test_clipping_in_path_space_is_invariant` checks).
-At 0.1 the stacked RNN passes; the one-layer RNN stays xfail (not strict): on 2026-11-26 one member of four ended
+At 0.1 the stacked RNN passes; the one-layer RNN stays xfail (not strict): in a measured run one member of four ended
 at loss 0.89 against SGD's 0.23 (the others 0.14-0.16 against 0.14-0.17), so its edge reaches below 0.1 for some
 initialisations. Still open in the defaults issue.
 """
