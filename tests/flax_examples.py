@@ -42,6 +42,13 @@ class ExampleCase:
     mutable: tuple[str, ...] = ()  # the collections fn returns updated, after its outputs
     sgd_lr: float = 0.05  # the example's learning rate where it trains with SGD (else the docs' 0.05)
     adam_lr: float = 1e-3  # the example's where it trains with Adam (else optax's usual 1e-3)
+    one_example: bool = False  # DDP-SGD reads the whole batch as one example (a graph batch: no per-example axis)
+
+    def batch_axes(self):
+        """DDP-SGD's ``batch_axes``: the keys shared by every example, the rest batched (or all shared)."""
+        if self.one_example:
+            return None
+        return tuple(None if i in self.rng_inputs else 0 for i in range(len(self.inputs)))
 
 
 def _rng(seed=0):
@@ -333,7 +340,7 @@ def ogbg_molpcba() -> ExampleCase:
         return jnp.sum(jnp.where(mask, per, 0)) / jnp.sum(mask)
 
     return ExampleCase("ogbg_molpcba", "examples/ogbg_molpcba/models.py", fn, params, (graphs, jax.random.key(3)),
-                       loss, rng_inputs=(1,))  # fmt: skip
+                       loss, rng_inputs=(1,), one_example=True)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- nnx scan over layers
