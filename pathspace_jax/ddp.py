@@ -215,12 +215,6 @@ def check_inputs(space: PathSpace, inputs) -> list:
     n = int(jnp.shape(xs[0])[0])
     for i, (x, spec) in enumerate(zip(xs, specs, strict=True)):
         dt = jnp.result_type(x)
-        if jax.dtypes.issubdtype(dt, jax.dtypes.prng_key):
-            raise DDPUnsupportedError(
-                f"ddp_kappa: input #{i} is a PRNG key (a dropout key?). DDP's κ is defined for a deterministic "
-                "network: trace and train a function that closes over the key, or the deterministic one "
-                "(e.g. deterministic=True)."
-            )
         if not flat.supported_input(dt):
             raise DDPUnsupportedError(f"ddp_kappa: input #{i} must be floating point, token ids or a mask, got {dt}")
         if tuple(jnp.shape(x))[1:] != tuple(spec.shape)[1:]:
