@@ -192,7 +192,9 @@ def path_kappa(space: PathSpace, params, *, second_order: bool = True):
 
     κ⁽¹⁾ one VJP of the squared network on an all-ones input, κ⁽²⁾ non-zero only for recurrent kernels
     (see the module docstring for the lag-sum algorithm and its O(T n³ + T² n²) cost). κ does not
-    depend on the data.
+    depend on the data, nor on random draws in the traced function (dropout, a VAE's noise, a sampled token): a draw,
+    and what is computed from draws and the inputs alone, is a gate of value 1 (for dropout, the network with every
+    unit kept: 1/keep² on a path per dropout layer it crosses).
 
     Args:
       space: the `PathSpace` of the network (``pathspace_jax.trace``).

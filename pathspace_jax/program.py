@@ -669,18 +669,29 @@ def _input_gates(prog: Program, body: bool = False) -> set[int]:
     kinds = prog.kinds
     plain = set() if body else {i for i in prog.in_ids[prog.n_params :] if kinds[i] == "act"}
     gates: set[int] = set()
+    drawn: set[int] = set()  # the gates computed from draws
     for e in prog.eqns:
         ids = [x for x in e.ins if not isinstance(x, tuple)]
         acts = [x for x in ids if kinds[x] == "act"]
         if draws(e.prim.name):
             gates.update(e.outs)
+            drawn.update(e.outs)
             continue
+        if any(x in drawn for x in acts) and any(map(prog.edge_param, ids)) and rule(e.prim.name).multiplicative:
+            if not prog.is_edge(e):
+                raise prog.err(
+                    f"{prog.who}: {e.prim.name} at {e.where} multiplies parameters by random numbers (DropConnect, "
+                    "weight noise): path sums are defined for the weights themselves. Apply the noise to the "
+                    "activations (dropout), or use G-SGD"
+                )
         if not acts or any(kinds[x] == "param" for x in ids) or not all(x in plain or x in gates for x in acts):
             continue
         name = e.prim.name
         product = name in ("mul", "div", "dot_general", "conv_general_dilated") and len(acts) > 1
         known = (rule(name).as_is or name in _EVALUATED) and not product and not any(x in gates for x in acts)
         (plain if known else gates).update(o for o in e.outs if kinds[o] == "act")
+        if any(x in drawn for x in acts):
+            drawn.update(o for o in e.outs if kinds[o] == "act")
     prog.of_inputs, prog.gates = plain | gates, gates
     return gates
 

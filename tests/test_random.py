@@ -250,6 +250,22 @@ def test_a_sampled_token_fed_back_enters_as_an_input():
         _leafwise_close(pj.path_kappa(space, params, second_order=False), ref, rtol=1e-12)
 
 
+def test_random_numbers_that_multiply_parameters_are_refused_by_name():
+    """DropConnect multiplies the weights themselves by a draw: κ refuses it, naming the line; G-SGD takes it."""
+    k = jax.random.split(jax.random.key(0), 2)
+    params = {"w1": jax.random.normal(k[0], (4, 6)), "b1": jnp.zeros(6), "w2": jax.random.normal(k[1], (6, 2))}
+
+    def fn(p, x, key):
+        mask = jax.random.bernoulli(key, 0.5, p["w1"].shape)
+        return jax.nn.relu(x @ (p["w1"] * mask / 0.5) + p["b1"]) @ p["w2"]
+
+    space = pj.trace(fn, params, jnp.ones((3, 4)), jax.random.key(1))
+    why = r"mul at tests/test_random.py:\d+ .* multiplies parameters by random numbers"
+    with pytest.raises(pj.PathKappaUnsupportedError, match=why):
+        pj.path_kappa(space, params)
+    assert np.isfinite(pj.to_coords(space, params)["w1"]).all()
+
+
 # ----------------------------------------------------------------------------- training
 
 
