@@ -108,6 +108,32 @@ def test_path_kappa_of_dropout_is_the_network_with_every_unit_kept():
     _leafwise_close(pj.ddp_kappa(per_example, params, (x, keys), alpha=0.0), ref, rtol=1e-12)
 
 
+def test_nnx_dropout_drawing_from_an_rngs_stream_passed_as_state():
+    """nnx.Dropout draws from the nnx.Rngs stream in the state passed as an argument (its key and count): the
+    structure is the deterministic model's, κ the deterministic κ times 1/keep² where paths cross the dropout."""
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.l1, self.l2 = nnx.Linear(5, 8, rngs=rngs), nnx.Linear(8, 3, rngs=rngs)
+            self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+        def __call__(self, x):
+            return self.l2(self.drop(nnx.relu(self.l1(x))))
+
+    model, x = Net(nnx.Rngs(0, dropout=1)), jnp.ones((4, 5))
+    spaces = []
+    for deterministic in (False, True):
+        model.drop.deterministic = deterministic
+        graph, params, rest = nnx.split(model, nnx.Param, ...)
+        spaces.append(pj.trace(lambda p, x, r, g=graph: nnx.merge(g, p, r)(x), params, x, rest, strict=True))
+    assert _structure(spaces[0]) == _structure(spaces[1])
+    k_on, k_off = (pj.path_kappa(s, params) for s in spaces)
+    for path in (("l1", "kernel"), ("l1", "bias"), ("l2", "kernel")):
+        np.testing.assert_allclose(k_on[path[0]][path[1]].value, k_off[path[0]][path[1]].value / 0.25, rtol=1e-6)
+    np.testing.assert_array_equal(k_on["l2"]["bias"].value, k_off["l2"]["bias"].value)
+
+
 class _VAE(nn.Module):
     """google/flax examples/vae's model, small: z = mean + eps · exp(logvar / 2), eps drawn per example from ``keys``
     or from the ``noise`` stream (``make_rng``)."""
