@@ -30,7 +30,6 @@ class Atoms:
         self.input: list[bool] = []
         self.output: list[bool] = []
         self.reasons: list[list[str]] = []
-        self.random: list[bool] = []  # pinned because random numbers reach it (a reason code, not its text)
 
     def new(self, size: int, *, position=False, input=False) -> int:
         i = len(self.parent)
@@ -43,7 +42,6 @@ class Atoms:
         self.input.append(input)
         self.output.append(False)
         self.reasons.append([])
-        self.random.append(False)
         return i
 
     def find(self, a: int) -> int:
@@ -81,14 +79,13 @@ class Atoms:
             out.extend([r] if self.alias[r] is None else self.resolve(self.alias[r]))
         return out
 
-    def pin(self, atoms: Sequence[int], reason: str, *, random: bool = False) -> None:
+    def pin(self, atoms: Sequence[int], reason: str) -> None:
         """Pin the factors of ``atoms``, and the groups side by side in any of them (a concatenation's)."""
         for r in self.factors(atoms):
             if reason not in self.reasons[r]:
                 self.reasons[r].append(reason)
-            self.random[r] |= random
             if self.alias[r] is not None:
-                self.pin(self.alias[r], reason, random=random)
+                self.pin(self.alias[r], reason)
 
     def make_positions(self, atoms: Sequence[int]) -> None:
         """Mark the factors of ``atoms`` as positions (time, space, a shared batch axis): shared by the nodes."""
@@ -101,7 +98,6 @@ class Atoms:
             self.position[c] |= self.position[r]
             self.input[c] |= self.input[r]
             self.output[c] |= self.output[r]
-            self.random[c] |= self.random[r]
             self.reasons[c].extend(x for x in self.reasons[r] if x not in self.reasons[c])
 
     def set_alias(self, r: int, children: list[int], blocks: int = 1) -> None:
@@ -111,7 +107,6 @@ class Atoms:
         for c in children:
             self.input[c] |= self.input[r]
             self.output[c] |= self.output[r]
-            self.random[c] |= self.random[r]
             self.reasons[c].extend(x for x in self.reasons[r] if x not in self.reasons[c])
 
     def union(self, a: int, b: int, reason: str) -> None:
@@ -125,7 +120,6 @@ class Atoms:
         self.position[ra] |= self.position[rb]
         self.input[ra] |= self.input[rb]
         self.output[ra] |= self.output[rb]
-        self.random[ra] |= self.random[rb]
         self.reasons[ra].extend(x for x in self.reasons[rb] if x not in self.reasons[ra])
         ea, eb = self.expand[ra], self.expand[rb]
         if ea is None and eb is not None:
@@ -185,7 +179,6 @@ class Val:
     leaf: int | None = None
     zero: bool = False
     scalars: list[int] = dataclasses.field(default_factory=list)  # atoms of squeezed size-1 axes
-    random: bool = False  # a constant computed from random numbers (a dropout mask, a PRNG key)
     scaled: bool = False  # a parameter's view times fixed coefficients (BatchNorm's scale over its running deviation)
     # a fully pinned value times a per-unit parameter, (value, parameter), read once, by a product (`rule_mul`); or
     # coefficients computed from parameters times one (a gain per output unit), read once, as a kernel, in the making

@@ -219,6 +219,11 @@ def ddp_kappa(
     second moment is the diagonal of the Fisher matrix of a unit-variance Gaussian output model,
     mean_i Σ_out (∂f_out(x_i)/∂w)² (ibid., Thm 2); with the variance, its centred version.
 
+    Random draws in the traced function (dropout, a VAE's noise) are the ones it makes, run on each example alone
+    (a batch of one, under a vmap): from a key per example (an input, batch axis first) each example's own; from a
+    key closed over (or one ``make_rng`` stream) the draw for a batch of one, the same for every example and step.
+    The |w|^p part (α < 1) takes every draw as 1, as `pathspace_jax.path_kappa` does.
+
     Args:
       space: the `PathSpace` of the network (``pathspace_jax.trace``).
       params: the parameters (same structure as traced).

@@ -216,7 +216,6 @@ class NodeGroup:
       kind: ``"input"``, ``"hidden"`` (rescalable), ``"output"`` or ``"pinned"``.
       offset: global index of the group's first node (node 0 is the bias node).
       reasons: why the group is pinned (primitive and source line), if it is.
-      random: whether random numbers reach it (dropout in the traced function): Path-SGD and DDP-SGD refuse it.
     """
 
     name: str
@@ -224,7 +223,6 @@ class NodeGroup:
     kind: GroupKind
     offset: int
     reasons: tuple[str, ...] = ()
-    random: bool = False
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

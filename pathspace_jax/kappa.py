@@ -156,15 +156,10 @@ def check_kappa_space(space: PathSpace, who: str) -> None:
     check_path_space(space, who)
     flat.refuse_undefined(space, who, PathKappaUnsupportedError)
     for spec in jax.tree_util.tree_leaves(space.arg_specs):
-        if jax.dtypes.issubdtype(spec.dtype, jax.dtypes.prng_key):
-            raise PathKappaUnsupportedError(
-                f"{who}: the traced function takes a PRNG key (for dropout?). Path sums are defined for one "
-                "deterministic network: trace the deterministic function (e.g. deterministic=True)."
-            )
         if not flat.supported_input(spec.dtype):
             raise PathKappaUnsupportedError(
                 f"{who}: the traced function takes a {spec.dtype} input; path sums are defined for floating-point "
-                "inputs, integer token ids (embedding lookups) and boolean masks."
+                "inputs, integer token ids (embedding lookups), boolean masks and PRNG keys."
             )
 
 
@@ -173,11 +168,15 @@ def _setup(space, leaves):
     dt = compute_dtype(leaves)
     leaves, lg = to_canonical_frame(space, [jnp.asarray(p).astype(dt) for p in leaves], dt)
     specs = jax.tree_util.tree_leaves(space.arg_specs)
-    input_key = tuple(((1, *tuple(x.shape)[1:]), str(flat.all_ones_dtype(x.dtype, jnp.dtype(dt)))) for x in specs)
+    # one example of each input (one without axes, a PRNG key for the batch, as traced)
+    shapes = [(1, *tuple(x.shape)[1:]) if x.shape else () for x in specs]
+    dtypes = [flat.all_ones_dtype(x.dtype, jnp.dtype(dt)) for x in specs]
+    input_key = tuple((s, str(d)) for s, d in zip(shapes, dtypes, strict=True))
     param_key = tuple((tuple(p.shape), str(p.dtype)) for p in leaves)
     prog = flat.program(space, param_key, input_key, dtype=dt, who=_WHO, err=PathKappaUnsupportedError,
                         allow_scan=True, inline_custom=True)  # fmt: skip
-    ones = [jnp.ones(s, d) for s, d in input_key]  # token ids: 1 (any id; the |·|^p lookup sums the rows); masks: True
+    # token ids: 1 (any id; the |·|^p lookup sums the rows); masks: True; PRNG keys: any (what they draw is 1)
+    ones = [jnp.ones(s, d) for s, d in zip(shapes, dtypes, strict=True)]
     return dt, leaves, lg, prog, ones
 
 
@@ -193,7 +192,9 @@ def path_kappa(space: PathSpace, params, *, second_order: bool = True):
 
     κ⁽¹⁾ one VJP of the squared network on an all-ones input, κ⁽²⁾ non-zero only for recurrent kernels
     (see the module docstring for the lag-sum algorithm and its O(T n³ + T² n²) cost). κ does not
-    depend on the data.
+    depend on the data, nor on random draws in the traced function (dropout, a VAE's noise, a sampled token): a draw,
+    and what is computed from draws and the inputs alone, is a gate of value 1 (for dropout, the network with every
+    unit kept: 1/keep² on a path per dropout layer it crosses).
 
     Args:
       space: the `PathSpace` of the network (``pathspace_jax.trace``).

@@ -30,7 +30,7 @@ import numpy as np
 from pathspace_jax import jaxpr as jx
 from pathspace_jax.graph import PathSpace
 from pathspace_jax.ir import Eqn, Frame, LayerStack, Program
-from pathspace_jax.rules import rule
+from pathspace_jax.rules import draws, rule
 from pathspace_jax.trace import Cut, record
 
 # The scans that κ and γ² add run a recurrence step by step, often at a tiny size (Path-SGD's |·|^p network on
@@ -140,6 +140,8 @@ def _finish(
             lookup = from_tokens and name == "gather" and ks[0] == "param"
             if lookup:
                 k = "act"  # an embedding lookup: the one-hot input times the table (`pathspace_jax.squared`)
+            if draws(name):
+                k = "act"  # random numbers: a value of the inputs alone (their keys), a gate (`_input_gates`)
             for i in e.outs:
                 kinds[i] = k
                 if flags.get(i) is True and k == "act":
@@ -170,6 +172,7 @@ def _finish(
     prog = Program(eqns, n_params, in_ids, frame.out_ids, frame.consts, kinds, [], [], who, err, pinned,
                    lookups=lookups, fixed=fixed, cut=cut)  # fmt: skip
     body = in_kinds is not None
+    _input_gates(prog, body)
     prog.masks = _masks(prog)
     fresh = _find_nodes(prog, body=body)
     if (joined := _cut_nodes(prog, fresh)) is not None:
@@ -559,10 +562,11 @@ def _find_boundary(prog: Program, fresh: set[int], body: bool = False) -> None:
     inputs. Values computed from boundary values without a parameter edge (a LayerNorm, a tanh head) are
     boundary values too (`prog.bnd`): they are 1 in the |·|^p network, and parameter edges leaving them
     start new paths. A bias added to a boundary value (a LayerNorm's offset without a scale) ends at a sink of
-    its own. A gate computed from the inputs alone (``h * sigmoid(x)``) is a boundary value too: no
-    rescaling changes it, and the |·|^p network takes it as 1, as attention's weights (not in a scan ``body``).
+    its own. A gate computed from the inputs alone (``h * sigmoid(x)``, a dropout mask) is a boundary value too: no
+    rescaling changes it, and the |·|^p network takes it as 1, as attention's weights (in a scan ``body``, the random
+    draws only: its other inputs are the carry's and the steps').
     """
-    gates = prog.gates = set() if body else _input_gates(prog)
+    gates = _input_gates(prog, body)
     if not prog.pinned and not gates:
         return
     kinds, pinned, node_set, of_inputs = prog.kinds, prog.pinned, set(prog.nodes), prog.of_inputs
@@ -638,11 +642,16 @@ def _masks(prog: Program) -> set[int]:
     does not scale with their operands (``sign``), and what is computed from them and constants alone (a cast, a
     ``(sign(h) + 1) / 2``). The trace reads them as constants of the structure (a mask: ReLU written as
     ``h * (h > 0)``); the |·|^p network evaluates them as they are on its non-negative values, where they are
-    ReLU's gate, and a product raises them to p as it does any constant coefficient (`pathspace_jax.squared`)."""
-    kinds, masks = prog.kinds, set()
+    ReLU's gate, and a product raises them to p as it does any constant coefficient (`pathspace_jax.squared`). What is
+    computed from a random draw (``prog.gates``) is no mask, whatever else it reads (a token sampled from logits): the
+    |·|^p network never evaluates a draw."""
+    kinds, masks, drawn = prog.kinds, set(), set(prog.gates)
     for e in prog.eqns:
         ids = [x for x in e.ins if not isinstance(x, tuple)]
         acts = [x for x in ids if kinds[x] == "act"]
+        if any(x in drawn for x in ids) and not prog.is_edge(e):  # (a token sampled from logits: never evaluated)
+            drawn.update(e.outs)
+            continue
         if not acts or e.body is not None or any(kinds[x] == "param" for x in ids):
             continue
         if rule(e.prim.name).structure in ("compare", "degree0") or all(x in masks for x in acts):
@@ -650,24 +659,40 @@ def _masks(prog: Program) -> set[int]:
     return masks
 
 
-def _input_gates(prog: Program) -> set[int]:
+def _input_gates(prog: Program, body: bool = False) -> set[int]:
     """The results of operations that the |·|^p network does not evaluate (a sigmoid, an exp, a product of two such
     values: an input masked by another) applied to values computed from the inputs without parameters:
-    coefficients of the examples (a gate), never rescaled. Sets ``prog.of_inputs``, all the values computed from the
-    inputs alone."""
+    coefficients of the examples (a gate), never rescaled; and the random draws (`rules.draws`) and what is computed
+    from them and the inputs alone (a dropout mask, a VAE's noise), values of the inputs (the keys) that the |·|^p
+    network does not compute. In a scan ``body``, the draws only. Sets ``prog.gates`` and ``prog.of_inputs``, all
+    the values computed from the inputs alone."""
     kinds = prog.kinds
-    plain = {i for i in prog.in_ids[prog.n_params :] if kinds[i] == "act"}
+    plain = set() if body else {i for i in prog.in_ids[prog.n_params :] if kinds[i] == "act"}
     gates: set[int] = set()
+    drawn: set[int] = set()  # the gates computed from draws
     for e in prog.eqns:
         ids = [x for x in e.ins if not isinstance(x, tuple)]
         acts = [x for x in ids if kinds[x] == "act"]
+        if draws(e.prim.name):
+            gates.update(e.outs)
+            drawn.update(e.outs)
+            continue
+        if any(x in drawn for x in acts) and any(map(prog.edge_param, ids)) and rule(e.prim.name).multiplicative:
+            if not prog.is_edge(e):
+                raise prog.err(
+                    f"{prog.who}: {e.prim.name} at {e.where} multiplies parameters by random numbers (DropConnect, "
+                    "weight noise): path sums are defined for the weights themselves. Apply the noise to the "
+                    "activations (dropout), or use G-SGD"
+                )
         if not acts or any(kinds[x] == "param" for x in ids) or not all(x in plain or x in gates for x in acts):
             continue
         name = e.prim.name
         product = name in ("mul", "div", "dot_general", "conv_general_dilated") and len(acts) > 1
         known = (rule(name).as_is or name in _EVALUATED) and not product and not any(x in gates for x in acts)
         (plain if known else gates).update(o for o in e.outs if kinds[o] == "act")
-    prog.of_inputs = plain | gates
+        if any(x in drawn for x in acts):
+            drawn.update(o for o in e.outs if kinds[o] == "act")
+    prog.of_inputs, prog.gates = plain | gates, gates
     return gates
 
 
@@ -726,7 +751,8 @@ def widen(prog: Program, dtype) -> Program:
 @functools.lru_cache(maxsize=64)
 def _program(space: PathSpace, param_key: tuple, input_key: tuple, mesh, dtype=None, **options) -> Program:
     param_specs = [jax.ShapeDtypeStruct(s, d) for s, d in param_key]
-    input_specs = [jax.ShapeDtypeStruct(s, d) for s, d in input_key]
+    keys = {str(x.dtype): x.dtype for x in jax.tree_util.tree_leaves(space.arg_specs)}  # (a PRNG key's has no name)
+    input_specs = [jax.ShapeDtypeStruct(s, keys.get(d, d)) for s, d in input_key]
     args_def = jax.tree_util.tree_structure(space.arg_specs)
 
     def f(ps, xs):
@@ -761,8 +787,14 @@ def _program(space: PathSpace, param_key: tuple, input_key: tuple, mesh, dtype=N
 
 def supported_input(dtype) -> bool:
     """Whether path sums and DDP's statistics are defined for an input of ``dtype``: floats, token ids (integers,
-    one-hot inputs times an embedding table) and masks (booleans, constants of the network)."""
-    return any(jnp.issubdtype(dtype, t) for t in (jnp.floating, jnp.integer, jnp.bool_))
+    one-hot inputs times an embedding table), masks (booleans, constants of the network) and PRNG keys (what is
+    drawn from them: gates, `_input_gates`)."""
+    return is_key(dtype) or any(jnp.issubdtype(dtype, t) for t in (jnp.floating, jnp.integer, jnp.bool_))
+
+
+def is_key(dtype) -> bool:
+    """Whether ``dtype`` is a typed PRNG key's (``jax.random.key``)."""
+    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
 def all_ones_dtype(dtype, float_dtype):
@@ -777,13 +809,9 @@ def bind(e: Eqn, vals) -> list:
 
 
 def refuse_undefined(space: PathSpace, who: str, err: type) -> None:
-    """Path sums and DDP's statistics are defined for one deterministic network: a group pinned because
-    random numbers reach it (dropout in the traced function) is an error, not a boundary. They also take the
-    first axis of every input as the examples (one all-ones example; the statistics' average): an input whose
-    first axis the function scans or convolves over (time-major sequences) is an error too."""
-    for g in space.groups:
-        if g.random:
-            raise err(f"{who}: node group {g.name} (size {g.size}) {'; '.join(g.reasons)}")
+    """Path sums and DDP's statistics take the first axis of every input as the examples (one all-ones example; the
+    statistics' average): an input whose first axis the function scans or convolves over (time-major sequences) is
+    an error."""
     if space.positions_first:
         raise err(
             f"{who}: the traced function scans or convolves over the first axis of its input(s) "

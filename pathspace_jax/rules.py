@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["Rule", "rule", "register", "is_random", "STRUCTURES"]
+__all__ = ["Rule", "rule", "register", "is_random", "draws", "STRUCTURES"]
 
 STRUCTURES = ("method", "relabel", "nonlinear", "degree0", "compare", "source")
 
@@ -76,6 +76,7 @@ class Rule:
 _TABLE: dict[str, Rule] = {}
 _UNKNOWN = Rule()
 _RANDOM_PREFIXES = ("random_", "threefry", "rng_")
+_DRAWS = frozenset({"random_bits"})
 
 
 def rule(name: str) -> Rule:
@@ -84,8 +85,16 @@ def rule(name: str) -> Rule:
 
 
 def is_random(name: str) -> bool:
-    """Whether the primitive ``name`` draws or handles random numbers (its results are pinned constants)."""
+    """Whether the primitive ``name`` makes PRNG keys or draws random numbers from them (``jax.random``, Flax's
+    ``Dropout`` and ``make_rng``): for the structure, its results are constants, like an input (`Interpreter.apply`)."""
     return name.startswith(_RANDOM_PREFIXES)
+
+
+def draws(name: str) -> bool:
+    """Whether the primitive ``name`` returns random numbers rather than keys (``random_bits``, what every
+    ``jax.random`` sampler starts from): values of the traced function's inputs alone, as its keys are, which κ's
+    |·|^p network takes as gates of value 1 and DDP's forward pass computes (`pathspace_jax.program._input_gates`)."""
+    return name in _DRAWS
 
 
 def register(name: str, entry: Rule, *, replace: bool = False) -> None:

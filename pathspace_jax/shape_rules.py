@@ -428,7 +428,7 @@ class ShapeRules:
                 # a feature map flattened with its positions: its channels at every position (`Atoms.segments`)
                 segs.append(atoms.new(in_shape[k]))
                 atoms.set_expand(segs[-1], fs)
-            elif v.kind == CONST and not v.from_params and not v.random and in_shape[k] > 0:
+            elif v.kind == CONST and not v.from_params and in_shape[k] > 0:
                 segs.append(atoms.new(in_shape[k]))
                 self.beside.append((segs[-1], v.zero))
             elif in_shape[k] > 0:

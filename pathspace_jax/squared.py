@@ -24,7 +24,7 @@ import numpy as np
 
 from pathspace_jax import jaxpr as jx
 from pathspace_jax.exact import V, align, is_float, ldexp, power_v, raise_power, renorm
-from pathspace_jax.program import Eqn, Program, bind, nbytes, scan_unroll
+from pathspace_jax.program import Eqn, Program, bind, is_key, nbytes, scan_unroll
 from pathspace_jax.rules import rule
 
 # ----------------------------------------------------------------------------- evaluation
@@ -551,7 +551,10 @@ def _eval_scan(e: Eqn, vals, power, pert, record, idx, sinks=None, body_post=Non
         # counter, `lax.fori_loop`'s) as its value (under jit, ``jnp.asarray`` of it is traced)
         cv = [np.asarray(x[1]) if isinstance(x, tuple) else v for x, v in zip(e.ins[nc : nc + ncar], init, strict=True)]
         for j, v in enumerate(cv):
-            if j not in act_carry and isinstance(v, jax.core.Tracer):
+            if j not in act_carry and isinstance(v, jax.core.Tracer) and is_key(v.dtype):
+                with jax.ensure_compile_time_eval():  # what it draws is 1 in the |·|^p network: any key will do
+                    cv[j] = jnp.zeros(jnp.shape(v), v.dtype)
+            elif j not in act_carry and isinstance(v, jax.core.Tracer):
                 raise bp.err(
                     f"{bp.who}(second_order=True): the scan at {e.where} carries a value computed at run time besides "
                     f"its activations (carry #{j}); the exact κ⁽²⁾ probes the recurrence with that value known (use "
@@ -610,8 +613,8 @@ def _eval_body(
 
 def _check_linear_body(bp: Program) -> None:
     for e in bp.eqns:
-        if bp.kinds[e.outs[0]] == "const":
-            continue
+        if bp.kinds[e.outs[0]] == "const" or all(o in bp.bnd for o in e.outs):
+            continue  # (a boundary value is 1 in the |·|^p network: a random draw, a sample of a pinned output)
         if e.prim.name == "scan":
             raise bp.err(
                 f"{bp.who}(second_order=True): nested scan at {e.where}; the exact κ⁽²⁾ is implemented for one level "

@@ -166,8 +166,7 @@ def _interpret(closed, param_specs, input_specs, paths) -> Interpreter:
         if jnp.issubdtype(a.dtype, jnp.floating):
             in_vals.append(Val(ACT, interp.fresh(a.shape, input=True)))
         else:
-            is_key = jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key)
-            in_vals.append(Val(CONST, interp.fresh(a.shape, input=True), random=is_key))
+            in_vals.append(Val(CONST, interp.fresh(a.shape, input=True)))  # token ids, masks, PRNG keys
     rec = interp.rec
     in_vals = [v.with_id(rec.new()) for v in in_vals]
     rec.top.in_ids = [v.id for v in in_vals]
@@ -550,8 +549,7 @@ def _node_groups(interp: Interpreter, leaf_info) -> tuple[list[NodeGroup], dict,
         else:
             kind = "hidden"
         pinned = kind != "input"  # an input group's reasons do not apply: inputs are never rescaled
-        random = pinned and any(atoms.random[r] for r in key)
-        groups.append(NodeGroup(f"g{gi}", size, kind, offset, reasons if pinned else (), random))
+        groups.append(NodeGroup(f"g{gi}", size, kind, offset, reasons if pinned else ()))
         key_index[key] = gi
         offset += size
     # the boundary of κ and DDP (`pathspace_jax.program`): the pinned groups, and an input group that a layer writes

@@ -124,8 +124,8 @@ class Interpreter(ShapeRules):
             self.other[v.leaf].append(self.reason(why))
             self.atoms.pin(self.all_atoms(v), self.reason(why))
 
-    def pin(self, v: Val, why: str, *, random: bool = False) -> None:
-        self.atoms.pin(self.all_atoms(v), self.reason(why), random=random)
+    def pin(self, v: Val, why: str) -> None:
+        self.atoms.pin(self.all_atoms(v), self.reason(why))
 
     def defer(self, new: list[int], source: list[int], why: str, *, fixed: bool = False) -> None:
         """New atoms made from ``source`` (a slice of it, or fixed coefficients applied along it): positions if
@@ -208,8 +208,6 @@ class Interpreter(ShapeRules):
                 env[eqn.outvars[0]] = Val(CONST, self.fresh(folded.shape), zero=not np.any(folded), id=("lit", folded))
                 continue
             outs = self.apply(eqn, ins)
-            if any(v.random for v in ins):
-                self.randomness(ins, outs)
             if any(v.kind == PARAM or v.from_params for v in ins):
                 made = [dataclasses.replace(v, from_params=True) if v.kind == CONST else v for v in outs]
                 outs = Recorded(made) if isinstance(outs, Recorded) else made
@@ -291,9 +289,7 @@ class Interpreter(ShapeRules):
             return [self.nonlinear(eqn, ins)]
         if structure in ("degree0", "compare"):
             return [self.degree0(eqn, ins)]
-        if rules.is_random(name):
-            return [Val(CONST, self.fresh(v.aval.shape), random=True) for v in eqn.outvars]
-        if structure == "source":
+        if structure == "source" or rules.is_random(name):  # (a random draw: a value of the inputs alone)
             return [Val(CONST, self.fresh(v.aval.shape)) for v in eqn.outvars]
         sub = jx.call_body(eqn)  # jit, custom_jvp_call, custom_vjp_call, checkpoint, ...: entered
         if sub is not None:
@@ -321,22 +317,6 @@ class Interpreter(ShapeRules):
         self.rec.emit(Eqn(eqn.primitive, dict(eqn.params), [v.id for v in ins], [v.id for v in outs], eqn,
                           inner=frame.eqns))  # fmt: skip
         return Recorded(outs)
-
-    def randomness(self, ins: Sequence[Val], outs: Sequence[Val]) -> None:
-        """Random numbers reach the network (dropout, noise): the groups they touch are pinned, since κ, path
-        norms and the skeleton are defined for one deterministic network."""
-        why = (
-            "uses random numbers (dropout or noise in the traced function): trace the deterministic function "
-            "instead, e.g. deterministic=True or train=False, and apply dropout only in the loss"
-        )
-        for o in outs:
-            if o.kind == CONST:
-                o.random = True
-            elif o.kind == ACT:
-                self.pin(o, why, random=True)
-                for v in ins:
-                    if v.kind == ACT:
-                        self.pin(v, why, random=True)
 
     def unknown(self, eqn, ins):
         why = "not known to be positively homogeneous"
@@ -566,7 +546,7 @@ class Interpreter(ShapeRules):
         g``). A held product times or over further coefficients holds their product or quotient (recorded: the
         program computes ``c`` itself). None otherwise."""
         name, shape = eqn.primitive.name, eqn.outvars[0].aval.shape
-        if name not in ("mul", "div") or len(ins) != 2 or any(v.kind == ACT or v.random for v in ins):
+        if name not in ("mul", "div") or len(ins) != 2 or any(v.kind == ACT for v in ins):
             return None
         if not self.read_as_kernel(eqn.outvars[0]):
             return None

@@ -418,44 +418,7 @@ def test_ddp_inputs_of_the_wrong_width_are_named():
         tx.update(g, tx.init(params), params, inputs=x[:, :5])
 
 
-def test_a_prng_key_input_is_called_a_key_not_a_token():
-    model = nn.Dropout(0.5)
-
-    def fn(p, x, key):
-        return nn.Dense(3).apply({"params": p}, model.apply({}, x, deterministic=False, rngs={"dropout": key}))
-
-    x = jnp.ones((4, 6), F32)
-    params = nn.Dense(3).init(jax.random.key(0), x)["params"]
-    space = pj.trace(fn, params, x, jax.random.key(1))
-    with pytest.raises(pj.PathKappaUnsupportedError, match="PRNG key"):
-        pj.path_kappa(space, params)
-
-
-# ----------------------------------------------------------------------------- dropout
-
-
-class _DropMLP(nn.Module):
-    @nn.compact
-    def __call__(self, x, deterministic):
-        x = nn.relu(nn.Dense(16)(x))
-        x = nn.Dropout(0.3)(x, deterministic=deterministic)
-        return nn.Dense(3)(x)
-
-
-def test_dropout_is_pinned_and_named_and_path_sgd_refuses_it():
-    model = _DropMLP()
-    x = jnp.ones((8, 5), F32)
-    params = model.init(jax.random.key(0), x, deterministic=True)["params"]
-    fn = lambda p, x: model.apply({"params": p}, x, deterministic=False, rngs={"dropout": jax.random.key(3)})  # noqa: E731
-    with pytest.raises(pj.UnsupportedModelError, match="(?i)dropout"):
-        pj.trace(fn, params, x, strict=True)
-    space = pj.trace(fn, params, x)
-    assert "dropout" in pj.describe(space).lower()
-    with pytest.raises(pj.PathKappaUnsupportedError, match="(?i)dropout"):
-        pj.path_sgd(space, 0.01)
-    # the deterministic function is the one to trace: it is fully homogeneous
-    det = pj.trace(lambda p, x: model.apply({"params": p}, x, deterministic=True), params, x, strict=True)
-    assert det.num_hidden == 16
+# dropout and other random draws in the traced function: tests/test_random.py
 
 
 # ----------------------------------------------------------------------------- compilation
