@@ -35,20 +35,17 @@ from pathspace_jax.trace import Cut, record
 
 # The scans that κ and γ² add run a recurrence step by step, often at a tiny size (Path-SGD's |·|^p network on
 # one all-ones example), where a GPU spends most of a loop iteration launching it: they are unrolled by up to
-# SCAN_UNROLL steps, and by no more than keep the unrolled steps' carries within UNROLL_BYTES. On an H100
-# (JAX 0.11.2) Path-SGD κ⁽¹⁾ of a ReLU RNN (hidden 100, 28 steps) went from 1.49× to 1.03× SGD's step, the
-# exact κ⁽²⁾ from 1.90× to 1.37×. A long sequence keeps a loop of ⌈length / SCAN_UNROLL⌉ iterations (compile
-# time); a large carry (DDP's batch, κ⁽²⁾'s n × n lag sum) means enough work per step to hide the loop, and
-# unrolled it multiplied the compiled step's temporaries (the language model's exact κ⁽²⁾: 154 -> 444 MB).
+# SCAN_UNROLL steps, and by no more than keep the unrolled steps' carries within UNROLL_BYTES. A long sequence keeps
+# a loop of ⌈length / SCAN_UNROLL⌉ iterations (compile time); a large carry (DDP's batch, κ⁽²⁾'s n × n lag sum)
+# has enough work per step to hide the loop, and unrolled it would multiply the step's temporaries
+# (benchmarks/README.md).
 SCAN_UNROLL = 32
 UNROLL_BYTES = 1 << 20
 
 
 # A scan over at least ROLL_LAYERS layers (``nn.scan``) stays one scan in κ's and DDP's programs (`_rolled`), which
-# then compile in the same time at any depth; a shallower one is written out layer by layer, which runs faster there.
-# DDP-SGD's κ (one probe, α 0.5) on a pre-LayerNorm Transformer LM of width 64, CPU, JAX 0.10.2, compile s / run ms:
-# 8 blocks 4.6 / 21.1 rolled, 7.1 / 18.0 written out; 16 blocks 5.2 / 53.4 and 16.0 / 51.5; 32 blocks 5.5 / 108.9
-# and 34.8 / 119.9 (unrolling the loop by 2 or 4 did not help at 8).
+# then compile in the same time at any depth and run as fast; a shallower one is written out layer by layer, which
+# runs faster there.
 ROLL_LAYERS = 16
 
 
