@@ -146,8 +146,7 @@ def warn_if_plain(space: PathSpace, who: str) -> None:
             f"{who}: the traced network has no hidden node that can be rescaled (every group is an input, an output "
             "or pinned; see pathspace_jax.describe(space) for why), so this optimiser reduces to its plain form. "
             "Common causes: BatchNorm with running statistics between layers (fold it into the convolution for "
-            "inference, or train with DDP-Normalization instead), a non-ReLU activation everywhere, or dropout in "
-            "the traced function (trace with deterministic=True).",
+            "inference, or train with DDP-Normalization instead), or a non-ReLU activation everywhere.",
             UserWarning,
             stacklevel=user_stacklevel(),
         )
@@ -291,6 +290,9 @@ class PathSpace:
         weight that is exactly 0 in the traced params: a zero-initialised scale).
       positions_first: the inputs (indices into ``jax.tree_util.tree_leaves(arg_specs)``) whose first axis the
         function scans or convolves over (time-major sequences), not a batch of examples.
+      random_per_layer: the inputs that are random state alone (PRNG keys, an nnx stream's counter) whose first
+        axis a scan over layers reads per layer (``nnx.scan`` over blocks with a dropout stream): no batch of
+        examples; Path-SGD's all-ones example takes them as traced.
     """
 
     treedef: Any
@@ -302,6 +304,7 @@ class PathSpace:
     skeleton_edges: tuple[np.ndarray, np.ndarray] | None = dataclasses.field(default=None, repr=False)
     positions_first: tuple[int, ...] = dataclasses.field(default=(), repr=False)
     skeleton_rule: str = dataclasses.field(default="index", repr=False)
+    random_per_layer: tuple[int, ...] = dataclasses.field(default=(), repr=False)
 
     # -- sizes --------------------------------------------------------------
     @property

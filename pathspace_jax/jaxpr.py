@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -195,6 +195,38 @@ def call_body(eqn) -> ClosedJaxpr | None:
                 raise _unknown(eqn, f"its {k} takes {len(inner.invars)} inputs for {len(eqn.invars)} operands")
             return closed(sub)
     return None
+
+
+def random_state_only(j, is_random: Callable[[str], bool], free_outs: Sequence[bool] | None = None) -> list[bool]:
+    """Per input of ``j``: whether its values reach nothing but the random primitives (``is_random``), through
+    calls and scans: random state (a PRNG key, an nnx stream's counter), not data. ``free_outs``: the outputs whose
+    values the caller uses only so (default: none, every output of ``j`` is used)."""
+    inner = j.jaxpr if isinstance(j, ClosedJaxpr) else j
+    ok = {v: True for v in inner.invars}
+    for v, free in zip(inner.outvars, free_outs or [False] * len(inner.outvars), strict=True):
+        if not is_literal(v) and not free:
+            ok[v] = False
+
+    def use_ok(e) -> list[bool]:
+        outs_free = [ok.get(o, True) for o in e.outvars]
+        if is_random(e.primitive.name):
+            return [True] * len(e.invars)
+        sub = call_body(e)
+        if sub is not None:
+            return random_state_only(sub, is_random, outs_free)
+        if e.primitive.name == "scan":
+            sc = scan(e)
+            carry = outs_free[: sc.num_carry]  # a carry also feeds the next step: free only if free at the end
+            return random_state_only(sc.body, is_random, carry + outs_free[sc.num_carry :])
+        if e.primitive.name in _CONTROL:
+            return [False] * len(e.invars)
+        return [all(outs_free)] * len(e.invars)  # slicing, casts, a counter's increment: as free as their results
+
+    for e in reversed(inner.eqns):
+        for v, fine in zip(e.invars, use_ok(e), strict=True):
+            if not is_literal(v) and not fine:
+                ok[v] = False
+    return [ok[v] for v in inner.invars]
 
 
 def primitive_names(j) -> set[str]:

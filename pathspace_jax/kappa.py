@@ -168,8 +168,11 @@ def _setup(space, leaves):
     dt = compute_dtype(leaves)
     leaves, lg = to_canonical_frame(space, [jnp.asarray(p).astype(dt) for p in leaves], dt)
     specs = jax.tree_util.tree_leaves(space.arg_specs)
-    # one example of each input (one without axes, a PRNG key for the batch, as traced)
-    shapes = [(1, *tuple(x.shape)[1:]) if x.shape else () for x in specs]
+    # one example of each input (as traced: one without axes, random state read per layer, a key for the batch)
+    shapes = [
+        (1, *tuple(x.shape)[1:]) if x.shape and i not in space.random_per_layer else tuple(x.shape)
+        for i, x in enumerate(specs)
+    ]
     dtypes = [flat.all_ones_dtype(x.dtype, jnp.dtype(dt)) for x in specs]
     input_key = tuple((s, str(d)) for s, d in zip(shapes, dtypes, strict=True))
     param_key = tuple((tuple(p.shape), str(p.dtype)) for p in leaves)

@@ -32,6 +32,7 @@ from pathspace_jax.graph import (
     reduced,
 )
 from pathspace_jax.ir import Frame
+from pathspace_jax.rules import is_random
 from pathspace_jax.skeleton import choose_by_value, off_zeros
 from pathspace_jax.tracer import Interpreter
 
@@ -150,7 +151,8 @@ def _run_trace(bound, leaves, treedef, paths, arg_specs, strict):
             f"fn(params, *args) could not be traced with args of shapes {shapes}: {type(e).__name__}: {e}{hint}"
         ) from e
     interp = _interpret(closed, param_specs, jax.tree_util.tree_leaves(arg_specs), paths)
-    return _build(interp, treedef, leaves, paths, bound, arg_specs, strict), closed, interp
+    random_state = jx.random_state_only(closed, is_random)[len(leaves) :]
+    return _build(interp, treedef, leaves, paths, bound, arg_specs, strict, random_state), closed, interp
 
 
 def _interpret(closed, param_specs, input_specs, paths) -> Interpreter:
@@ -335,9 +337,10 @@ def _clashes(keys):
             seen[r] = key
 
 
-def _build(interp: Interpreter, treedef, leaves, paths, fn, arg_specs, strict) -> PathSpace:
+def _build(interp: Interpreter, treedef, leaves, paths, fn, arg_specs, strict, random_state) -> PathSpace:
     """The `PathSpace` from the interpreter's atoms: the node groups (`_groups`), then every entry's source and
-    destination nodes (`_edge_leaves`)."""
+    destination nodes (`_edge_leaves`). ``random_state``: per input, whether it is random state alone (a key, an
+    nnx stream's counter): one whose first axis a scan over layers reads per layer is no batch of examples."""
     n = len(leaves)
     leaves, paths, leaf_info, groups, key_index, num_nodes = _groups(interp, leaves, paths)
     edge_leaves = _stack_layers(interp, _edge_leaves(interp.atoms, leaves, paths, leaf_info, groups, key_index))
@@ -345,7 +348,10 @@ def _build(interp: Interpreter, treedef, leaves, paths, fn, arg_specs, strict) -
     first = tuple(
         i for i, axes in enumerate(interp.input_axes) if axes and any(atoms.position[f] for f in atoms.factors(axes[0]))
     )
-    space = PathSpace(treedef, tuple(edge_leaves[:n]), tuple(groups), num_nodes, fn, arg_specs, positions_first=first)
+    per_layer = tuple(i for i in first if random_state[i])
+    first = tuple(i for i in first if i not in per_layer)
+    space = PathSpace(treedef, tuple(edge_leaves[:n]), tuple(groups), num_nodes, fn, arg_specs,
+                      positions_first=first, random_per_layer=per_layer)  # fmt: skip
     if strict:
         _check_strict(space)
     return space

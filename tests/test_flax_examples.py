@@ -22,8 +22,9 @@ import pathspace_jax as pj
 
 NAMES = list(CASES)  # mnist_linen first: the one the default run builds
 # No hidden node by structure: BatchNorm on running statistics after every convolution (docs/models.md), LSTMs whose
-# only layer after the gates is the readout (seq2seq), tanh layers (sst2). Their optimisers are the plain ones.
-NO_HIDDEN = ("resnet18_eval", "seq2seq", "sst2")
+# only layer after the gates is the readout (seq2seq), tanh layers (sst2), GELU blocks (nnx's scan over layers).
+# Their optimisers are the plain ones.
+NO_HIDDEN = ("resnet18_eval", "seq2seq", "sst2", "scan_over_layers")
 RESCALABLE = [name for name in NAMES if name not in NO_HIDDEN]
 
 OPTIMISERS = {

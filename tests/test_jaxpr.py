@@ -170,3 +170,23 @@ def test_only_the_jaxpr_module_reads_jax_internals():
         if pattern.search(line)
     ]
     assert not offenders, offenders
+
+
+def test_random_state_only_finds_keys_and_counters_through_scans():
+    """Inputs whose values reach only random primitives (an nnx stream's keys and counters, sliced per layer by a
+    scan) are random state; data, and a key the function returns, are not."""
+    from pathspace_jax.rules import is_random
+
+    def fn(w, keys, counts, ids, x, out_key):
+        def layer(h, kc):
+            key, count = kc
+            keep = jax.random.bernoulli(jax.random.fold_in(key, count + 1), 0.5, h.shape)
+            return jnp.where(keep, jax.nn.relu(h @ w), 0.0), None
+
+        h, _ = jax.lax.scan(layer, x + ids.astype(x.dtype)[:, None], (keys, counts))
+        return h, out_key
+
+    args = (jnp.ones((3, 3)), jax.random.split(jax.random.key(0), 2), jnp.zeros(2, jnp.uint32),
+            jnp.zeros(4, jnp.int32), jnp.ones((4, 3)), jax.random.key(1))  # fmt: skip
+    closed = jax.make_jaxpr(fn)(*args)
+    assert jx.random_state_only(closed, is_random) == [False, True, True, False, False, False]
