@@ -42,6 +42,7 @@ class ExampleCase:
     mutable: tuple[str, ...] = ()  # the collections fn returns updated, after its outputs
     sgd_lr: float = 0.05  # the example's learning rate where it trains with SGD (else the docs' 0.05)
     adam_lr: float = 1e-3  # the example's where it trains with Adam (else optax's usual 1e-3)
+    data_loss: Callable[..., Any] | None = None  # the loss without its weight decay (which rescaling changes)
     one_example: bool = False  # DDP-SGD reads the whole batch as one example (a graph batch: no per-example axis)
 
     def batch_axes(self):
@@ -119,13 +120,15 @@ def _resnet(train: bool) -> ExampleCase:
         def fn(p, x):
             return model.apply({"params": p, "batch_stats": stats}, x, train=False)
 
+    def data_loss(p, x):
+        return _ce(fn(p, x)[0] if train else fn(p, x), labels)
+
     def loss(p, x):  # imagenet/train.py: cross-entropy + weight decay 1e-4 on every kernel
-        logits = fn(p, x)[0] if train else fn(p, x)
         weight_l2 = sum(jnp.sum(w**2) for w in jax.tree_util.tree_leaves(p) if w.ndim > 1)
-        return _ce(logits, labels) + 0.0001 * 0.5 * weight_l2
+        return data_loss(p, x) + 0.0001 * 0.5 * weight_l2
 
     name = "resnet18_train" if train else "resnet18_eval"
-    return ExampleCase(name, "examples/imagenet/models.py", fn, params, (x,), loss, state=stats,
+    return ExampleCase(name, "examples/imagenet/models.py", fn, params, (x,), loss, state=stats, data_loss=data_loss,
                        mutable=("batch_stats",) if train else (), sgd_lr=0.1 * 128 / 256)  # fmt: skip
 
 
