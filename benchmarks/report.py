@@ -39,6 +39,9 @@ CAPTIONS = {
     "ddp_norm": "An SGD step on the DDP-normalised network against the plain one and against BatchNorm "
     "(`bench_ddp_norm.py`).",
     "trace": "`pj.trace` in seconds (`bench_trace.py`).",
+    "flax_examples": "google/flax's example models at the test suite's widths, each as its example trains it "
+    "(`bench_flax_examples.py`): the step of each optimiser over `optax.sgd`'s (G-Adam over `optax.adam`'s), and "
+    "SGD's step in ms. Steps of 0.1-1 ms are mostly the launch of small kernels.",
     "depth": "Building and compiling one train step of a Transformer LM whose blocks are stacked with `nn.scan`, "
     "against depth (`bench_depth.py`): seconds, lines of StableHLO, and `x_sgd` the compile time over SGD's.",
     "memory": "Peak host memory of trace + init + the first step, one process per run (`bench_memory.py`): "

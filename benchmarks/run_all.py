@@ -14,7 +14,9 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).parent
-SCRIPTS = tuple("trace gsgd path_sgd ddp kernels buffers eager ddp_norm scale depth memory collectives".split())
+SCRIPTS = tuple(
+    "trace gsgd path_sgd ddp kernels buffers eager ddp_norm scale depth memory collectives flax_examples".split()
+)
 
 
 def main(argv=None) -> None:
