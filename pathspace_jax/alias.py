@@ -53,7 +53,6 @@ def ddp_sgd(
       >>> tx = pj.ddp_sgd(space, 0.1, alpha=1.0)  # one damped probe per step; estimator="exact" for exact κ
       >>> state = tx.init(params)
       >>> updates, state = tx.update(grads, state, params, inputs=x, key=key)
-      >>> tx = pj.ddp_sgd(graph_space, 0.1, alpha=1.0, batch_axes=None)  # a jraph.GraphsTuple: the batch one example
 
     References:
       Neyshabur et al., "Data-dependent path normalization in neural networks", ICLR 2016.

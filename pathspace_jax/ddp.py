@@ -276,8 +276,6 @@ def ddp_kappa(
       >>> space = pj.trace(fn, params, x)
       >>> kappa = pj.ddp_kappa(space, params, x, alpha=0.5)
       >>> kappa = pj.ddp_kappa(space, params, x, alpha=1.0, estimator="probes", key=jax.random.key(0))
-      >>> space = pj.trace(fn_with_mask, params, x, mask)  # fn_with_mask(params, x, mask), one mask for the batch
-      >>> kappa = pj.ddp_kappa(space, params, (x, mask), alpha=1.0, batch_axes=(0, None))
 
     References:
       Neyshabur et al., "Data-dependent path normalization in neural networks", ICLR 2016, eq. (4),

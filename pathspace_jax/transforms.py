@@ -142,8 +142,6 @@ def scale_by_ddp(
       >>> tx = optax.chain(pj.scale_by_ddp(space, alpha=1.0), optax.scale(-0.1))
       >>> state = tx.init(params)
       >>> updates, state = tx.update(grads, state, params, inputs=x)
-      >>> tx = pj.scale_by_ddp(space_kx, alpha=1.0, batch_axes=(None, 0))  # space_kx = pj.trace(fn, params, key, x)
-      >>> updates, state = tx.update(grads, tx.init(params), params, inputs=(key, x))
 
     References:
       Neyshabur, Salakhutdinov, Tomioka, Srebro, "Data-dependent path normalization in neural networks",
