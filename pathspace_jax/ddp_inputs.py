@@ -140,6 +140,14 @@ def _check_structure(space: PathSpace, args: tuple) -> None:
         )
 
 
+def _as_int(a):
+    """A batch axis that ``optax.inject_hyperparams`` made an integer array (it injects every number): its value,
+    or 0 when traced (0 is the one number allowed)."""
+    if not isinstance(a, jax.Array | np.ndarray) or jnp.ndim(a) or not jnp.issubdtype(jnp.result_type(a), jnp.integer):
+        return a
+    return 0 if isinstance(a, jax.core.Tracer) else int(a)
+
+
 def check_inputs(space: PathSpace, inputs, batch_axes=0, who: str = "ddp_kappa") -> tuple[list, tuple]:
     """The inputs' leaves and each one's batch axis (0 or None), checked against the traced arguments.
 
@@ -154,7 +162,7 @@ def check_inputs(space: PathSpace, inputs, batch_axes=0, who: str = "ddp_kappa")
     """
     args = as_args(space, inputs)
     _check_structure(space, args)
-    axes = _leaf_axes(batch_axes, args)
+    axes = [_as_int(a) for a in _leaf_axes(batch_axes, args)]
     bad = [a for a in axes if a is not None and (isinstance(a, bool) or not isinstance(a, (int, np.integer)) or a)]
     if bad:
         raise ValueError(
