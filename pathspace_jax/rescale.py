@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pathspace_jax.errors import PathKappaUnsupportedError
 from pathspace_jax.exact import pow2
 from pathspace_jax.frames import jit_when_eager
 from pathspace_jax.graph import PathSpace, check_path_space, pin_hint, reduced
@@ -154,7 +155,12 @@ def describe(space: PathSpace, params=None) -> str:
     plain step of the learning rate (weight decay's, for instance), not one divided by κ.
     """
     names = [g.name for g in space.groups]
-    off = _off_path(space, params) if params is not None else [""] * len(space.leaves)
+    off = [""] * len(space.leaves)
+    if params is not None:
+        try:
+            off = _off_path(space, params)
+        except PathKappaUnsupportedError:  # no path sums for this network (`path_kappa` says why): no counts
+            pass
 
     def side(idx):
         return "|".join(names[i] for i in idx) if idx else "bias"
