@@ -77,7 +77,10 @@ def scan_nodes(prog: flat.Program, which: str = "sinks") -> list:
         if e.body is None:
             continue
         if any(x.body is not None and (which == "nodes" or x.body.sinks or scan_nodes(x.body)) for x in e.body.eqns):
-            raise DDPUnsupportedError(f"ddp_kappa: a nested scan at {e.where} (one level of recurrence is supported)")
+            raise DDPUnsupportedError(
+                f"ddp_kappa: a nested scan at {e.where}: one level of recurrence is supported. Fix: write the inner "
+                "loop as a Python loop (unrolled), or train this model with Path-SGD or G-SGD"
+            )
         out += [(i, v) for v in getattr(e.body, which)]
     return out
 
