@@ -237,17 +237,13 @@ def ddp_kappa(
         recurrence) or ``"probes"`` (``num_probes`` random-sign VJPs, and as many HVPs on a recurrence;
         unbiased).
       num_probes: number of probes for ``estimator="probes"`` (each costs one more backward pass of the
-        batch). One probe's estimate is heavy-tailed: for an output bias it is exactly 0 whenever the
-        batch's random signs sum to 0 (≈ 7% of draws at batch 64), and dividing a gradient by it blows the
-        step up; ``probe_damping`` bounds that. On the digits MLP at α = 1 one damped probe trains as well
-        as four (best test error 2.2%, the exact estimator 4.4%, one undamped probe 79%).
+        batch). One probe's estimate is heavy-tailed (exactly 0 at an output bias whenever the batch's random
+        signs sum to 0), which ``probe_damping`` bounds; on the digits MLP one damped probe trains as well as
+        four (docs/ddp_sgd.md).
       probe_damping: δ ≥ 0, with ``estimator="probes"`` only: δ · κ_path is added to the estimate, κ_path
         Path-SGD's exact κ (α = 0: one VJP of the squared network). It scales like κ under rescaling, so
-        the step stays invariant, and bounds the step where a draw is near 0 (at an output bias
-        κ_path = 1, the exact α = 1 value): κ̂ + δ κ_path ≥ δ κ_path. The default 0.3: with 0.1, one seed of three
-        diverged at SGD's learning rate on the digits CNN at α = 1 and on a row-wise ReLU RNN at α = 0.5 (rare draws
-        near 0 of a heavy-tailed estimate, at random steps); with 0.3 every seed trained at SGD's best rate and one
-        grid step below it, at or below SGD's test error.
+        the step stays invariant, and bounds the step where a draw is near 0: κ̂ + δ κ_path ≥ δ κ_path. The
+        default 0.3 trained every seed at SGD's best rate where 0.1 let one of three diverge (docs/ddp_sgd.md).
       probe_batch_size: with ``estimator="probes"`` only: run the probes' forward and backward passes on
         this many examples drawn at random (without replacement, from ``key``) instead of the whole batch
         (None, the default, or a size ≥ the batch: the whole batch). The mean over a random subset is an
@@ -257,15 +253,10 @@ def ddp_kappa(
         use the whole batch (one forward pass). Not with a recurrence at 0 < α < 1.
       key: PRNG key for the probes (required for ``estimator="probes"`` when 0 < α).
       batch_axes: where the examples are, as ``jax.vmap``'s ``in_axes``: a pytree prefix of the inputs tuple with 0
-        (the examples along the leading axis) or None (shared by every example: a key, a scale, a mask of the
-        model, nnx state) at each leaf. The default 0: every leaf batched. The function runs on each example as a
-        batch of one, the shared leaves whole. With ``None`` for every leaf the whole batch is one example (a graph
-        batch, which no per-example ``vmap`` splits): its statistics are then those of one example whose nodes are
-        every entry of the batch's activations; at α = 1 (second moment) κ = Σ_t (∂f_t/∂w)² over every output entry
-        t of the batch, the diagonal Fisher of a unit-variance Gaussian model of all the outputs at once: where the
-        graphs do not interact, the per-graph squared gradients summed over the graphs. The variance needs two
-        examples and is refused there. A shared input beside batched ones is a constant of the network (κ is
-        that of the function closed over it, at every α); see `pathspace_jax.ddp_inputs`.
+        (the examples along the leading axis, the default) or None (shared by every example: a key, a scale, a
+        mask, nnx state: a constant of the network) at each leaf. ``None`` for every leaf: the whole batch is one
+        example (a graph batch; at α = 1 the Fisher of all its outputs at once). See `pathspace_jax.ddp_inputs`
+        and docs/ddp_sgd.md, "What DDP-SGD needs of the inputs".
 
     Returns:
       κ, a pytree like ``params`` with the params' dtypes; entries are ≥ 0 (exactly 0 for a weight
@@ -291,19 +282,8 @@ def ddp_kappa(
     xs, axes = check_inputs(space, inputs, batch_axes)
     check_examples(axes, moment, alpha)
     leaves = [jnp.asarray(p) for p in leaves]
-    kappa, lg = ddp_kappa_canonical(
-        space,
-        leaves,
-        xs,
-        key,
-        alpha,
-        moment,
-        estimator,
-        num_probes,
-        probe_damping,
-        probe_batch_size=probe_batch_size,
-        axes=axes,
-    )
+    kappa, lg = ddp_kappa_canonical(space, leaves, xs, key, alpha, moment, estimator, num_probes, probe_damping,
+                                    probe_batch_size=probe_batch_size, axes=axes)  # fmt: skip
     return space.unflatten_like(params, kappa_from_frame(space, kappa, lg))
 
 
@@ -329,17 +309,8 @@ def ddp_kappa_canonical(
     computed inside a ``lax.cond`` (DDP-SGD at ``every > 1``; `conv`). ``axes``: each input's batch axis, 0 or None
     (`pathspace_jax.ddp_inputs.check_inputs`); None: every input batched."""
     axes = (0,) * len(xs) if axes is None else axes
-    param_key = tuple((tuple(p.shape), str(p.dtype)) for p in leaves)
-    # a key's dtype as it is (its name does not parse back into one)
-    input_key = tuple((s, dtype_of(x) if is_key(x) else str(dtype_of(x))) for s, x in zip(example_shapes(xs, axes), xs))
     dt, out_dtypes = compute_dtype(leaves), [p.dtype for p in leaves]
-    const = constant_inputs(xs, axes)  # the inputs shared by the batch: constants of the network, as closed over
-    prog = flat.program(space, param_key, input_key, dtype=dt, who="ddp_kappa", err=DDPUnsupportedError,
-                        allow_scan=True, const_inputs=const if any(const) else None)  # fmt: skip
-    flat.refuse_tying(prog, space, "ddp_kappa", "DDP-SGD's κ is not implemented for that (path_sgd with "
-                      "second_order=False needs no such condition)")  # fmt: skip
-    if alpha == 0.0:
-        flat.refuse_exclusive_branches(prog, space, "Take alpha > 0, or G-SGD")
+    prog = _ddp_program(space, leaves, xs, axes, alpha, dt)
     scans = any(e.body is not None for e in prog.eqns)
     if scans and alpha == 0.0:  # Path-SGD's κ, with the κ⁽²⁾ of the recurrent kernels
         return kappa_canonical(space, leaves, True)
@@ -354,16 +325,7 @@ def ddp_kappa_canonical(
     ]  # as the program computes (`flat.widen`: bfloat16 compute, float32 params)
     n = batch_size(xs, axes)
     b = n if probe_batch_size is None or alpha == 0.0 else min(probe_batch_size, n)  # checked: estimator="probes"
-    if b < n and recurrent:
-        raise ValueError(
-            "ddp_kappa: probe_batch_size is not supported through a recurrence at 0 < alpha < 1 (its recurrent "
-            "term uses the linearised pass of the whole batch); leave it None, or use alpha=1"
-        )
-    probe_xs = xs
-    if b < n:  # the probes' examples: a uniformly random subset of the batch
-        key, sub_key = jax.random.split(key)
-        pick = jax.random.choice(sub_key, n, (b,), replace=False)
-        probe_xs = take_examples(xs, axes, pick)
+    key, probe_xs = _probe_examples(xs, axes, key, b, n, recurrent)
     dtype = jnp.result_type(*leaves)
     ones = all_ones(xs, axes)
 
@@ -424,6 +386,35 @@ def ddp_kappa_canonical(
         kappa = [k + probe_damping * kp for k, kp in zip(kappa, k_path, strict=True)]
     kappa = [k.astype(d) for k, d in zip(kappa, out_dtypes, strict=False)]
     return kappa, lg
+
+
+def _ddp_program(space, leaves, xs, axes, alpha, dt):
+    """The flat program DDP's κ runs (the inputs shared by the batch constants of the network, as closed over),
+    after the refusals that are DDP's own."""
+    param_key = tuple((tuple(p.shape), str(p.dtype)) for p in leaves)
+    # a key's dtype as it is (its name does not parse back into one)
+    input_key = tuple((s, dtype_of(x) if is_key(x) else str(dtype_of(x))) for s, x in zip(example_shapes(xs, axes), xs))
+    const = constant_inputs(xs, axes)
+    prog = flat.program(space, param_key, input_key, dtype=dt, who="ddp_kappa", err=DDPUnsupportedError,
+                        allow_scan=True, const_inputs=const if any(const) else None)  # fmt: skip
+    flat.refuse_tying(prog, space, "ddp_kappa", "DDP-SGD's κ is not implemented for that (path_sgd with "
+                      "second_order=False needs no such condition)")  # fmt: skip
+    if alpha == 0.0:
+        flat.refuse_exclusive_branches(prog, space, "Take alpha > 0, or G-SGD")
+    return prog
+
+
+def _probe_examples(xs, axes, key, b, n, recurrent):
+    """``(key, the probes' inputs)``: the whole batch, or ``b < n`` of its examples drawn uniformly at random."""
+    if b == n:
+        return key, xs
+    if recurrent:
+        raise ValueError(
+            "ddp_kappa: probe_batch_size is not supported through a recurrence at 0 < alpha < 1 (its recurrent "
+            "term uses the linearised pass of the whole batch); leave it None, or use alpha=1"
+        )
+    key, sub_key = jax.random.split(key)
+    return key, take_examples(xs, axes, jax.random.choice(sub_key, n, (b,), replace=False))
 
 
 def _sharded_like(z) -> dict:
