@@ -31,7 +31,7 @@ multiplies every path sum through a node by the same factor, which does not chan
   κ = κ⁽¹⁾ exactly. A params leaf that a scan body multiplies (an RNN cell's kernels) has its gradient
   stopped inside the scan and taken after it, as Σ_t (∂(x_t·p̃)/∂p̃)ᵀ ȳ_t from the recorded operands x_t
   and result cotangents ȳ_t: one batched product, where the VJP through ``lax.scan`` would add T outer
-  products into the kernel's gradient, one read-modify-write pass over it per step (`squared.Tap`; on
+  products into the kernel's gradient, one read-modify-write pass over it per step (`squared_scan.Tap`; on
   the language model of the benchmarks, κ⁽¹⁾ took 49 ms with those passes and 37 ms without).
 * κ⁽²⁾ = 2 p² ∂²G/∂p̃², non-zero for recurrent kernels, which a path of the unrolled network crosses
   at several time steps. In the squared scan body c_s = A c_{s−1} + u_s (A: the carry-to-carry
@@ -118,6 +118,7 @@ from pathspace_jax.frames import (
 )
 from pathspace_jax.graph import PathSpace, check_path_space, compute_dtype
 from pathspace_jax.squared import evaluate
+from pathspace_jax.squared_scan import Tap
 
 __all__ = ["path_norm", "path_kappa", "PathKappaUnsupportedError"]
 
@@ -244,7 +245,7 @@ def _param_product(prog: flat.Program, e) -> tuple[int, int] | None:
 
 def _tap_sites(prog: flat.Program, param_pos: dict) -> dict:
     """``{top-level scan index: ({body equation index: (param operand, activation operand, param position)},
-    shapes)}``: the products of an activation and a params leaf inside a scan body (`pathspace_jax.squared.Tap`),
+    shapes)}``: the products of an activation and a params leaf inside a scan body (`pathspace_jax.squared_scan.Tap`),
     e.g. an RNN cell's input and recurrent kernels. ``shapes`` is filled by the first (abstract) evaluation."""
     sites = {}
     for idx, e in enumerate(prog.eqns):
@@ -347,11 +348,11 @@ def kappa_canonical(space, leaves, second_order, factored=False):
         vals = [V(s, None) for s in sq] + [V(o, None) for o in ones]
         sinks: list = []
         taps = {
-            idx: {k: squared.Tap(jp, ja, None if tap_perts is None else tap_perts[idx][k], [], shapes)
+            idx: {k: Tap(jp, ja, None if tap_perts is None else tap_perts[idx][k], [], shapes)
                   for k, (jp, ja, _) in ks.items()}
             for idx, (ks, shapes) in sites.items()
         }  # fmt: skip
-        top = {idx: squared.Tap(jp, ja, None if dense_perts is None else dense_perts[idx], [], dense_shapes)
+        top = {idx: Tap(jp, ja, None if dense_perts is None else dense_perts[idx], [], dense_shapes)
                for idx, (jp, ja, _) in dense.items()}  # fmt: skip
         outs = evaluate(prog, vals, 2.0, hooks=perts, record=rec, sinks=sinks, taps={**taps, **top}, ones=True,
                         raw=ps)  # fmt: skip
