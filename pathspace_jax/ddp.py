@@ -116,6 +116,7 @@ from pathspace_jax.forward import forward, scan_nodes
 from pathspace_jax.frames import eager_jit, jit_when_eager, kappa_from_frame, on_params_mesh, to_canonical_frame
 from pathspace_jax.graph import PathSpace, check_path_space, compute_dtype
 from pathspace_jax.kappa import kappa_canonical
+from pathspace_jax.refusals import refuse_exclusive_branches, refuse_tying, refuse_undefined
 
 __all__ = ["ddp_kappa", "DDPUnsupportedError"]
 
@@ -159,7 +160,7 @@ def _gamma_net(prog: flat.Program, sq_params: Sequence, ones: Sequence, stats: S
 
 def check_ddp_space(space: PathSpace) -> None:
     check_path_space(space, "ddp_kappa")
-    flat.refuse_undefined(space, "ddp_kappa", DDPUnsupportedError)
+    refuse_undefined(space, "ddp_kappa", DDPUnsupportedError)
 
 
 def check_options(alpha, moment, estimator, num_probes, probe_batch_size=None) -> tuple[float, int, int | None]:
@@ -397,10 +398,10 @@ def _ddp_program(space, leaves, xs, axes, alpha, dt):
     const = constant_inputs(xs, axes)
     prog = flat.program(space, param_key, input_key, dtype=dt, who="ddp_kappa", err=DDPUnsupportedError,
                         allow_scan=True, const_inputs=const if any(const) else None)  # fmt: skip
-    flat.refuse_tying(prog, space, "ddp_kappa", "DDP-SGD's κ is not implemented for that (path_sgd with "
+    refuse_tying(prog, space, "ddp_kappa", "DDP-SGD's κ is not implemented for that (path_sgd with "
                       "second_order=False needs no such condition)")  # fmt: skip
     if alpha == 0.0:
-        flat.refuse_exclusive_branches(prog, space, "Take alpha > 0, or G-SGD")
+        refuse_exclusive_branches(prog, space, "Take alpha > 0, or G-SGD")
     return prog
 
 

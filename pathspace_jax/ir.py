@@ -37,7 +37,7 @@ class Eqn:
     coefficient: bool = False  # a product by a learned scalar, a coefficient on the paths (`Interpreter.rule_mul`)
     # a maximum over entries that different weights feed (maxout by a reshape, max pooling after nn.ConvLocal)
     exclusive: bool = False
-    layers: bool = False  # a scan over layers that the program keeps rolled (`program._rolled`): never unrolled
+    layers: bool = False  # a scan over layers that the program keeps rolled (`pathspace_jax.rolled`): never unrolled
 
     @property
     def where(self) -> str:
@@ -53,7 +53,7 @@ class Eqn:
 class LayerStack:
     """A scan over layers as the interpreter recorded it, its body once per layer (`Interpreter._layer_stack`):
     where each layer's equations lie in the frame and what they read and give, so that `pathspace_jax.program` can
-    keep it one ``scan`` where the layers' recordings are the same up to ids (`pathspace_jax.program._rolled`)."""
+    keep it one ``scan`` where the layers' recordings are the same up to ids (`pathspace_jax.rolled`)."""
 
     eqn: Any  # the scan's jaxpr equation (its source line)
     callers: tuple
@@ -101,7 +101,7 @@ class Program:
     fixed: set[int] = dataclasses.field(default_factory=set)  # params combined into fixed coefficients (trace)
     # act values of groups pinned in part, by their `pathspace_jax.trace.Cut` (None: pieces joined back, rearranged)
     cut: dict[int, Any] = dataclasses.field(default_factory=dict)
-    # of those, the pieces of a cut node concatenated back for a reader of the whole (`program._cut_nodes`)
+    # of those, the pieces of a cut node concatenated back for a reader of the whole (`pathspace_jax.cut_nodes`)
     joins: set[int] = dataclasses.field(default_factory=set)
     into_sinks: set[int] = dataclasses.field(default_factory=set)  # sums a sink continues (`program._into_sinks`)
 

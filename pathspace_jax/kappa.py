@@ -117,6 +117,7 @@ from pathspace_jax.frames import (
     to_canonical_frame,
 )
 from pathspace_jax.graph import PathSpace, check_path_space, compute_dtype
+from pathspace_jax.refusals import refuse_exclusive_branches, refuse_tying, refuse_undefined
 from pathspace_jax.squared import evaluate
 from pathspace_jax.squared_scan import Tap
 
@@ -155,7 +156,7 @@ def _lag_sum(cin, nu, a):
 
 def check_kappa_space(space: PathSpace, who: str) -> None:
     check_path_space(space, who)
-    flat.refuse_undefined(space, who, PathKappaUnsupportedError)
+    refuse_undefined(space, who, PathKappaUnsupportedError)
     for spec in jax.tree_util.tree_leaves(space.arg_specs):
         if not flat.supported_input(spec.dtype):
             raise PathKappaUnsupportedError(
@@ -320,9 +321,9 @@ def kappa_canonical(space, leaves, second_order, factored=False):
     ``factored``: the κ of a dense kernel that `_dense_sites` finds, with a single-row activation, as `RankOne`
     (the others as arrays); otherwise every κ as an array."""
     dt, ps, lg, prog, ones = _setup(space, leaves)
-    flat.refuse_exclusive_branches(prog, space, "Train this model with G-SGD, or DDP-SGD at alpha > 0")
+    refuse_exclusive_branches(prog, space, "Train this model with G-SGD, or DDP-SGD at alpha > 0")
     if second_order:
-        flat.refuse_tying(prog, space, f"{_WHO}(second_order=True)", "the exact κ⁽²⁾ is not implemented for that (use "
+        refuse_tying(prog, space, f"{_WHO}(second_order=True)", "the exact κ⁽²⁾ is not implemented for that (use "
                           "second_order=False for κ⁽¹⁾)")  # fmt: skip
     perts = {}
     if second_order:

@@ -54,6 +54,7 @@ from pathspace_jax.errors import DDPNormalizationError
 from pathspace_jax.forward import run_program
 from pathspace_jax.frames import node_sum, take
 from pathspace_jax.graph import PathSpace, check_path_space, reduced
+from pathspace_jax.refusals import refuse_undefined
 from pathspace_jax.rules import rule
 from pathspace_jax.skeleton import skeleton
 
@@ -82,7 +83,7 @@ def _put(a, layer, value):
 
 def _check(space: PathSpace, alpha, moment, eps) -> float:
     check_path_space(space, "ddp_normalize")
-    flat.refuse_undefined(space, "ddp_normalize", DDPNormalizationError)  # dropout traced; time-major inputs
+    refuse_undefined(space, "ddp_normalize", DDPNormalizationError)  # dropout traced; time-major inputs
     alpha = float(alpha)
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must be in [0, 1], got {alpha}")
@@ -144,7 +145,7 @@ def _nodes(space: PathSpace, prog: flat.Program) -> dict[int, _Node]:
                     "node, which a fixed skip connection is not: it is implemented for networks without them"
                 )
             chain[e.outs[0]] = set().union(*(chain[x] for x in acts if x in chain)) | params
-        elif name == "split" and acts and acts[0] in chain:  # a layer cut into node groups (`program._cut_nodes`)
+        elif name == "split" and acts and acts[0] in chain:  # a layer cut into node groups (`pathspace_jax.cut_nodes`)
             chain.update(dict.fromkeys(e.outs, chain[acts[0]]))
     out: dict[int, _Node] = {}
     for v in prog.nodes:

@@ -3,8 +3,8 @@ DDP-Normalization.
 
 `program` re-traces ``space.fn`` at given shapes and runs the interpreter on its jaxpr once
 (`pathspace_jax.trace.record`), which records the equations it runs on integer value ids (calls inlined, a
-scan over layers once per layer: `pathspace_jax.ir`, which `_rolled` keeps one scan where the layers are the same
-network up to ids) and flags the values in node groups it pins. `_finish`
+scan over layers once per layer: `pathspace_jax.ir`, which `pathspace_jax.rolled` keeps one scan where the layers
+are the same network up to ids) and flags the values in node groups it pins. `_finish`
 gives each value its kind, ``"param"`` (a view of the parameters), ``"act"`` (depends on the inputs) or
 ``"const"``; a recurrence is kept as one ``scan`` equation with its finished body (its carry kinds iterated
 to a fixed point). It also marks the *node* pre-activations that DDP's recursion mixes statistics into: a
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 from collections.abc import Sequence
 
 import jax
@@ -28,8 +27,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from pathspace_jax import jaxpr as jx
+from pathspace_jax.cut_nodes import cut_nodes
 from pathspace_jax.graph import PathSpace
-from pathspace_jax.ir import Eqn, Frame, LayerStack, Program
+from pathspace_jax.ir import Eqn, Frame, Program
+from pathspace_jax.rolled import all_eqns, rolled
 from pathspace_jax.rules import draws, rule
 from pathspace_jax.trace import Cut, record
 
@@ -43,9 +44,9 @@ SCAN_UNROLL = 32
 UNROLL_BYTES = 1 << 20
 
 
-# A scan over at least ROLL_LAYERS layers (``nn.scan``) stays one scan in κ's and DDP's programs (`_rolled`), which
-# then compile in the same time at any depth and run as fast; a shallower one is written out layer by layer, which
-# runs faster there.
+# A scan over at least ROLL_LAYERS layers (``nn.scan``) stays one scan in κ's and DDP's programs
+# (`pathspace_jax.rolled`), which then compile in the same time at any depth and run as fast; a shallower one is
+# written out layer by layer, which runs faster there.
 ROLL_LAYERS = 16
 
 
@@ -172,7 +173,7 @@ def _finish(
     _input_gates(prog, body)
     prog.masks = _masks(prog)
     fresh = _find_nodes(prog, body=body)
-    if (joined := _cut_nodes(prog, fresh)) is not None:
+    if (joined := cut_nodes(prog, fresh)) is not None:
         fresh = _find_nodes(prog, body=body)
         # a cut output: its paths end at its pieces, the sinks (`_find_boundary`), and not again at their concatenation
         pieces = [p for ps in joined.values() for p in ps]
@@ -181,267 +182,6 @@ def _finish(
         prog.outputs = [v for v in prog.outputs if v not in joined]
     _find_boundary(prog, fresh, body=body)
     return prog
-
-
-# ids of the values `_cut_nodes` adds to a program: apart from the recorded ones (counted from 0 per recording)
-_NEW_IDS = itertools.count(1 << 48)
-
-
-def _cut_nodes(prog: Program, fresh: set[int]) -> dict[int, list[int]] | None:
-    """Each node whose groups are pinned in part (a `pathspace_jax.trace.Cut`: a fused kernel's output, of which a
-    gate is pinned and a linear half not, read through slices or after a ReLU) cut into its groups right where it
-    is computed: ``split`` into pieces, which are the nodes (`_find_nodes`: a split is the only use of the value),
-    the pinned ones sinks. Slices that are pieces (``z[:, :h]``, ``z[:, h:]``) become them; where something else
-    reads the node, it reads the pieces ``concatenate``d back instead. An output that is no pre-activation is cut
-    where it is a concatenation of its groups (a ReLU head and a tanh head side by side), else a boundary as a whole.
-    Returns the outputs cut, with their pieces (None where nothing was cut)."""
-    cuts = {n: prog.cut[n] for n in prog.nodes if n in prog.cut}
-    if not cuts:
-        return None
-    outs = {x for x in prog.out_ids if not isinstance(x, tuple)}
-    uses: dict[int, list[Eqn]] = {}
-    for e in prog.eqns:
-        for x in dict.fromkeys(x for x in e.ins if not isinstance(x, tuple)):
-            uses.setdefault(x, []).append(e)
-    eqns, renamed, dropped, joined = [], {}, set(), {}
-    for e in prog.eqns:
-        if id(e) in dropped:
-            continue
-        eqns.append(dataclasses.replace(e, ins=[renamed.get(x, x) if not isinstance(x, tuple) else x for x in e.ins]))
-        for n in (n for n in e.outs if n in cuts):
-            cut, aval = cuts[n], jx.result_avals(e.source)[e.outs.index(n)]
-            if n not in fresh:  # an output computed from nodes
-                side_by_side = e.prim.name == "concatenate" and jx.param(e, "dimension") == cut.axis
-                side_by_side &= cut.blocks == 1
-                ins = eqns[-1].ins  # (renamed)
-                if side_by_side and len(ins) == len(cut.sizes) and not any(isinstance(x, tuple) for x in ins):
-                    joined[n] = list(ins)
-                else:
-                    prog.pinned.add(n)
-                continue
-            starts = np.cumsum((0,) + cut.sizes[:-1]).tolist()
-            boxes = [tuple((a, a + d) if k == cut.axis else (0, m) for k, m in enumerate(aval.shape))
-                     for a, d in zip(starts, cut.sizes, strict=True)]  # fmt: skip
-            shapes = tuple(tuple(b - a for a, b in box) for box in boxes)
-            found, pieces = jx.equations(_cut_into(aval.shape, aval.dtype, cut.axis, cut.sizes, cut.blocks), [n],
-                                         lambda: next(_NEW_IDS))  # fmt: skip
-            eqns += [Eqn(*f[:4], e.source, e.callers) for f in found]
-            prog.kinds.update(dict.fromkeys((o for f in found for o in f[3]), "act"))
-            prog.pinned.update(x for x, pinned in zip(pieces, cut.pinned, strict=True) if pinned)
-            us, along = uses.get(n, []), cut.blocks == 1  # (pieces that interleave are no slices)
-            slices = {id(u): boxes.index(box) for u in us if (box := jx.slice_box(u.prim.name, u.params)) in boxes
-                      and along}  # fmt: skip
-            unstacks = [u for u in us if u.prim.name == "unstack" and set(cut.sizes) == {1} and along
-                        and jx.param(u, "axis") % len(aval.shape) == cut.axis]  # fmt: skip
-            if len(slices) + len(unstacks) == len(us) and n not in outs:  # read in pieces alone: they are the pieces
-                for u in us:
-                    dropped.add(id(u))
-                    if id(u) in slices:
-                        renamed[u.outs[0]] = pieces[slices[id(u)]]
-                        continue
-                    # an unstack (JAX 0.12's `list(z)`): each result is its piece, squeezed
-                    for o, piece, pinned in zip(u.outs, pieces, cut.pinned, strict=True):
-                        found, [renamed[o]] = jx.equations(_squeezed(shapes[0], aval.dtype, cut.axis), [piece],
-                                                           lambda: next(_NEW_IDS))  # fmt: skip
-                        eqns += [Eqn(*f[:4], e.source, e.callers) for f in found]
-                        prog.kinds[renamed[o]] = "act"
-                        if pinned:
-                            prog.pinned.add(renamed[o])
-                continue
-            # something reads the node whole: it reads the pieces concatenated back
-            found, [whole] = jx.equations(_joined(shapes, aval.dtype, cut.axis, cut.blocks), pieces,
-                                          lambda: next(_NEW_IDS))  # fmt: skip
-            eqns += [Eqn(*f[:4], e.source, e.callers) for f in found]
-            joins = [o for f in found for o in f[3]]  # (the pieces side by side, then interleaved)
-            prog.kinds.update(dict.fromkeys(joins, "act"))
-            prog.cut.update(dict.fromkeys(joins) | {whole: cut})
-            prog.joins.update(joins)
-            renamed[n] = whole
-            if n in outs:
-                joined[whole] = pieces
-    prog.eqns = eqns
-    prog.out_ids = [renamed.get(x, x) if not isinstance(x, tuple) else x for x in prog.out_ids]
-    return joined
-
-
-@functools.lru_cache(maxsize=64)
-def _cut_into(shape: tuple, dtype, axis: int, sizes: tuple, blocks: int):
-    """The jaxpr of ``split`` along ``axis`` into ``sizes`` (`_cut_nodes`); with ``blocks`` > 1, of pieces of equal
-    sizes that interleave in that many blocks, laid out side by side first (`_swapped`)."""
-    z = jax.ShapeDtypeStruct(shape, dtype)
-    return jax.make_jaxpr(lambda z: jax.lax.split(_swapped(z, axis, blocks, len(sizes)), sizes, axis))(z)
-
-
-@functools.lru_cache(maxsize=64)
-def _joined(shapes: tuple, dtype, axis: int, blocks: int):
-    """The jaxpr of ``concatenate`` along ``axis`` (`_cut_nodes`), interleaved in ``blocks`` (`_swapped`)."""
-    zs = [jax.ShapeDtypeStruct(s, dtype) for s in shapes]
-    return jax.make_jaxpr(lambda *z: _swapped(jax.lax.concatenate(z, axis), axis, len(z), blocks))(*zs)
-
-
-def _swapped(z, axis: int, outer: int, inner: int):
-    """``z`` with axis ``axis`` read as (outer, inner, rest) and written as (inner, outer, rest): ``outer`` blocks
-    of ``inner`` equal pieces each become the pieces side by side, each its blocks (and back, the counts swapped)."""
-    if 1 in (outer, inner):
-        return z
-    shape = z.shape
-    split = (*shape[:axis], outer, inner, shape[axis] // (outer * inner), *shape[axis + 1 :])
-    return jnp.swapaxes(z.reshape(split), axis, axis + 1).reshape(shape)
-
-
-@functools.lru_cache(maxsize=64)
-def _squeezed(shape: tuple, dtype, axis: int):
-    """The jaxpr of ``squeeze`` of ``axis`` (`_cut_nodes`)."""
-    return jax.make_jaxpr(lambda z: jax.lax.squeeze(z, (axis,)))(jax.ShapeDtypeStruct(shape, dtype))
-
-
-def _all_eqns(eqns):
-    """``eqns`` and the equations of the custom calls among them (`Eqn.inner`), depth first."""
-    for e in eqns:
-        yield e
-        if e.inner is not None:
-            yield from _all_eqns(e.inner)
-
-
-def _same(a, b) -> bool:
-    """Whether two equation params, literals or constants are the same value (arrays by their entries)."""
-    if a is b:
-        return True
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, np.ndarray | jax.Array):
-        return a.shape == b.shape and a.dtype == b.dtype and bool(np.array_equal(a, b))
-    if isinstance(a, tuple | list):
-        return len(a) == len(b) and all(map(_same, a, b))
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    try:
-        return bool(a == b)
-    except Exception:  # a tracer, or a type whose == is not a truth value
-        return False
-
-
-def _rolled(frame: Frame, flags: dict, n_params: int) -> Frame:
-    """``frame`` with each scan over `ROLL_LAYERS` layers or more (`pathspace_jax.ir.LayerStack`: ``nn.scan`` over
-    layers, its body recorded once per layer) kept as one ``scan`` equation over the stacked leaves, its body the
-    recording of the layer that ran first, wherever every layer's recording is that one up to ids (equations,
-    params, constants and flags). The |·|^p network and DDP's forward pass then run it as they run a recurrence,
-    each layer's slices the inputs of its step, and never unroll it (`Eqn.layers`): the programs that κ and DDP's
-    statistics compile are one layer long however deep the stack. A stack is left unrolled (as recorded: the same
-    network) where that is not so, or where its layers read a value computed from the parameters alone or from the
-    inputs alone other than through their slices (a weight shared by the layers: tying; a mask: a gate), where
-    something outside a layer reads a value inside it, or where its final carry is not read (the unrolled program
-    drops the last layer's dead code)."""
-    stacks = [s for s in frame.stacks if s.plain and s.scan.length >= max(ROLL_LAYERS, 2)]
-    if not stacks:
-        return frame
-    params = set(frame.in_ids[:n_params])
-    dep: dict = {i: frozenset({"p" if i in params else "x"}) for i in frame.in_ids}  # params, inputs upstream
-    readers: dict = {}
-    for k, e in enumerate(frame.eqns):
-        for sub in _all_eqns([e]):
-            for x in sub.ins:
-                if not isinstance(x, tuple):
-                    readers.setdefault(x, set()).add(k)
-        d = frozenset().union(*(dep.get(x, frozenset()) for x in e.ins if not isinstance(x, tuple)))
-        dep.update(dict.fromkeys(e.outs, d))
-    for i in frame.out_ids:
-        if not isinstance(i, tuple):
-            readers.setdefault(i, set()).add(len(frame.eqns))
-    rolled: dict[int, Eqn] = {}  # start of a rolled stack's first layer -> its scan equation
-    skip: set[int] = set()
-    for st in sorted(stacks, key=lambda st: st.spans[0][0] - st.spans[-1][1]):  # a stack in a layer: in its body
-        if st.spans[0][0] in skip:
-            continue
-        found = _roll(frame, flags, st, dep, readers)
-        if found is not None:
-            eqn, drop = found
-            rolled[st.spans[0][0]] = eqn
-            skip |= drop
-    if not rolled:
-        return frame
-    eqns = []
-    for k, e in enumerate(frame.eqns):
-        if k in rolled:
-            eqns.append(rolled[k])
-        if k not in skip:
-            eqns.append(e)
-    return dataclasses.replace(frame, eqns=eqns, stacks=[])
-
-
-def _roll(frame: Frame, flags: dict, st: LayerStack, dep: dict, readers: dict):
-    """The scan equation of `_rolled` for ``st`` and the indices of the equations it replaces, or None."""
-    nc, nk, length = st.scan.num_consts, st.scan.num_carry, st.scan.length
-    spans, eqns, consts = st.spans, frame.eqns, frame.consts
-    first = [eqns[k] for k in range(*spans[0])]
-    if any(e.body is not None for e in _all_eqns(first)) or len({b - a for a, b in spans}) != 1:
-        return None
-    inside = set().union(*(range(a, b) for a, b in spans))
-    after = spans[-1][1]  # the equations that stack the ys follow the last layer's
-    made = {o: k for k in range(after, len(eqns)) for o in eqns[k].outs}
-    if not all(y in made for y in st.ys):
-        return None
-    group = inside | set(range(after, max((made[y] + 1 for y in st.ys), default=after)))
-    last = st.outs[-1]
-    defined = {o for k in group for e in _all_eqns([eqns[k]]) for o in e.outs}
-    final = set(last[:nk])
-    if any(isinstance(x, tuple) for ids in st.ins + st.outs for x in ids) or not final <= defined:
-        return None  # (a literal operand or result: a zero carry to start from)
-    for o in defined - final - set(st.ys):
-        if not readers.get(o, set()) <= group:  # a value inside a layer read outside the stack
-            return None
-    if not all(readers.get(o, set()) - group for o in final):  # the final carry is read
-        return None
-    ys_read = [j for j, y in enumerate(st.ys) if readers.get(y)]
-    for layer in range(1, length):
-        m = dict(zip(st.ins[layer], st.ins[0], strict=True))
-
-        def same(a, b, m=m):
-            if isinstance(a, tuple) or isinstance(b, tuple):
-                return isinstance(a, tuple) and isinstance(b, tuple) and _same(a[1], b[1])
-            if a in m:
-                return m[a] == b
-            if a in consts and b in consts and a != b:
-                return _same(consts[a], consts[b])
-            return a == b
-
-        def match(el, e0, m=m):
-            if el.prim is not e0.prim or el.source is not e0.source or len(el.ins) != len(e0.ins):
-                return False
-            if (el.edge, el.coefficient, el.exclusive, el.inner is None) != (e0.edge, e0.coefficient, e0.exclusive,
-                                                                             e0.inner is None):  # fmt: skip
-                return False
-            if not _same(el.params, e0.params) or not all(map(same, el.ins, e0.ins)):
-                return False
-            if el.inner is not None and (len(el.inner) != len(e0.inner) or not all(map(match, el.inner, e0.inner))):
-                return False
-            for a, b in zip(el.outs, e0.outs, strict=True):
-                if m.setdefault(a, b) != b:
-                    return False
-            return True
-
-        here = [eqns[k] for k in range(*spans[layer])]
-        if not all(map(match, here, first)) or not all(map(same, st.outs[layer], st.outs[0])):
-            return None
-        if any(flags.get(a) != flags.get(b) for a, b in m.items()):
-            return None
-    own = set(st.ins[0]) | {o for e in _all_eqns(first) for o in e.outs}
-    free = list(dict.fromkeys(x for e in _all_eqns(first) for x in e.ins
-                              if not isinstance(x, tuple) and x not in own and x not in consts))  # fmt: skip
-    read = [x for e in _all_eqns(first) for x in e.ins] + st.outs[0]
-    body_consts = {x: consts[x] for x in read if not isinstance(x, tuple) and x in consts}
-    outer = free + st.ins[0][:nc]
-    if any(dep.get(x) in ({"p"}, {"x"}) for x in outer + st.init if not isinstance(x, tuple)):
-        return None  # a weight every layer reads (tying), a value of the inputs alone (a mask)
-    if any(dep.get(x) == {"x"} for x in st.xs) or any(flags.get(x) in ("const", True) for x in st.ins[0][nc + nk :]):
-        return None  # the inputs scanned along the layers; slices of fixed coefficients
-    if set(outer) & {x for ins in st.ins for x in ins[nc:]}:
-        return None
-    body = Frame(free + st.ins[0], first, body_consts, st.outs[0][:nk] + [st.outs[0][nk + j] for j in ys_read])
-    scan = jx.Scan(len(outer), nk, length, st.scan.reverse, None)  # (no jaxpr of its own: no κ⁽²⁾ term)
-    eqn = Eqn(st.eqn.primitive, dict(st.eqn.params), outer + st.init + st.xs, last[:nk] + [st.ys[j] for j in ys_read],
-              st.eqn, st.callers, scan=scan, body=body, layers=True)  # fmt: skip
-    return eqn, group
 
 
 def _live(eqns: list[Eqn], out_ids) -> list[Eqn]:
@@ -464,7 +204,7 @@ def _kept_whole(e: Eqn, ks) -> bool:
     return (
         "param" not in ks
         and all(not isinstance(o, tuple) and o in made for o in e.outs)
-        and all(rule(x.prim.name).as_is and not rule(x.prim.name).sums for x in _all_eqns(e.inner) if x.inner is None)
+        and all(rule(x.prim.name).as_is and not rule(x.prim.name).sums for x in all_eqns(e.inner) if x.inner is None)
     )
 
 
@@ -504,7 +244,7 @@ def _find_nodes(prog: Program, body: bool = False) -> set[int]:
                 uses.setdefault(x, []).append(e)
     fresh: set[int] = set()
 
-    def cut(e: Eqn) -> bool:  # a split that is its operand's only use: its pieces are the nodes (`_cut_nodes`)
+    def cut(e: Eqn) -> bool:  # a split that is its operand's only use: its pieces are the nodes (`cut_nodes`)
         return e.prim.name == "split" and uses.get(e.ins[0]) == [e]
 
     def concatenated(e: Eqn) -> bool:  # pre-activations side by side, each read there alone: one node where read
@@ -769,7 +509,7 @@ def _program(space: PathSpace, param_key: tuple, input_key: tuple, mesh, dtype=N
         ) from e
     frame, flags = record(closed, len(param_specs), [leaf.path for leaf in space.leaves])
     if options.get("allow_scan"):  # (DDP-Normalization divides each layer's slice: it keeps them apart)
-        frame = _rolled(frame, flags, len(param_specs))
+        frame = rolled(frame, flags, len(param_specs), ROLL_LAYERS)
     # ``const_inputs``: inputs that are constants of the network, as if closed over (DDP's inputs shared by the batch)
     const = options.pop("const_inputs", None) or (False,) * len(input_specs)
     int_inputs = [c or not jnp.issubdtype(s.dtype, jnp.floating) for s, c in zip(input_specs, const, strict=True)]
@@ -805,19 +545,6 @@ def bind(e: Eqn, vals) -> list:
     return jx.bind(e.prim, e.params, vals)
 
 
-def refuse_undefined(space: PathSpace, who: str, err: type) -> None:
-    """Path sums and DDP's statistics take the first axis of every input as the examples (one all-ones example; the
-    statistics' average): an input whose first axis the function scans or convolves over (time-major sequences) is
-    an error."""
-    if space.positions_first:
-        raise err(
-            f"{who}: the traced function scans or convolves over the first axis of its input(s) "
-            f"#{', #'.join(map(str, space.positions_first))} (time-major sequences?), which {who} takes as the "
-            "batch of examples: trace a function that takes the examples first (nn.RNN(time_major=False), or "
-            "transpose the inputs inside the function)."
-        )
-
-
 def live(eqns, out_ids) -> list:
     """The equations whose outputs reach ``out_ids`` (dead code, e.g. flax's unused reshapes, dropped)."""
     live = {x for x in out_ids if not isinstance(x, tuple)}
@@ -827,119 +554,3 @@ def live(eqns, out_ids) -> list:
             kept.append(e)
             live |= {x for x in e.ins if not isinstance(x, tuple)}
     return kept[::-1]
-
-
-def refuse_tying(prog: Program, space: PathSpace, who: str, what: str) -> None:
-    """Weight tying (one parameter used by several operations) puts it twice on a path where one use is
-    downstream of another: raise ``prog.err`` for that (``who`` the function refusing, ``what`` why and what
-    to do), and for a parameter used twice in a recurrence's body. Uses that no path joins (a tied embedding
-    whose table is looked up into a pinned group and read again as the decoder: the paths end at the
-    boundary) are no tying for path sums: no path crosses the table twice. Nor are the uses of a leaf of kind
-    "other" (the slope of one ``nn.PReLU`` applied after two layers): it is no edge, so κ is not computed for it
-    and no edge is crossed twice."""
-    other = {i for i, leaf in zip(prog.in_ids[: prog.n_params], space.leaves, strict=True) if leaf.kind == "other"}
-    todo = [(set(prog.in_ids[: prog.n_params]) - other, prog, "")]
-    for e in prog.eqns:
-        if e.prim.name == "scan":
-            bp = e.body
-            p_ids = {i for i, x in zip(bp.in_ids, e.ins, strict=True) if bp.kinds[i] == "param" and x not in other}
-            todo.append((p_ids, bp, f" (scan body at {e.where})"))
-    for p_ids, pr, where in todo:
-        uses: dict[int, list] = {}
-        for e in live(pr.eqns, pr.out_ids):
-            for x in {x for x in e.ins if not isinstance(x, tuple)}:
-                if x in p_ids:
-                    uses.setdefault(x, []).append(e)
-        for es in uses.values():
-            if len(es) > 1 and not _disjoint_slices(es) and (where or _on_one_path(pr, es)):
-                raise prog.err(
-                    f"{who}: a parameter is used by several operations{where} (weight tying, at {es[0].where} "
-                    f"and {es[1].where}), so a path can cross it twice outside a recurrence; {what}"
-                )
-
-
-def refuse_exclusive_branches(prog: Program, space: PathSpace, what: str) -> None:
-    """Raise ``prog.err`` for a ``max`` (maxout) or a ``select_n`` on a condition computed from the inputs (a branch
-    written with ``jnp.where``) between activations that different edge parameters feed, or a maximum over pieces
-    that different weights feed (``Eqn.exclusive``: maxout by a reshape, max pooling after ``nn.ConvLocal``)
-    (``what``: what to do).
-    The |·|^p network evaluates it on its own all-ones input and keeps one operand per entry, so the path sums
-    would leave out the weights of the others, which the data still trains: κ would be 0 there and Path-SGD would
-    never update them. A ReLU, a leaky ReLU, ``nn.PReLU`` (its slope is a coefficient, not an edge: kind
-    "other"), max-pooling and masks pass. A recurrence's body is followed step by step until what its carry
-    depends on stops growing: a maxout cell's two pieces differ at the first step, and a maximum over time steps
-    (``max(h, relu(x W))`` from a zero carry) compares an activation with a constant there."""
-    data = "data"  # in a value's reach: it depends on the inputs (an activation at this step)
-
-    def upstream(reach, xs):
-        return [frozenset() if isinstance(x, tuple) else reach.get(x, frozenset()) for x in xs]
-
-    def walk(pr: Program, reach: dict) -> None:  # reach: a value's edge parameters upstream (outer ids), and data
-        for e in pr.eqns:
-            ups = upstream(reach, e.ins)
-            if e.body is not None:
-                bp, nc, ncar = e.body, e.scan.num_consts, e.scan.num_carry
-                while True:
-                    inner = dict(zip(bp.in_ids, ups, strict=True))
-                    walk(bp, inner)
-                    outs = upstream(inner, bp.out_ids)
-                    carry = [a | b for a, b in zip(ups[nc : nc + ncar], outs[:ncar], strict=True)]
-                    if carry == ups[nc : nc + ncar]:
-                        break
-                    ups[nc : nc + ncar] = carry
-                reach.update(zip(e.outs, carry + outs[ncar:], strict=True))
-                continue
-            which, cases = (ups[0], ups[1:]) if e.prim.name == "select_n" else (frozenset([data]), ups)
-            acts = {r for r in cases if data in r}
-            if e.exclusive and data in ups[0] and e.ins[0] not in pr.pinned:  # (`Eqn.exclusive`)
-                op, which = "a maximum over pieces", "pieces that different weights feed (a maxout unit, max pooling "
-                which, instead = which + "after nn.ConvLocal)", "."
-            elif e.prim.name in ("max", "select_n") and data in which and len(acts) > 1:
-                op = "a max" if e.prim.name == "max" else "a jnp.where on a condition computed from the inputs"
-                which = "activations that different parameters feed (a maxout unit, or a branch)"
-                instead = ", or choose the branch in Python."
-            else:
-                op = None
-            if op is not None:
-                raise prog.err(
-                    f"{prog.who}: {op} at {e.where} chooses between {which}: the |w|^p network keeps one of them per "
-                    f"entry, so κ would be 0 on the others' weights and they would never be updated. {what}{instead}"
-                )
-            made = all(pr.kinds[x] != "act" for x in e.ins if not isinstance(x, tuple))  # a lookup, a cast
-            up = frozenset().union(*ups) | ({data} if made else set())
-            reach.update((o, up if pr.kinds[o] == "act" else up - {data}) for o in e.outs)
-
-    params = zip(prog.in_ids[: prog.n_params], space.leaves, strict=True)
-    reach = {i: frozenset([i]) for i, leaf in params if leaf.kind != "other"}
-    reach.update((i, frozenset([data])) for i in prog.in_ids[prog.n_params :] if prog.kinds[i] == "act")
-    walk(prog, reach)
-
-
-def _on_one_path(prog: Program, uses: list) -> bool:
-    """Whether some path of the |·|^p network crosses two of ``uses`` (equations reading one parameter): a use
-    in a loop, or one whose operands depend on another's results through values that are not boundaries (the
-    paths that reach a pinned node end there, and what is computed from it starts new ones at 1)."""
-    if any(e.body is not None for e in uses):
-        return True
-    stop, at = prog.bnd | set(prog.sinks), {id(e) for e in uses}
-    reach: set[int] = set()
-    for e in prog.eqns:
-        joined = any(x in reach and x not in stop for x in e.ins if not isinstance(x, tuple))
-        if joined and id(e) in at:
-            return True
-        if joined or id(e) in at:
-            reach.update(e.outs)
-    return False
-
-
-def _disjoint_slices(eqns) -> bool:
-    """Whether every use of a parameter is a static slice and no two slices share an entry (the layers of a leaf
-    stacked with ``nn.scan``): no path crosses one entry twice, so that is no weight tying."""
-    boxes = [jx.slice_box(e.prim.name, e.params) for e in eqns]
-    if any(b is None for b in boxes):
-        return False
-    return all(
-        any(hi_a <= lo_b or hi_b <= lo_a for (lo_a, hi_a), (lo_b, hi_b) in zip(a, b, strict=True))
-        for i, a in enumerate(boxes)
-        for b in boxes[i + 1 :]
-    )

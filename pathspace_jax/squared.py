@@ -278,7 +278,7 @@ def evaluate(
 
 
 def _joined_boundary(prog: Program, e: Eqn, ks, outs: list, spread: set, boundary: set) -> list:
-    """The pieces of a cut node read whole are joined back (`pathspace_jax.program._cut_nodes`), its pinned pieces
+    """The pieces of a cut node read whole are joined back (`pathspace_jax.cut_nodes`), its pinned pieces
     1 there (sinks); what is computed from them without a parameter edge (a ReLU, a mean over positions) keeps its
     pinned groups' entries at 1, as the network with one kernel per piece makes the values computed from boundary
     values alone (`pathspace_jax.program._find_boundary`). Adds such a result to ``spread``."""
