@@ -191,7 +191,7 @@ class Val:
     # values, one per layer (`pathspace_jax.shape_rules.ShapeRules.rule_stack`)
     layers: tuple | None = None
     # a layer's output seen in pieces along axis k and read piece by piece: (k, each piece's axes, the layer's node
-    # atom, the axis its node axes begin at), as `pathspace_jax.shape_rules.ShapeRules._cut_in_pieces` makes it
+    # atom, the axis its node axes begin at), as `pathspace_jax.piece_rules.PieceRules._cut_in_pieces` makes it
     pieces: tuple | None = None
     id: Any = None  # the value's id in the recorded program (`pathspace_jax.ir`), or ("lit", value)
 

@@ -1,7 +1,7 @@
 """The abstract interpreter that finds a network's structure (`Interpreter`, run by `pathspace_jax.trace`).
 
 Each primitive has one small rule saying how atoms flow (`pathspace_jax.rules` gives each its kind; the
-primitives that rearrange entries have theirs in `pathspace_jax.shape_rules`):
+primitives that rearrange entries have theirs in `pathspace_jax.shape_rules`, `piece_rules` and `index_rules`):
 
 * ``dot_general`` / ``conv_general_dilated`` with a parameter operand unify the contracted activation axis
   with the parameter's input axis and give the result the parameter's output axis: an edge tensor between
@@ -37,7 +37,9 @@ from pathspace_jax import jaxpr as jx
 from pathspace_jax import rules
 from pathspace_jax.atoms import ACT, CONST, PARAM, Atoms, Val
 from pathspace_jax.graph import FROZEN
+from pathspace_jax.index_rules import IndexRules
 from pathspace_jax.ir import Eqn, LayerStack, Recorder
+from pathspace_jax.piece_rules import PieceRules
 from pathspace_jax.shape_rules import ShapeRules
 
 MIXES_COMPUTED = "mixes nodes with coefficients computed from parameters"
@@ -48,7 +50,7 @@ class Recorded(list):
     their ids and records nothing more for the equation."""
 
 
-class Interpreter(ShapeRules):
+class Interpreter(ShapeRules, PieceRules, IndexRules):
     """The abstract interpreter behind `pathspace_jax.trace`: runs a jaxpr on `Val`s, one rule per equation
     (`pathspace_jax.rules` says which), unifying and pinning atoms; records every equation it runs, with its
     results' atoms, in ``rec`` (`pathspace_jax.ir.Recorder`): the flat program, in the same pass."""
