@@ -20,16 +20,13 @@ import numpy as np
 
 from pathspace_jax import jaxpr as jx
 from pathspace_jax.atoms import ACT, CONST, PARAM, Atoms, Val
+from pathspace_jax.edge_leaves import leaf_edges, stack_layers
 from pathspace_jax.errors import UnsupportedModelError
 from pathspace_jax.graph import (
-    BIAS_NODE,
-    EdgeLeaf,
     NodeGroup,
     PathSpace,
     leaf_path_strings,
-    node_view,
     pin_hint,
-    reduced,
 )
 from pathspace_jax.ir import Frame
 from pathspace_jax.rules import is_random
@@ -339,11 +336,12 @@ def _clashes(keys):
 
 def _build(interp: Interpreter, treedef, leaves, paths, fn, arg_specs, strict, random_state) -> PathSpace:
     """The `PathSpace` from the interpreter's atoms: the node groups (`_groups`), then every entry's source and
-    destination nodes (`_edge_leaves`). ``random_state``: per input, whether it is random state alone (a key, an
-    nnx stream's counter): one whose first axis a scan over layers reads per layer is no batch of examples."""
+    destination nodes (`pathspace_jax.edge_leaves.leaf_edges`). ``random_state``: per input, whether it is random
+    state alone (a key, an nnx stream's counter): one whose first axis a scan over layers reads per layer is no batch
+    of examples."""
     n = len(leaves)
     leaves, paths, leaf_info, groups, key_index, num_nodes = _groups(interp, leaves, paths)
-    edge_leaves = _stack_layers(interp, _edge_leaves(interp.atoms, leaves, paths, leaf_info, groups, key_index))
+    edge_leaves = stack_layers(interp.slices, leaf_edges(interp.atoms, leaves, paths, leaf_info, groups, key_index))
     atoms = interp.atoms
     first = tuple(
         i for i, axes in enumerate(interp.input_axes) if axes and any(atoms.position[f] for f in atoms.factors(axes[0]))
@@ -355,35 +353,6 @@ def _build(interp: Interpreter, treedef, leaves, paths, fn, arg_specs, strict, r
     if strict:
         _check_strict(space)
     return space
-
-
-def _stack_nodes(per_layer: list[np.ndarray], shape) -> np.ndarray:
-    """The node arrays of a leaf's layers stacked along a first axis, as a view of their small arrays."""
-    small = [reduced(a)[0] for a in per_layer]
-    common = np.broadcast_shapes(*(a.shape for a in small))
-    return node_view(np.stack([np.broadcast_to(a, common) for a in small]), shape, shape)
-
-
-def _stack_layers(interp: Interpreter, edge_leaves: list[EdgeLeaf]) -> list[EdgeLeaf]:
-    """Each stacked params leaf from its layers' slices (`Interpreter.layer_slice`): their source and destination
-    nodes stacked along the first axis (deepest stacks first: a slice may itself be stacked)."""
-    edge_leaves = list(edge_leaves)
-    children: dict[int, list[int]] = {}
-    for (leaf, _), j in sorted(interp.slices.items()):  # by layer
-        children.setdefault(leaf, []).append(j)
-    for leaf in sorted(children, reverse=True):
-        parts = [edge_leaves[j] for j in children[leaf]]
-        old, kinds = edge_leaves[leaf], {p.kind for p in parts}
-        if kinds == {"other"}:  # `_unstackable`
-            neg = node_view(-1, old.shape, old.shape)
-            note = "; ".join(dict.fromkeys(p.note for p in parts if p.note))
-            edge_leaves[leaf] = EdgeLeaf(old.path, old.shape, old.dtype, "other", (), (), neg, neg, note)
-            continue
-        src, dst = (_stack_nodes([getattr(p, side) for p in parts], old.shape) for side in ("src", "dst"))
-        groups = [tuple(sorted({g for p in parts for g in getattr(p, side)})) for side in ("src_groups", "dst_groups")]
-        recurrent = any(p.recurrent for p in parts)
-        edge_leaves[leaf] = EdgeLeaf(old.path, old.shape, old.dtype, parts[0].kind, *groups, src, dst, "", recurrent)
-    return edge_leaves
 
 
 def _leaf_roles(interp: Interpreter, leaves, paths) -> list[tuple]:
@@ -408,7 +377,7 @@ def _leaf_roles(interp: Interpreter, leaves, paths) -> list[tuple]:
         diagonal.setdefault(leaf, {}).update(zip(atoms.factors(list(ins)), atoms.factors(outs)))
     leaf_info = []  # (kind, factors, node_in, node_out, note, first_step, ends)
     for i in range(len(leaves)):
-        if i in stacked:  # its layers' slices are the leaves (`_stack_layers`)
+        if i in stacked:  # its layers' slices are the leaves (`pathspace_jax.edge_leaves.stack_layers`)
             leaf_info.append(("other", [], None, None, "", 0, []))
             continue
         note = "; ".join(dict.fromkeys(interp.other[i]))
@@ -453,7 +422,7 @@ def _leaf_roles(interp: Interpreter, leaves, paths) -> list[tuple]:
 def _unstackable(interp: Interpreter, leaves, paths, leaf: int, leaf_info: list) -> None:
     """A stacked leaf is one edge bundle per layer only where every layer is read, each in the same role, and the
     leaf is not also read whole: otherwise its layers' slices are "other" too (their units pinned), and so is the
-    leaf (`_stack_layers`)."""
+    leaf (`pathspace_jax.edge_leaves.stack_layers`)."""
 
     def slices(parent):  # the leaves that hold the parent's entries: its layers' slices, theirs if stacked again
         kids = [j for (p, _), j in interp.slices.items() if p == parent]
@@ -566,69 +535,6 @@ def _node_groups(interp: Interpreter, leaf_info) -> tuple[list[NodeGroup], dict,
         if groups[gi].reasons or groups[gi].kind == "input" and key in fed and any(atoms.reasons[a] for a in key)
     }  # fmt: skip
     return groups, key_index, offset
-
-
-def _edge_leaves(atoms: Atoms, leaves, paths, leaf_info, groups, key_index) -> list[EdgeLeaf]:
-    """Every leaf as an `EdgeLeaf`: the source and destination node of each entry."""
-    offsets = np.array([g.offset for g in groups])
-
-    def node_ids(root: int) -> np.ndarray:
-        """Global node ids of the nodes along one (single-atom) group axis: of its groups side by side, in order (in
-        blocks where they interleave, `Atoms.blocks`), each numbered row-major in its factors sorted by root (as
-        `side` numbers a group of several factors)."""
-        if atoms.alias[root] is None:
-            return group_ids([root])
-        ids = []
-        for s in atoms.alias[root]:
-            fs = atoms.factors([s])
-            ids.append(node_ids(fs[0]) if len(fs) == 1 and atoms.alias[fs[0]] is not None else group_ids(fs))
-        return np.concatenate([i.reshape(atoms.blocks[root], -1) for i in ids], axis=1).ravel()
-
-    def group_ids(seg: list[int]) -> np.ndarray:
-        """Global node ids of the entries of the group of factor roots ``seg``, laid out row-major in ``seg``'s order
-        and numbered row-major in the roots' sorted order, positions left out."""
-        sizes, local = [atoms.size[r] for r in seg], np.zeros((), np.int64)
-        grids = np.meshgrid(*[np.arange(n) for n in sizes], indexing="ij")
-        nodes = sorted((k for k in range(len(seg)) if not atoms.position[seg[k]]), key=lambda k: seg[k])
-        if len(nodes) == 1 and atoms.alias[seg[nodes[0]]] is not None:  # groups side by side, at every position
-            ids = node_ids(seg[nodes[0]]).reshape([-1 if k == nodes[0] else 1 for k in range(len(seg))])
-            return np.broadcast_to(ids, sizes).ravel()
-        for k in nodes:  # (the same nodes at every position of a flattened feature map)
-            local = local * sizes[k] + grids[k]
-        return groups[key_index[tuple(seg[k] for k in nodes)]].offset + np.broadcast_to(local, sizes).ravel()
-
-    edge_leaves = []
-    for i, (leaf, (kind, factors, node_in, node_out, note, _, ends)) in enumerate(zip(leaves, leaf_info)):
-        shape = tuple(int(d) for d in leaf.shape)
-        if kind == "other":
-            neg = node_view(-1, shape, shape)
-            edge_leaves.append(EdgeLeaf(paths[i], shape, str(leaf.dtype), "other", (), (), neg, neg, note))
-            continue
-        sizes = [atoms.size[r] for r in factors]
-
-        def side(nodes: list[int], factors: list[int], shape=shape, sizes=sizes) -> tuple[np.ndarray, tuple[int, ...]]:
-            """Global node of every entry on one side of the edge; nodes = positions of node factors."""
-
-            def grid(k: int) -> np.ndarray:
-                return np.arange(sizes[k]).reshape([-1 if j == k else 1 for j in range(len(sizes))])
-
-            if not nodes:
-                return node_view(BIAS_NODE, shape, shape), ()
-            if len(nodes) == 1:
-                ids = node_ids(factors[nodes[0]])
-                gidx = np.searchsorted(offsets, np.unique(ids), side="right") - 1
-                return node_view(ids[grid(nodes[0])], sizes, shape), tuple(sorted(set(gidx.tolist())))
-            order = sorted(nodes, key=lambda k: factors[k])
-            g = key_index[tuple(factors[k] for k in order)]
-            local = np.zeros([1] * len(sizes), np.int64)
-            for k in order:
-                local = local * sizes[k] + grid(k)
-            return node_view(groups[g].offset + local, sizes, shape), (g,)
-
-        src, sg = side(node_in, factors)
-        dst, dg = side(node_out, ends)
-        edge_leaves.append(EdgeLeaf(paths[i], shape, str(leaf.dtype), kind, sg, dg, src, dst))
-    return edge_leaves
 
 
 def _check_strict(space: PathSpace) -> None:
