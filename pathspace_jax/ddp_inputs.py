@@ -53,7 +53,7 @@ def dtype_of(x):
 
 def is_key(x) -> bool:
     """Whether ``x`` is an array of typed PRNG keys."""
-    return jax.dtypes.issubdtype(dtype_of(x), jax.dtypes.prng_key)
+    return flat.is_key(dtype_of(x))
 
 
 def as_args(space: PathSpace, inputs) -> tuple:
@@ -177,7 +177,7 @@ def check_inputs(space: PathSpace, inputs, batch_axes=0, who: str = "ddp_kappa")
     for (path, x), spec, ax in zip(paths, specs, axes, strict=True):
         where, shape = f"inputs{jax.tree_util.keystr(path)}", tuple(jnp.shape(x))
         dt = dtype_of(x)
-        if not is_key(x) and not flat.supported_input(dt):
+        if not flat.supported_input(dt):  # (PRNG keys included)
             raise DDPUnsupportedError(f"{who}: {where} must be floating point, token ids, a mask or a key, got {dt}")
         if ax is None:
             if shape != tuple(spec.shape):
