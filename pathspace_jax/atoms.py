@@ -182,16 +182,16 @@ class Val:
     scaled: bool = False  # a parameter's view times fixed coefficients (BatchNorm's scale over its running deviation)
     # a fully pinned value times a per-unit parameter, (value, parameter), read once, by a product (`rule_mul`); or
     # coefficients computed from parameters times one (a gain per output unit), read once, as a kernel, in the making
-    # (`Interpreter.kernel_scale`)
+    # (`idioms.kernel_scale`)
     factors: tuple | None = None
     # a constant computed from parameters (weight normalisation's v/‖v‖, a power iteration's vectors): a coefficient,
     # not a fixed input of the network
     from_params: bool = False
     # whole params leaves stacked along a new first axis, read only as a scan's xs (layers scanned over): the leaves'
-    # values, one per layer (`pathspace_jax.shape_rules.ShapeRules.rule_stack`)
+    # values, one per layer (`rules_shape.rule_stack`)
     layers: tuple | None = None
     # a layer's output seen in pieces along axis k and read piece by piece: (k, each piece's axes, the layer's node
-    # atom, the axis its node axes begin at), as `pathspace_jax.piece_rules.PieceRules._cut_in_pieces` makes it
+    # atom, the axis its node axes begin at), as `pieces._cut_in_pieces` makes it
     pieces: tuple | None = None
     id: Any = None  # the value's id in the recorded program (`pathspace_jax.ir`), or ("lit", value)
 

@@ -18,7 +18,7 @@ def stack_nodes(per_layer: list[np.ndarray], shape) -> np.ndarray:
 
 
 def stack_layers(slices, leaves: list[EdgeLeaf]) -> list[EdgeLeaf]:
-    """Each stacked params leaf from its layers' slices (``slices``: `Interpreter.layer_slice`'s, (leaf, layer) ->
+    """Each stacked params leaf from its layers' slices (``slices``: `Walker.layer_slice`'s, (leaf, layer) ->
     the slice's leaf): their source and destination nodes stacked along the first axis (deepest stacks first: a slice
     may itself be stacked)."""
     out = list(leaves)

@@ -33,8 +33,10 @@ class Eqn:
     scan: jx.Scan | None = None  # for a scan: its operand split, length, direction
     body: Any = None  # for a scan: its body, a `Frame` as recorded, a `Program` once finished
     inner: list[Eqn] | None = None  # for a custom_jvp/custom_vjp call: its body's equations, as recorded
-    edge: bool = False  # an elementwise product the trace made an edge (a learned per-unit scale, `Interpreter`)
-    coefficient: bool = False  # a product by a learned scalar, a coefficient on the paths (`Interpreter.rule_mul`)
+    edge: bool = False  # an elementwise product the trace made an edge (a learned per-unit scale, `rules_elementwise`)
+    coefficient: bool = (
+        False  # a product by a learned scalar, a coefficient on the paths (`rules_elementwise.rule_mul`)
+    )
     # a maximum over entries that different weights feed (maxout by a reshape, max pooling after nn.ConvLocal)
     exclusive: bool = False
     layers: bool = False  # a scan over layers that the program keeps rolled (`pathspace_jax.rolled`): never unrolled
@@ -51,7 +53,7 @@ class Eqn:
 
 @dataclasses.dataclass
 class LayerStack:
-    """A scan over layers as the interpreter recorded it, its body once per layer (`Interpreter._layer_stack`):
+    """A scan over layers as the interpreter recorded it, its body once per layer (`rules_control._layer_stack`):
     where each layer's equations lie in the frame and what they read and give, so that `pathspace_jax.program` can
     keep it one ``scan`` where the layers' recordings are the same up to ids (`pathspace_jax.rolled`)."""
 
@@ -115,6 +117,11 @@ class Program:
         per-unit scale (``e.edge``)."""
         edges = e.edge or e.prim.name in ("dot_general", "conv_general_dilated")
         return edges and any(map(self.edge_param, e.ins))
+
+
+class Recorded(list):
+    """A rule's results that are recorded already (a call's body inlined, a scan): the walker
+    (`pathspace_jax.tracer.Walker.run`) keeps their ids and records nothing more for the equation."""
 
 
 class Recorder:

@@ -1,8 +1,8 @@
 """The rule table: what each JAX primitive means to pathspace_jax, in one place.
 
 Every primitive the library understands has one `Rule`: how `pathspace_jax.trace` reads it when it finds the
-path structure of a network (``structure``), and how the |·|^p network behind path norms, κ and DDP's
-statistics treats it (the other fields, `pathspace_jax.squared`). A primitive with no entry is "not known to
+path structure of a network (its tracing function, ``trace``), and how the |·|^p network behind path norms, κ and
+DDP's statistics treats it (the other fields, `pathspace_jax.squared`). A primitive with no entry is "not known to
 be positively homogeneous": ``trace`` pins the activations it touches and the |·|^p network refuses it.
 
 Adding support for a primitive is one entry, `register`; for example a custom primitive that copies its
@@ -11,32 +11,53 @@ effect)::
 
     rules.register("my_copy", rules.Rule(structure="relabel", as_is=True, passes_node=True, keeps_ones=True))
 
-The entries below are grouped by identical rules. Primitive names and parameters are JAX's jaxpr format,
+The tracing functions are grouped by concern in `pathspace_jax.rules_elementwise`, `rules_linear`, `rules_reduce`,
+`rules_shape`, `rules_index`, `rules_control` and `pieces`; each is ``trace(walker, eqn, ins) -> outs``, on the
+walker's abstract values (`pathspace_jax.tracer.Walker`). Primitive names and parameters are JAX's jaxpr format,
 read in `pathspace_jax.jaxpr`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+
+from pathspace_jax import pieces
+from pathspace_jax import rules_control as control
+from pathspace_jax import rules_elementwise as elementwise
+from pathspace_jax import rules_index as index
+from pathspace_jax import rules_linear as linear
+from pathspace_jax import rules_reduce as reduce
+from pathspace_jax import rules_shape as shape
 
 __all__ = ["Rule", "rule", "register", "is_random", "draws", "STRUCTURES"]
 
-STRUCTURES = ("method", "relabel", "nonlinear", "degree0", "compare", "source")
+# the families of primitives whose tracing function is one of these (``Rule(structure=...)``)
+_FAMILIES = {
+    "relabel": elementwise.relabel,
+    "nonlinear": elementwise.nonlinear,
+    "degree0": elementwise.degree0,
+    "compare": elementwise.compare,
+    "source": elementwise.source,
+}
+STRUCTURES = tuple(_FAMILIES)
 
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
     """What one primitive means to the library.
 
-    ``structure``, how `pathspace_jax.trace` reads it:
+    How `pathspace_jax.trace` reads it: ``trace``, its tracing function, ``trace(walker, eqn, ins) -> outs`` (the
+    walker, `pathspace_jax.tracer.Walker`; the equation; its operands' abstract values, `pathspace_jax.atoms.Val`;
+    one value per result), which unifies and pins the atoms of its operands' axes; or ``structure``, the family
+    it belongs to, whose function is then ``trace``:
 
-    - ``"method"``: a rule of its own, the tracer's ``rule_<name>`` (products, sums, shapes, control flow);
     - ``"relabel"``: each output is its operand, same entries and axes (a dtype conversion, a copy, ``neg``);
     - ``"nonlinear"``: not positively homogeneous (``tanh``, ``exp``): the activations it reads are pinned;
     - ``"degree0"``: its output does not scale with its operands (``sign``): a constant of the structure;
     - ``"compare"``: as ``"degree0"``, and comparing an activation with a non-zero constant pins it;
     - ``"source"``: a fresh constant with no operands that matter (``iota``);
-    - None: unknown; the activations it touches are pinned ("not known to be positively homogeneous").
+    - neither: unknown; the activations it touches are pinned ("not known to be positively homogeneous").
 
     The |·|^p network (`pathspace_jax.squared`; all False for a primitive it refuses):
 
@@ -62,6 +83,7 @@ class Rule:
     keeps_ones: bool = False
     same_entries: bool = False
     breaks_linearity: bool = False
+    trace: Callable | None = None
 
     @property
     def continues_node(self) -> bool:
@@ -69,8 +91,17 @@ class Rule:
         return self.passes_node or self.merges_node
 
     def __post_init__(self):
-        if self.structure is not None and self.structure not in STRUCTURES:
-            raise ValueError(f"Rule.structure must be one of {STRUCTURES} or None, got {self.structure!r}")
+        if self.structure is None:
+            return
+        if self.structure not in _FAMILIES:
+            raise ValueError(
+                f"Rule.structure must be one of {STRUCTURES} or None, got {self.structure!r}; a primitive with a "
+                "rule of its own gives its tracing function instead: Rule(trace=f), f(walker, eqn, ins) -> outs "
+                "(see pathspace_jax.rules_elementwise for examples)"
+            )
+        if self.trace is not None and self.trace is not _FAMILIES[self.structure]:
+            raise ValueError(f"Rule: give structure={self.structure!r} or trace=, not both")
+        object.__setattr__(self, "trace", _FAMILIES[self.structure])
 
 
 _TABLE: dict[str, Rule] = {}
@@ -86,7 +117,8 @@ def rule(name: str) -> Rule:
 
 def is_random(name: str) -> bool:
     """Whether the primitive ``name`` makes PRNG keys or draws random numbers from them (``jax.random``, Flax's
-    ``Dropout`` and ``make_rng``): for the structure, its results are constants, like an input (`Interpreter.apply`)."""
+    ``Dropout`` and ``make_rng``): for the structure, its results are constants, like an input
+    (`pathspace_jax.tracer.Walker.apply`)."""
     return name.startswith(_RANDOM_PREFIXES)
 
 
@@ -100,8 +132,7 @@ def draws(name: str) -> bool:
 def register(name: str, entry: Rule, *, replace: bool = False) -> None:
     """Add the rule of the primitive ``name`` (``replace=True`` to change an existing entry).
 
-    A ``"method"`` structure needs a ``rule_<name>`` method on the tracer; the other structures need nothing
-    else. Programs already traced keep the rules they were traced with (`pathspace_jax.trace` and the |·|^p
+    Programs already traced keep the rules they were traced with (`pathspace_jax.trace` and the |·|^p
     programs are cached per function and shapes).
     """
     if not isinstance(entry, Rule):
@@ -119,41 +150,63 @@ def _group(entry: Rule, *names: str) -> None:
 # ---------------------------------------------------------------------------- the table
 
 _SHAPE = dict(as_is=True, passes_node=True, keeps_ones=True, same_entries=True)
-_group(Rule("method", **_SHAPE), "reshape", "squeeze", "broadcast_in_dim")
+_group(Rule(trace=shape.rule_reshape, **_SHAPE), "reshape")
+_group(Rule(trace=shape.rule_squeeze, **_SHAPE), "squeeze")
+_group(Rule(trace=shape.rule_broadcast_in_dim, **_SHAPE), "broadcast_in_dim")
 _group(Rule(None, **_SHAPE), "expand_dims")
 _group(Rule("relabel", **_SHAPE), "convert_element_type")
 _group(Rule("relabel", as_is=True, passes_node=True, keeps_ones=True), "copy", "copy_p")
 _group(Rule("relabel", as_is=True, passes_node=True), "reduce_precision")
-_group(Rule("method", as_is=True, passes_node=True), "transpose")
+_group(Rule(trace=shape.rule_transpose, as_is=True, passes_node=True), "transpose")
 _group(Rule("relabel", passes_node=True), "neg")
 # stop_gradient of an activation: the same values (the network's function does not see it); the |·|^p network
 # computes it as the identity, so that κ counts the paths through it, while DDP's forward pass keeps it, as the
-# user's gradient does. Of a pinned value or parameters: a constant of the structure (`Interpreter.rule_stop_gradient`)
-_group(Rule("method", passes_node=True, keeps_ones=True, same_entries=True), "stop_gradient")
+# user's gradient does. Of a pinned value or parameters: a constant of the structure (`elementwise.rule_stop_gradient`)
+_group(
+    Rule(trace=elementwise.rule_stop_gradient, passes_node=True, keeps_ones=True, same_entries=True), "stop_gradient"
+)
 _group(Rule("relabel"), "device_put", "optimization_barrier", "pvary", "real", "sharding_constraint")
 
-_group(Rule("method", as_is=True, merges_node=True, sums=True), "add", "add_any")
-_group(Rule("method", merges_node=True), "sub")
-_group(Rule("method", merges_node=True, multiplicative=True), "mul", "div")
-_group(Rule("method", multiplicative=True), "dot_general", "conv_general_dilated")
-_group(Rule("method", as_is=True, sums=True), "reduce_sum", "reduce_window_sum", "scatter-add", "cumsum")
-_group(
-    Rule("method", as_is=True),
-    "concatenate", "stack", "tile", "dynamic_slice", "gather", "pad", "rev", "slice", "split", "unstack",
-)  # fmt: skip
-_group(Rule("method", as_is=True, passes_node=True), "scatter")  # x.at[ids].set(0): entries set to zero
+_group(Rule(trace=elementwise.rule_add, as_is=True, merges_node=True, sums=True), "add", "add_any")
+_group(Rule(trace=elementwise.rule_add, merges_node=True), "sub")
+_group(Rule(trace=elementwise.rule_mul, merges_node=True, multiplicative=True), "mul")
+_group(Rule(trace=elementwise.rule_div, merges_node=True, multiplicative=True), "div")
+_group(Rule(trace=linear.rule_dot_general, multiplicative=True), "dot_general")
+_group(Rule(trace=linear.rule_conv_general_dilated, multiplicative=True), "conv_general_dilated")
+_group(Rule(trace=reduce.rule_reduce_sum, as_is=True, sums=True), "reduce_sum")
+_group(Rule(trace=reduce.rule_pool_sum, as_is=True, sums=True), "reduce_window_sum")
+_group(Rule(trace=index.rule_scatter_add, as_is=True, sums=True), "scatter-add")
+_group(Rule(trace=reduce.rule_cumulative, as_is=True, sums=True), "cumsum")
+_group(Rule(trace=shape.rule_concatenate, as_is=True), "concatenate")
+_group(Rule(trace=shape.rule_stack, as_is=True), "stack")
+_group(Rule(trace=shape.rule_tile, as_is=True), "tile")
+_group(Rule(trace=shape.rule_dynamic_slice, as_is=True), "dynamic_slice")
+_group(Rule(trace=index.rule_gather, as_is=True), "gather")
+_group(Rule(trace=shape.rule_pad, as_is=True), "pad")
+_group(Rule(trace=shape.rule_rev, as_is=True), "rev")
+_group(Rule(trace=shape.rule_slice, as_is=True), "slice")
+_group(Rule(trace=pieces.rule_split, as_is=True), "split")
+_group(Rule(trace=pieces.rule_unstack, as_is=True), "unstack")
+_group(Rule(trace=index.rule_scatter, as_is=True, passes_node=True), "scatter")  # x.at[ids].set(0): set to zero
 
-_group(
-    Rule("method", as_is=True, breaks_linearity=True),
-    "max", "reduce_max", "reduce_window_max", "scatter-max", "select_n", "cummax",
-)  # fmt: skip
-_group(Rule("method", breaks_linearity=True), "argmax", "min", "reduce_min")
+_group(Rule(trace=elementwise.rule_max, as_is=True, breaks_linearity=True), "max")
+_group(Rule(trace=reduce.rule_reduce_max, as_is=True, breaks_linearity=True), "reduce_max")
+_group(Rule(trace=reduce.rule_pool_max, as_is=True, breaks_linearity=True), "reduce_window_max")
+_group(Rule(trace=index.rule_scatter_max, as_is=True, breaks_linearity=True), "scatter-max")
+_group(Rule(trace=elementwise.rule_select_n, as_is=True, breaks_linearity=True), "select_n")
+_group(Rule(trace=reduce.rule_cumulative, as_is=True, breaks_linearity=True), "cummax")
+_group(Rule(trace=reduce.rule_argmax, breaks_linearity=True), "argmax")
+_group(Rule(trace=elementwise.rule_max, breaks_linearity=True), "min")
+_group(Rule(trace=reduce.rule_reduce_max, breaks_linearity=True), "reduce_min")
 _group(Rule(None, breaks_linearity=True), "sort")
-_group(
-    Rule("method"),
-    "abs", "argmin", "clamp", "cummin", "dynamic_update_slice", "reduce_prod",
-    "reduce_window_min", "scan", "while", "cond",
-)  # fmt: skip
+_group(Rule(trace=elementwise.rule_abs), "abs")
+_group(Rule(trace=reduce.rule_argmax), "argmin")
+_group(Rule(trace=reduce.rule_cumulative), "cummin")
+_group(Rule(trace=shape.rule_dynamic_update_slice), "dynamic_update_slice")
+_group(Rule(trace=reduce.rule_pool_max), "reduce_window_min")
+_group(Rule(trace=control.rule_scan), "scan")
+_group(Rule(trace=control.rule_while), "while")
+_group(Rule(trace=control.rule_cond), "cond")
 
 _group(Rule("compare", as_is=True), "eq", "ne", "lt", "le", "gt", "ge")
 _group(Rule("degree0", as_is=True), "not")
@@ -166,5 +219,5 @@ _group(
     "sin", "cos", "tan", "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh", "erf", "erfc",
     "erf_inv", "lgamma", "digamma", "pow", "atan2", "rem", "floor", "ceil", "round", "logaddexp", "reciprocal",
     "log2", "cumprod", "cumlogsumexp", "bessel_i0e", "bessel_i1e", "igamma", "igammac", "polygamma", "zeta",
-    "regularized_incomplete_beta",
+    "regularized_incomplete_beta", "clamp", "reduce_prod",
 )  # fmt: skip

@@ -321,7 +321,7 @@ def _pinned_entries(cut, ndim: int) -> np.ndarray:
 
 def _as_inputs(e: Eqn, ks, vals: list, cut, tracked: bool) -> list:
     """A constant concatenated beside activations (CoordConv's coordinates) as the inputs it is in the |·|^p network
-    (`pathspace_jax.shape_rules.ShapeRules.side_by_side`): 1, or 0 where it is all zeros (channels padded) or its
+    (`rules_shape.side_by_side`): 1, or 0 where it is all zeros (channels padded) or its
     group is pinned (a layer writes into it too: a constant offset, no path)."""
     dim, out, start = jx.param(e, "dimension"), [], 0
     along = cut is not None and cut.axis == dim and cut.blocks == 1

@@ -1,6 +1,6 @@
 """`trace`: find the reduction graph of a forward function by abstract interpretation.
 
-``jax.make_jaxpr(fn)(params, *args)`` is interpreted once, abstractly, by `pathspace_jax.tracer.Interpreter`
+``jax.make_jaxpr(fn)(params, *args)`` is interpreted once, abstractly, by `pathspace_jax.tracer.Walker`
 (every array axis carries atoms, labels in a union-find; each primitive's rule says how they flow, and what is
 not positively homogeneous pins them). This module turns the atoms into node groups, edge leaves and pinned
 groups: a `PathSpace`. Parameter names, module names and leaf order are never read.
@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pathspace_jax import jaxpr as jx
+from pathspace_jax import roles
 from pathspace_jax.atoms import ACT, CONST, PARAM, Atoms, Val
 from pathspace_jax.edge_leaves import leaf_edges, stack_layers
 from pathspace_jax.errors import UnsupportedModelError
@@ -31,7 +32,7 @@ from pathspace_jax.graph import (
 from pathspace_jax.ir import Frame
 from pathspace_jax.rules import is_random
 from pathspace_jax.skeleton import choose_by_value, off_zeros
-from pathspace_jax.tracer import Interpreter
+from pathspace_jax.tracer import Walker
 
 __all__ = ["trace", "UnsupportedModelError", "leaf_path_strings"]
 
@@ -152,9 +153,9 @@ def _run_trace(bound, leaves, treedef, paths, arg_specs, strict):
     return _build(interp, treedef, leaves, paths, bound, arg_specs, strict, random_state), closed, interp
 
 
-def _interpret(closed, param_specs, input_specs, paths) -> Interpreter:
+def _interpret(closed, param_specs, input_specs, paths) -> Walker:
     """Run the abstract interpreter on ``closed``, a jaxpr of ``(param leaves, input leaves)``."""
-    interp = Interpreter(paths)
+    interp = Walker(paths)
     n_leaves = len(param_specs)
     in_vals: list[Val] = []
     for i, leaf in enumerate(param_specs):
@@ -180,7 +181,7 @@ def _interpret(closed, param_specs, input_specs, paths) -> Interpreter:
     outs = interp.run(closed.jaxpr, consts, in_vals)
     rec.top.out_ids = [v.id for v in outs]
     interp.eqn = None
-    interp.settle()
+    roles.settle(interp)
     for v in outs:
         if v.kind == ACT:
             for a in interp.atoms.resolve(interp.all_atoms(v)):
@@ -250,8 +251,8 @@ class Cut(NamedTuple):
     blocks: int = 1  # the groups' entries in this many blocks, each the groups' blocks side by side (interleaved)
 
 
-def _groups(interp: Interpreter, leaves, paths):
-    """Each leaf's role (`_leaf_roles`; the layer slices of stacked leaves appended, `Interpreter.layer_slice`)
+def _groups(interp: Walker, leaves, paths):
+    """Each leaf's role (`_leaf_roles`; the layer slices of stacked leaves appended, `Walker.layer_slice`)
     and the node groups (`_node_groups`): ``(leaves, paths, leaf_info, groups, key_index, num_nodes)``."""
     n = len(leaves)
     for (leaf, _), _j in sorted(interp.slices.items(), key=lambda kv: kv[1]):  # in the order of their indices
@@ -290,8 +291,8 @@ def _match_diagonals(atoms: Atoms, diagonal: dict) -> None:
             return
 
 
-def _shared_diagonals(interp: Interpreter, leaf_info: list[tuple], outputs_shared: set) -> list[tuple]:
-    """The batch axes of `Interpreter.diagonal` whose entries cannot be nodes of their own, each with whether on
+def _shared_diagonals(interp: Walker, leaf_info: list[tuple], outputs_shared: set) -> list[tuple]:
+    """The batch axes of `Walker.diagonal` whose entries cannot be nodes of their own, each with whether on
     both sides (False: on the output side alone, the layer's input side's members staying nodes of their own).
 
     A parameter's batch axis in a ``dot_general`` (an ensemble's members under ``nn.vmap``, a mixture's experts:
@@ -302,7 +303,7 @@ def _shared_diagonals(interp: Interpreter, leaf_info: list[tuple], outputs_share
     its entries: still a symmetry, a smaller one. Where only the output side's groups clash (the members summed
     after the layer, as a mixture of experts sums them), only that side is positions: each member's units before
     the layer stay nodes of their own (node (member, unit) feeds unit' shared by the members, at the member's
-    position). A per-unit scale's axis (`Interpreter.scales`) is no batch axis: where the group it reads clashes
+    position). A per-unit scale's axis (`Walker.scales`) is no batch axis: where the group it reads clashes
     with another, `_node_groups` pins that group, and the scale stays an edge.
     """
     atoms = interp.atoms
@@ -334,7 +335,7 @@ def _clashes(keys):
             seen[r] = key
 
 
-def _build(interp: Interpreter, treedef, leaves, paths, fn, arg_specs, strict, random_state) -> PathSpace:
+def _build(interp: Walker, treedef, leaves, paths, fn, arg_specs, strict, random_state) -> PathSpace:
     """The `PathSpace` from the interpreter's atoms: the node groups (`_groups`), then every entry's source and
     destination nodes (`pathspace_jax.edge_leaves.leaf_edges`). ``random_state``: per input, whether it is random
     state alone (a key, an nnx stream's counter): one whose first axis a scan over layers reads per layer is no batch
@@ -355,10 +356,10 @@ def _build(interp: Interpreter, treedef, leaves, paths, fn, arg_specs, strict, r
     return space
 
 
-def _leaf_roles(interp: Interpreter, leaves, paths) -> list[tuple]:
+def _leaf_roles(interp: Walker, leaves, paths) -> list[tuple]:
     """Per leaf ``(kind, factor roots, node_in, node_out, note, first_step, ends)``: the role of every factor of
     every axis; a leaf that is not an edge tensor is "other" (its atoms pinned, ``note`` says why). ``ends``: the
-    roots on the output side, the factor roots but for a batch axis (`Interpreter.diagonal`), whose entries are
+    roots on the output side, the factor roots but for a batch axis (`Walker.diagonal`), whose entries are
     input nodes by the one and output nodes by the other."""
     atoms = interp.atoms
     find = atoms.find
@@ -388,7 +389,7 @@ def _leaf_roles(interp: Interpreter, leaves, paths) -> list[tuple]:
                 before, now = interp.line(sites[a]), interp.line(site)
                 note = f"one axis used with two roles ({roles[a]} at {before}, {role} at {now})"
             roles[a], sites[a] = role, site
-            if a in interp.apart.get(i, ()) and not note:  # (`Interpreter.flattened`)
+            if a in interp.apart.get(i, ()) and not note:  # (`Walker.flattened`)
                 note = f"read as one node axis cut into pieces and again with its axes apart, at {interp.line(site)}"
         first_step = min((s for _, _, s, _ in interp.uses[i]), default=0)
         factors = [f for ax in interp.leaf_axes[i] for a in ax for f in expand_roles(a, None, roles)]
@@ -419,7 +420,7 @@ def _leaf_roles(interp: Interpreter, leaves, paths) -> list[tuple]:
     return leaf_info
 
 
-def _unstackable(interp: Interpreter, leaves, paths, leaf: int, leaf_info: list) -> None:
+def _unstackable(interp: Walker, leaves, paths, leaf: int, leaf_info: list) -> None:
     """A stacked leaf is one edge bundle per layer only where every layer is read, each in the same role, and the
     leaf is not also read whole: otherwise its layers' slices are "other" too (their units pinned), and so is the
     leaf (`pathspace_jax.edge_leaves.stack_layers`)."""
@@ -462,7 +463,7 @@ def _bias_positions(atoms: Atoms, leaf_info: list[tuple]) -> list[tuple]:
     return out
 
 
-def _node_groups(interp: Interpreter, leaf_info) -> tuple[list[NodeGroup], dict, int]:
+def _node_groups(interp: Walker, leaf_info) -> tuple[list[NodeGroup], dict, int]:
     """The node groups (keys: tuples of atom roots, aliases resolved), ordered by first use, each input,
     output, hidden or pinned (with its reasons); also the key of each group and the number of nodes. Sets
     ``interp.pinned_roots``."""

@@ -731,6 +731,18 @@ def test_a_rule_table_entry_teaches_trace_and_kappa_a_primitive():
         rules.register(name, rules.Rule("nonlinear"))
 
 
+def test_a_rule_names_its_tracing_function_or_a_family_never_nothing_that_is_then_pinned():
+    """A primitive with a rule of its own gives its tracing function (``Rule(trace=f)``); a structure that is no
+    family (the old ``"method"``, which looked a method up by name) is refused when the rule is made, not pinned
+    silently at trace time."""
+    with pytest.raises(ValueError, match="trace=f"):
+        rules.Rule("method")
+    with pytest.raises(ValueError, match="not both"):
+        rules.Rule("relabel", trace=lambda walker, eqn, ins: ins)
+    assert rules.Rule("relabel").trace is rules.rule("copy").trace
+    assert rules.rule("add").trace is rules.rule("sub").trace  # a family shares one function
+
+
 def test_the_library_errors_share_one_base_and_keep_their_builtin_ones():
     """``except pj.PathSpaceError`` catches every model error, and the builtin bases they had stay."""
     case = ZOO["tanh_mlp_partly_pinned"]
