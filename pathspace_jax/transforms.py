@@ -96,17 +96,10 @@ def scale_by_ddp(
     gets the plain step ``g`` (its gradient is then the loss's own term, e.g. weight decay's), never NaN. Leaves that
     ``trace`` marked ``"other"`` pass through.
 
-    **Stability of the natural gradient.** At α = 1 the exact estimator is the diagonal natural gradient,
-    which divides by a batch's Fisher. Where a unit is at its kink on the batch, or a feature almost constant on
-    it, that Fisher is almost 0 while the gradient is not, and the step is huge: on a regression MLP (8-32-32-4,
-    MSE, full batch) one of 16 seeds went to NaN at SGD's learning rate 0.1 without the floor; with it all 16
-    train, below SGD's loss at 0.1 (within 5 % of it at 0.05 and 9 % at 0.01, where the natural gradient is
-    slower than SGD in its high-curvature directions). The floor bounds one entry's step at 10⁶ times the leaf's
-    typical one; it does not make a batch's Fisher a good estimate of the next batch's: on centred digits, where
-    pixels are almost always at their mean, the exact estimator still fails at learning rates 0.1 and 0.3 where
-    SGD trains. The remedies, measured there: the default probe estimator, whose floor
-    ``probe_damping · κ_path`` bounds the step (stable at every rate up to 0.3), or ``damping=1e-4`` (Tikhonov
-    damping: stable likewise, at the price of changing κ on about a tenth of the entries).
+    At α = 1 the exact estimator divides by a batch's Fisher, almost 0 where a unit sits at its kink or a feature is
+    almost constant on the batch: the floor bounds such a step at 10⁶ times the leaf's typical one, and where that is
+    not enough the default probe estimator or ``damping=1e-4`` is stable (docs/ddp_sgd.md, "The exact natural
+    gradient and almost-constant features", has the measurements).
 
     Args:
       space: the `PathSpace` of the network (``pathspace_jax.trace``).
@@ -148,6 +141,28 @@ def scale_by_ddp(
       ICLR 2016.
     """
 
+    config = _check_ddp(space, alpha, moment, estimator, num_probes, probe_batch_size, normalize, damping, floor, eps,
+                        every)  # fmt: skip
+
+    def init_fn(params):
+        return ScaleByDDPState(jnp.zeros([], jnp.int32), kappa_state(space, params, every))
+
+    def update_fn(updates, state, params=None, *, inputs=None, key=None, refresh_kappa=None, **extra_args):
+        del extra_args
+        xs, axes = _check_ddp_update(space, config, params, inputs, batch_axes)
+        if key is None:
+            key = jax.random.fold_in(jax.random.key(0), state.count)
+        refresh = check_refresh(refresh_kappa, state.kept, "scale_by_ddp")
+        return _ddp_update(space, config, updates, state, params, xs, key, damping, floor, eps, every, probe_damping,
+                           refresh=refresh, axes=axes)  # fmt: skip
+
+    tx = optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return accept_masked(space, "scale_by_ddp", tx, runs_network=config[0] > 0.0)  # config[0]: alpha, a float
+
+
+def _check_ddp(space, alpha, moment, estimator, num_probes, probe_batch_size, normalize, damping, floor, eps, every):
+    """`scale_by_ddp`'s checks of its space and options; returns its static options ``(alpha, moment, estimator,
+    num_probes, probe_batch_size, normalize)`` as Python values (the ``config`` of `_ddp_update`)."""
     check_ddp_space(space)
     warn_if_plain(space, "scale_by_ddp")
     _check_every_eps(every, eps, damping, floor)
@@ -155,44 +170,23 @@ def scale_by_ddp(
         "scale_by_ddp", alpha=alpha, num_probes=num_probes, probe_batch_size=probe_batch_size, normalize=normalize
     )
     alpha, num_probes, probe_batch_size = check_options(alpha, moment, estimator, num_probes, probe_batch_size)
-    config = (alpha, moment, estimator, num_probes, probe_batch_size, bool(normalize))
+    return alpha, moment, estimator, num_probes, probe_batch_size, bool(normalize)
 
-    def init_fn(params):
-        return ScaleByDDPState(jnp.zeros([], jnp.int32), kappa_state(space, params, every))
 
-    def update_fn(updates, state, params=None, *, inputs=None, key=None, refresh_kappa=None, **extra_args):
-        del extra_args
-        if params is None:
-            raise ValueError("scale_by_ddp needs params: call tx.update(updates, state, params, inputs=batch)")
-        if inputs is None:
-            raise TypeError(
-                "scale_by_ddp needs the batch as a keyword argument: tx.update(updates, state, params, inputs=x) "
-                "(inputs = the positional arguments of the traced function after params)"
-            )
-        xs, axes = check_inputs(space, inputs, batch_axes, "scale_by_ddp")
-        check_examples(axes, moment, alpha)
-        if key is None:
-            key = jax.random.fold_in(jax.random.key(0), state.count)
-        refresh = check_refresh(refresh_kappa, state.kept, "scale_by_ddp")
-        return _ddp_update(
-            space,
-            config,
-            updates,
-            state,
-            params,
-            xs,
-            key,
-            damping,
-            floor,
-            eps,
-            every,
-            probe_damping,
-            refresh=refresh,
-            axes=axes,
+def _check_ddp_update(space, config, params, inputs, batch_axes) -> tuple[list, tuple]:
+    """`scale_by_ddp`'s checks of what ``update`` got (``config``: `_check_ddp`'s); returns the leaves of the batch
+    ``inputs`` and each one's batch axis (0 or None), as `pathspace_jax.ddp_inputs.check_inputs` does."""
+    alpha, moment = config[:2]
+    if params is None:
+        raise ValueError("scale_by_ddp needs params: call tx.update(updates, state, params, inputs=batch)")
+    if inputs is None:
+        raise TypeError(
+            "scale_by_ddp needs the batch as a keyword argument: tx.update(updates, state, params, inputs=x) "
+            "(inputs = the positional arguments of the traced function after params)"
         )
-
-    tx = optax.GradientTransformationExtraArgs(init_fn, update_fn)
-    return accept_masked(space, "scale_by_ddp", tx, runs_network=alpha > 0.0)
+    xs, axes = check_inputs(space, inputs, batch_axes, "scale_by_ddp")
+    check_examples(axes, moment, alpha)
+    return xs, axes
 
 
 @functools.partial(eager_jit, static_argnums=(0, 1), static_argnames=("refresh", "axes"))
@@ -218,7 +212,8 @@ def _ddp_update(space, config, updates, state, params, xs, key, damping, floor, 
 # ---------------------------------------------------------------------------- G-SGD: in_path_space
 
 
-def _check_in_path_space(space, normalize, rebalance, min_ratio, min_share) -> None:
+def _check_in_path_space(space, normalize, rebalance, min_ratio, min_share) -> tuple[bool, bool]:
+    """`in_path_space`'s checks of its space and options; returns ``(normalize, rebalance)`` as Python bools."""
     check_path_space(space, "in_path_space")
     warn_if_plain(space, "in_path_space")
     _check_static("in_path_space", normalize=normalize, rebalance=rebalance)
@@ -226,6 +221,7 @@ def _check_in_path_space(space, normalize, rebalance, min_ratio, min_share) -> N
         raise ValueError(f"min_ratio must be in (0, 1), got {min_ratio}")
     if not is_traced(min_share) and not 0 <= min_share <= 1:
         raise ValueError(f"min_share must be in [0, 1], got {min_share}")
+    return bool(normalize), bool(rebalance)
 
 
 class InPathSpaceState(NamedTuple):
@@ -268,37 +264,18 @@ def in_path_space(
     state is ``inner``'s alone. φ, ∂L/∂φ and σ are rescaling invariant and the gauge does not move, so a
     step from T_α(w) gives the same function as a step from w, for every ``inner``.
 
-    **Why normalise.** On raw coordinates SGD moves a weight by ``η g_e / (A_u B_v)²``: the chain
-    products are products of several weights (10⁻¹–10⁻² at a standard initialisation), so the step is
-    10²–10⁴ times SGD's and G-SGD diverges at SGD's learning rates unless the skeleton weights are ±1
-    (`pathspace_jax.skeleton_init`, the initialisation of Meng et al.). With σ, a coordinate entry moves
-    as SGD (or ``inner``) would move its weight in the *balanced frame* of the current params (every
-    hidden node rescaled so that its outgoing and incoming path norms are in the same ratio across its
-    layer, at the level where a standard initialisation is its own frame:
-    `pathspace_jax.gsgd.frame_level`), and a node's incoming skeleton coordinate, which sets the
-    node's scale, moves multiplicatively, as SGD in that frame would move along the direction it
-    changes the weights in (`pathspace_jax.coord_scales`). The learning rates of ``optax.sgd`` /
-    ``optax.adam`` carry over. The cost is three more reduction passes over the weights per step
-    (`pathspace_jax.gsgd.path_norms` and ‖v_x‖).
-
-    **Rebalancing.** The step fixes every path value but not where the weights sit on their rescaling
-    orbit: with the gauge held, the weights can drift far from balanced (entries of 70 where SGD's stay
-    below 2 after 10⁴ steps of a ReLU RNN) and lose float32 accuracy. With ``rebalance=True`` (default)
-    the new weights are also rescaled node-wise by the powers of two nearest to the current params'
-    balanced frame (`pathspace_jax.gsgd.balancing_factors`): the function and every coordinate are bit
-    for bit those of the exact step, only the weights' place on the orbit changes (the gauge weights move
-    by powers of two), and a step from a power-of-two rescaling of the params gives bit for bit the same
-    new params. ``rebalance=False`` keeps the gauge weights fixed.
-
-    **Safeguard.** The allocation divides by ``A_x = c_x / B_x`` (c_x: the coordinate of x's incoming
-    skeleton edge), so c_x must never reach zero or change sign. Where a step would take ``c_x`` below
-    ``min_ratio · c_x`` (across zero included), it is set to ``min_ratio · c_x`` instead: the only
-    departure from the exact step, on at most the H in-skeleton coordinates, never on the others. The
-    opt-in ``min_share > 0`` also keeps ``|c_x|`` from falling below that share of the norm of the
-    coordinates entering x (if it is already smaller, c_x may only grow). A zero skeleton weight (a
-    singular chart: the paths through it have coordinate 0) gives a zero update at the entries it
-    divides, never NaN; `pathspace_jax.coord_scales` is 0 there. ``init`` refuses concrete params with a
-    zero skeleton weight (`pathspace_jax.gsgd.check_chart`).
+    With σ, a coordinate entry moves as SGD (or ``inner``) would move its weight in the *balanced frame* of the current
+    params (`pathspace_jax.gsgd.frame_level`), and a node's incoming skeleton coordinate moves multiplicatively, so the
+    learning rates of ``optax.sgd`` / ``optax.adam`` carry over; on the raw coordinates a weight moves by
+    ``η g_e / (A_u B_v)²``, 10²–10⁴ times SGD's step from a standard initialisation, unless the skeleton weights are ±1
+    (`pathspace_jax.skeleton_init`). With ``rebalance=True`` the new weights are also rescaled node-wise by the powers
+    of two nearest to the current params' balanced frame (`pathspace_jax.gsgd.balancing_factors`), so that they do not
+    drift along their rescaling orbit: the function and every coordinate are bit for bit those of the exact step. The
+    allocation divides by ``A_x = c_x / B_x`` (c_x: the coordinate of x's incoming skeleton edge): a step never takes
+    c_x below ``min_ratio · c_x`` nor across zero (nor, with ``min_share > 0``, below that share of the norm of the
+    coordinates entering x), the only departure from the exact step. A zero skeleton weight gives a zero update at the
+    entries it divides, never NaN, and ``init`` refuses concrete params with one (`pathspace_jax.gsgd.check_chart`).
+    docs/g_sgd.md ("Options") explains the normalisation, the rebalancing and the safeguard in full.
 
     Args:
       inner: any optax transformation (``optax.sgd``, ``optax.adam``, a chain with clipping or a
@@ -325,9 +302,8 @@ def in_path_space(
       G-Adam).
     """
 
-    _check_in_path_space(space, normalize, rebalance, min_ratio, min_share)
+    normalize, rebalance = _check_in_path_space(space, normalize, rebalance, min_ratio, min_share)
     inner = optax.with_extra_args_support(inner)
-    normalize, rebalance = bool(normalize), bool(rebalance)
 
     def init_fn(params):
         gsgd.check_chart(space, params, "in_path_space")
@@ -338,15 +314,23 @@ def in_path_space(
             raise ValueError("in_path_space needs params: call tx.update(grads, state, params)")
         gphi, phi, nodes, alpha = _chart_step(space, normalize, rebalance, params, updates)
         dphi, inner_state = inner.update(gphi, state.inner_state, phi, **extra_args)
-        w, g = space.leaves_of(params, "params"), space.leaves_of(updates, "updates")
-        dphi, ct = space.leaves_of(dphi, "inner updates"), compute_dtype(list(w) + list(g))
-        static = all(isinstance(x, (int, float)) for x in (min_ratio, min_share))  # (else injected: arrays)
-        allocate = _allocate if static else _allocate_at
-        u = allocate(space, normalize, ct, min_ratio, min_share, w, dphi, nodes, alpha if rebalance else None)
-        out = [x.astype(jnp.result_type(y)) for x, y in zip(u, g)]
-        return space.unflatten_like(updates, out), InPathSpaceState(inner_state=inner_state)
+        new = _weight_update(space, normalize, min_ratio, min_share, params, updates, dphi, nodes,
+                             alpha if rebalance else None)  # fmt: skip
+        return new, InPathSpaceState(inner_state=inner_state)
 
     return accept_masked(space, "in_path_space", optax.GradientTransformationExtraArgs(init_fn, update_fn))
+
+
+def _weight_update(space, normalize, min_ratio, min_share, params, updates, dphi, nodes, alpha):
+    """The weight allocation of an `in_path_space` step: the update of ``params`` (a tree like ``updates``, in its
+    dtypes) that moves the coordinates by the inner optimizer's ``dphi``, at the chart `_chart_step` gave (``alpha``:
+    its balanced frame, or None not to rebalance)."""
+    w, g = space.leaves_of(params, "params"), space.leaves_of(updates, "updates")
+    dphi, ct = space.leaves_of(dphi, "inner updates"), compute_dtype(list(w) + list(g))
+    static = all(isinstance(x, (int, float)) for x in (min_ratio, min_share))  # (else injected: arrays)
+    allocate = _allocate if static else _allocate_at
+    u = allocate(space, normalize, ct, min_ratio, min_share, w, dphi, nodes, alpha)
+    return space.unflatten_like(updates, [x.astype(jnp.result_type(y)) for x, y in zip(u, g)])
 
 
 @functools.partial(eager_jit, static_argnums=(0, 1, 2))
@@ -426,33 +410,23 @@ def scale_by_path_sgd(
     that frame, ``exp mean_e log(κ_e (α_u / α_v)²)`` over the entries with κ_e > 0 (``m_ℓ = 1`` in the numerator
     with ``normalize=False``).
 
-    **Why normalise.** κ's size depends on the network (widths, depth, a convolution's positions, a
-    sequence's length): raw Path-SGD's useful learning rates lie anywhere from 0.2 to 10 and more, a new
-    scale for every model. Dividing κ by m_ℓ gives it geometric mean 1 over each leaf in the balanced frame, so from a
-    standard initialisation the step has SGD's size and the learning rates of ``optax.sgd`` carry over
-    (``benchmarks/lr_transfer.py``). Within a leaf the step is Path-SGD's direction (one positive number
-    per leaf, recomputed with κ); across leaves each gets its own scale, as with per-layer learning rates.
-    m_ℓ is a function of the params' rescaling orbit only (the balanced frame is), so every step stays
-    exactly rescaling invariant. The geometric mean is κ's typical size in the leaf, which a few huge entries
-    do not move (`pathspace_jax.scaling.geometric_mean`: DDP's κ at α = 1 is heavy-tailed, and a probe
-    estimate has outliers; with the arithmetic mean they set every entry's step).
-
-    **Floor and damping.** In the balanced frame the divisor is ``max(κ / m_ℓ + damping, floor)``: κ relative to
-    its leaf's typical value, floored at ``floor`` (default 1e-6) and, if asked, damped (Tikhonov, ``damping``,
-    default 0). Both scale exactly like κ (rescaling invariant), and being relative to the leaf's typical κ in a
-    frame where a standard initialisation is its own, they are well scaled: the floor leaves every entry above
-    ``floor · m_ℓ`` exactly as it is, and m_ℓ is at most the leaf's largest κ there, so no entry above 1e-6 of its
-    leaf's largest is touched, on any network. It bounds the step where κ is almost 0 (the natural gradient's
-    Fisher, `scale_by_ddp`). (A damping of 1e-8 added in the skeleton's canonical frame, as the library did before,
-    changed up to 5 % of Path-SGD's entries by more than 1 % on a digits MLP: that frame scales a unit with a small
-    outgoing skeleton weight up a lot.) κ is computed in the canonical frame (gauge weights ±1 within
-    √2, `pathspace_jax.frames.to_canonical_frame`) and the gradient divided there and brought back, so
-    neither κ nor the update overflows or underflows under any rescaling as long as the update itself is
-    representable. ``eps`` is a plain additive constant in the params' own units, off by default: it breaks
-    the invariance. An entry whose κ is exactly 0 lies on no path (a tap that reads only padding, a weight out of a
-    dead unit): it does not change the function, and its update is the gradient itself (the plain step of the same
-    learning rate, e.g. weight decay's), never a step divided by the floor; `pathspace_jax.describe` counts such
-    entries. Leaves that ``trace`` marked ``"other"`` pass through unscaled.
+    κ's size depends on the network (widths, depth, a convolution's positions, a sequence's length); divided by m_ℓ it
+    has geometric mean 1 over each leaf in the balanced frame, so from a standard initialisation the step has SGD's
+    size and the learning rates of ``optax.sgd`` carry over. Within a leaf the step is Path-SGD's direction; each leaf
+    gets one positive factor, as with per-layer learning rates. m_ℓ depends on the params' rescaling orbit only (the
+    balanced frame does), so every step stays exactly rescaling invariant, and the geometric mean is κ's typical size
+    in the leaf, which a few huge entries do not move (`pathspace_jax.scaling.geometric_mean`). In the balanced frame
+    the divisor is ``max(κ / m_ℓ + damping, floor)``: both scale exactly like κ, and since m_ℓ is at most the leaf's
+    largest κ there, the floor touches no entry above ``floor`` times its leaf's largest, on any network, while it
+    bounds the step where κ is almost 0 (the natural gradient's Fisher, `scale_by_ddp`). κ is computed in the
+    canonical frame (gauge weights ±1 within √2, `pathspace_jax.frames.to_canonical_frame`) and the gradient divided
+    there and brought back, so neither κ nor the update overflows or underflows under any rescaling as long as the
+    update itself is representable. ``eps`` is a plain additive constant in the params' own units, off by default: it
+    breaks the invariance. An entry whose κ is exactly 0 lies on no path (a tap that reads only padding, a weight out
+    of a dead unit): its update is the gradient itself (the plain step of the same learning rate, e.g. weight
+    decay's), never a step divided by the floor; `pathspace_jax.describe` counts such entries. Leaves that ``trace``
+    marked ``"other"`` pass through unscaled. docs/path_sgd.md ("Learning rates" and "Options") has the measurements
+    behind these choices.
 
     Args:
       space: the `PathSpace` of the network (``pathspace_jax.trace``).
@@ -486,11 +460,7 @@ def scale_by_path_sgd(
       optimization in deep neural networks", NeurIPS 2015.
     """
 
-    check_kappa_space(space, "scale_by_path_sgd")
-    warn_if_plain(space, "scale_by_path_sgd")
-    _check_every_eps(every, eps, damping, floor)
-    _check_static("scale_by_path_sgd", second_order=second_order, normalize=normalize)
-    second_order, normalize = bool(second_order), bool(normalize)
+    second_order, normalize = _check_path_sgd(space, second_order, normalize, damping, floor, eps, every)
 
     def init_fn(params):
         return ScaleByPathSGDState(jnp.zeros([], jnp.int32), kappa_state(space, params, every, factored=True))
@@ -505,6 +475,15 @@ def scale_by_path_sgd(
         )
 
     return accept_masked(space, "scale_by_path_sgd", optax.GradientTransformationExtraArgs(init_fn, update_fn))
+
+
+def _check_path_sgd(space, second_order, normalize, damping, floor, eps, every) -> tuple[bool, bool]:
+    """`scale_by_path_sgd`'s checks of its space and options; returns ``(second_order, normalize)`` as Python bools."""
+    check_kappa_space(space, "scale_by_path_sgd")
+    warn_if_plain(space, "scale_by_path_sgd")
+    _check_every_eps(every, eps, damping, floor)
+    _check_static("scale_by_path_sgd", second_order=second_order, normalize=normalize)
+    return bool(second_order), bool(normalize)
 
 
 @functools.partial(eager_jit, static_argnums=(0, 1, 2), static_argnames="refresh")
