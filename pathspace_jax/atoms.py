@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 # ---------------------------------------------------------------------------
 # Atoms: a union-find over axis labels.
@@ -166,6 +166,18 @@ class Atoms:
 ACT, PARAM, CONST = "act", "param", "const"
 
 
+class Pieces(NamedTuple):
+    """A layer's output seen in pieces along ``axis`` and read piece by piece (`pathspace_jax.pieces`): each piece's
+    axes, indexed by the entry of ``axis`` it starts at (``per``); the layer's node atom (``node``) and the axis its
+    node axes begin at (``first``), None where a bias can no longer be added along them (transposed, or pieces of a
+    kernel's slices)."""
+
+    axis: int
+    per: list
+    node: int | None = None
+    first: int | None = None
+
+
 @dataclasses.dataclass
 class Val:
     """kind: 'act' (depends on inputs and is rescaled with its nodes), 'param'
@@ -190,9 +202,8 @@ class Val:
     # whole params leaves stacked along a new first axis, read only as a scan's xs (layers scanned over): the leaves'
     # values, one per layer (`rules_shape.rule_stack`)
     layers: tuple | None = None
-    # a layer's output seen in pieces along axis k and read piece by piece: (k, each piece's axes, the layer's node
-    # atom, the axis its node axes begin at), as `pieces._cut_in_pieces` makes it
-    pieces: tuple | None = None
+    # a layer's output seen in pieces and read piece by piece (`pathspace_jax.pieces`)
+    pieces: Pieces | None = None
     id: Any = None  # the value's id in the recorded program (`pathspace_jax.ir`), or ("lit", value)
 
     def with_id(self, i) -> Val:

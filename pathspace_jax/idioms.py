@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from pathspace_jax import jaxpr as jx
-from pathspace_jax import rules_elementwise, rules_shape
+from pathspace_jax import rewrites, rules_elementwise, rules_shape
 from pathspace_jax.atoms import ACT, CONST, PARAM, Val
 from pathspace_jax.ir import Recorded
 
@@ -31,12 +31,6 @@ def reshaped_kernel(w: Walker, eqn, entry, ins: Sequence[Val]) -> Val | None:
         return w.apply(eqn, [v])[0]
     c, p = (w.record(eqn, [f], w.apply(eqn, [f]))[0] for f in v.factors)
     return dataclasses.replace(w.apply(eqn, [dataclasses.replace(v, factors=None)])[0], factors=(c, p))
-
-
-def one_product(w: Walker, var) -> bool:
-    """Whether the jaxpr variable ``var`` is read once, by a ``mul``."""
-    uses = w.consumers[-1].get(var, [])
-    return len(uses) == 1 and uses[0] is not None and uses[0].primitive.name == "mul"
 
 
 def normalised_scale(w: Walker, eqn, ins) -> Recorded | None:
@@ -62,15 +56,15 @@ def normalised_scale(w: Walker, eqn, ins) -> Recorded | None:
 def kernel_scale(w: Walker, eqn, ins: Sequence[Val]) -> Val | None:
     """A kernel ``c * p`` in the making: ``c`` coefficients computed from parameters and ``p`` a parameter that
     varies along some of c's axes only, the product read once, as the kernel of a ``dot_general`` or a
-    convolution (`read_as_kernel`). Held as its factors (`Val.factors`) for `scaled_kernel`, in any order the
-    product is written: Flax's ``v / ‖v‖ * g`` (``nn.WeightNorm``) and ``g * (v / ‖v‖)``; ``g * v / ‖v‖`` (``c``
-    is then ``v``, and ``v / ‖v‖`` once divided); PyTorch's ``v * (g / ‖v‖)`` (``g / ‖v‖`` is ``(1 / ‖v‖) *
-    g``). A held product times or over further coefficients holds their product or quotient (recorded: the
-    program computes ``c`` itself). None otherwise."""
+    convolution (`pathspace_jax.rewrites.READ_AS_A_KERNEL`). Held as its factors (`Val.factors`) for
+    `scaled_kernel`, in any order the product is written: Flax's ``v / ‖v‖ * g`` (``nn.WeightNorm``) and
+    ``g * (v / ‖v‖)``; ``g * v / ‖v‖`` (``c`` is then ``v``, and ``v / ‖v‖`` once divided); PyTorch's
+    ``v * (g / ‖v‖)`` (``g / ‖v‖`` is ``(1 / ‖v‖) * g``). A held product times or over further coefficients
+    holds their product or quotient (recorded: the program computes ``c`` itself). None otherwise."""
     name, shape = eqn.primitive.name, eqn.outvars[0].aval.shape
     if name not in ("mul", "div") or len(ins) != 2 or any(v.kind == ACT for v in ins):
         return None
-    if not read_as_kernel(w, eqn.outvars[0]):
+    if not w.matched(rewrites.READ_AS_A_KERNEL, eqn.outvars[0]):
         return None
     held = [v for v in ins if v.factors is not None]
     if held:  # (c·p)·x = (c·x)·p, (c·p)/x = (c/x)·p; (c·q)·g with q no gain and g one: (c·q)·g (v / ‖v‖ * g)
@@ -117,18 +111,6 @@ def gain(w: Walker, p: Val, shape, *, broadcast: bool = True) -> bool:
         return False
     return bool(varying) and all(w.size(p.axes[k]) == shape[k] and set(w.atoms.factors(p.axes[k])) <= own
                                  for k in varying)  # fmt: skip
-
-
-def read_as_kernel(w: Walker, var) -> bool:
-    """Whether the jaxpr variable ``var`` is read once, by a ``dot_general`` or a convolution, or first cast (a
-    kernel in a layer's compute dtype: mixed precision), broadcast, multiplied or divided (`kernel_scale`)."""
-    uses = w.consumers[-1].get(var, [])
-    if len(uses) != 1 or uses[0] is None:
-        return False
-    name = uses[0].primitive.name
-    if name in ("convert_element_type", "broadcast_in_dim", "mul") or name == "div" and uses[0].invars[0] is var:
-        return read_as_kernel(w, uses[0].outvars[0])
-    return name in ("dot_general", "conv_general_dilated")
 
 
 def scaled_kernel(w: Walker, eqn, ins: Sequence[Val]) -> Recorded | None:

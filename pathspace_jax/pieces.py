@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from pathspace_jax import jaxpr as jx
-from pathspace_jax import roles, rules_shape
-from pathspace_jax.atoms import ACT, PARAM, Val
+from pathspace_jax import rewrites, roles, rules_shape
+from pathspace_jax.atoms import ACT, PARAM, Pieces, Val
 
 if TYPE_CHECKING:
     from pathspace_jax.tracer import Walker
@@ -29,9 +29,7 @@ def kernel_pieces(w: Walker, eqn, p: Val, x: Val, dims, pfree: Sequence[int], ou
     own = w.leaf_axes[leaf]
     if p.scaled or p.axes != own or pb or any(u[2] != w.step for u in w.uses[leaf]):
         return None  # (read before: its axes have uses of their own)
-    var, readers = eqn.outvars[0], w.consumers[-1].get(eqn.outvars[0], [])
-    if len(readers) == 1 and readers[0] is not None and readers[0].primitive.name in ("add", "add_any"):
-        var = readers[0].outvars[0]  # through the bias (`bias_of_pieces`)
+    var = w.matched(rewrites.THROUGH_A_BIAS, eqn.outvars[0]) or eqn.outvars[0]  # (its bias: `bias_of_pieces`)
     if list(pfree) == list(range(len(own) - len(pfree), len(own))) and at + len(pfree) == len(out):
         flat = w.atoms.new(int(np.prod(shape[at:])))
         if (cut := _cut_in_pieces(w, Val(ACT, [*out[:at], [flat]]), flat, var, at, shape)) is not None:
@@ -58,22 +56,22 @@ def kernel_pieces(w: Walker, eqn, p: Val, x: Val, dims, pfree: Sequence[int], ou
     w.atoms.alias[axes[at][0]] = segs
     for j in range(at + 1, at + len(pfree)):
         axes[j] = [w.atoms.new(shape[j])]
-    return Val(ACT, axes, pieces=(at, per, None, None))
+    return Val(ACT, axes, pieces=Pieces(at, per))
 
 
 def bias_of_pieces(w: Walker, ins: Sequence[Val]) -> Val | None:
     """A bias added to a kernel's output cut in pieces (`kernel_pieces`), along all of its axes: its axes are
     the kernel's node axis too, flattened (`flattened`). Else None."""
     (x, b), acts = (ins if ins[0].kind == ACT else ins[::-1]), [v for v in ins if v.kind == ACT]
-    if len(acts) != 1 or x.pieces is None or x.pieces[3] is None:
+    if len(acts) != 1 or x.pieces is None or x.pieces.first is None:
         return None  # (None: a kernel read in slices, `kernel_pieces`, or its pieces transposed)
     if b.kind != PARAM or b.scaled or w.uses[b.leaf]:
         return None
-    n, own = x.pieces[3], w.leaf_axes[b.leaf]
+    n, own = x.pieces.first, w.leaf_axes[b.leaf]
     if len(own) != len(x.axes) - n or b.axes[n:] != own:  # (its other axes: broadcast)
         return None
-    w.use(b, [x.pieces[2]], "out")
-    w.flattened(b.leaf, len(own), x.pieces[2])
+    w.use(b, [x.pieces.node], "out")
+    w.flattened(b.leaf, len(own), x.pieces.node)
     return dataclasses.replace(x, scalars=list(dict.fromkeys(a for v in ins for a in v.scalars)))
 
 
@@ -140,7 +138,7 @@ def _cut_in_pieces(w: Walker, v: Val, flat: int, var, n: int, shape) -> Val | No
     ks = w.atoms.new(k)
     w.atoms.alias[ks] = segs
     axes = [*v.axes[:n], *[[w.atoms.new(d)] for d in lead], [ks], *[[w.atoms.new(d)] for d in rest]]
-    return dataclasses.replace(v, axes=axes, pieces=(c, per, flat, n))
+    return dataclasses.replace(v, axes=axes, pieces=Pieces(c, per, flat, n))
 
 
 def _piece_reads(w: Walker, var, axis: int, shape) -> set[tuple[int, int | None]]:
@@ -148,27 +146,23 @@ def _piece_reads(w: Walker, var, axis: int, shape) -> set[tuple[int, int | None]
     takes, whole elsewhere: a unit-stride slice, a split into equal parts or an unstack (start 0), or the same
     through a transpose (``qkv.transpose(2, 0, 3, 1, 4)[0]``); width None for anything else."""
     out = set()
-    for u in w.consumers[-1].get(var, [None]):
-        name = None if u is None else u.primitive.name
-        if name == "transpose":
-            perm = tuple(jx.param(u, "permutation"))
-            out |= _piece_reads(w, u.outvars[0], perm.index(axis), tuple(shape[p] for p in perm))
-        elif name == "split" and jx.param(u, "axis") == axis:
+    for perm, u, trace in w.matched(rewrites.READS_THROUGH_TRANSPOSES, var):
+        k, s = (axis, shape) if perm is None else (perm.index(axis), tuple(shape[p] for p in perm))
+        if trace is rule_split and jx.param(u, "axis") == k:
             sizes = set(jx.param(u, "sizes"))
             out.add((0, sizes.pop()) if len(sizes) == 1 else (0, None))
-        elif name == "unstack" and jx.param(u, "axis") % len(shape) == axis:
+        elif trace is rule_unstack and jx.param(u, "axis") % len(s) == k:
             out.add((0, 1))
         else:
-            box = None if u is None else jx.slice_box(name, u.params)
-            whole = box is not None and all((a, b) == (0, d) for j, ((a, b), d) in enumerate(zip(box, shape))
-                                            if j != axis)  # fmt: skip
-            out.add((box[axis][0], box[axis][1] - box[axis][0]) if whole else (0, None))
+            box = None if u is None else jx.slice_box(u.primitive.name, u.params)
+            whole = box is not None and all((a, b) == (0, d) for j, ((a, b), d) in enumerate(zip(box, s)) if j != k)
+            out.add((box[k][0], box[k][1] - box[k][0]) if whole else (0, None))
     return out
 
 
 def _piece(v: Val, start: int) -> Val:
     """The piece from entry ``start`` of a value seen in pieces (`_cut_in_pieces`, `kernel_pieces`)."""
-    return dataclasses.replace(v, axes=[list(ax) for ax in v.pieces[1][start]], pieces=None)
+    return dataclasses.replace(v, axes=[list(ax) for ax in v.pieces.per[start]], pieces=None)
 
 
 def _pieces(w: Walker, eqn, v: Val, axis: int, shapes) -> list[Val]:
@@ -179,9 +173,9 @@ def _pieces(w: Walker, eqn, v: Val, axis: int, shapes) -> list[Val]:
 
 def piece_at(w: Walker, eqn, v: Val, axis: int, start: int, shape, why: str) -> Val:
     """The piece of ``v`` of ``shape`` from entry ``start`` of ``axis``: a reshaped value's piece (`_piece`), a
-    stacked leaf's layer (`rules_shape.layer_of`), a group of a layer's output (`_piece_of_layer`), else resliced (the cut axis
-    pinned unless it is positions)."""
-    if v.pieces is not None and axis == v.pieces[0]:
+    stacked leaf's layer (`rules_shape.layer_of`), a group of a layer's output (`_piece_of_layer`), else
+    resliced (the cut axis pinned unless it is positions)."""
+    if v.pieces is not None and axis == v.pieces.axis:
         return _piece(v, start)
     in_shape = eqn.invars[0].aval.shape
     piece = rules_shape.layer_of(w, v, in_shape, shape, axis, start) or _piece_of_layer(w, v, axis, start, shape)

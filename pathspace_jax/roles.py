@@ -51,7 +51,8 @@ def settle(w: Walker) -> None:
 
 def split_from_units(w: Walker, axis: Sequence[int], kept: Sequence[int]) -> bool:
     """Whether ``axis`` is a factor of a kernel's output axis that a reshape split, whose other factors include
-    some of the atoms ``kept`` (`rules_reduce.rule_reduce_max`: maxout's pieces; `pieces.piece_at`: interleaved pieces)."""
+    some of the atoms ``kept`` (`rules_reduce.rule_reduce_max`: maxout's pieces; `pieces.piece_at`: interleaved
+    pieces)."""
     reduced = set(w.atoms.factors(axis))
     return any(reduced < (fs := set(w.atoms.factors([r]))) and fs & set(kept) for r in w.layer_outputs())
 

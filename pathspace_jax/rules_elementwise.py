@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from pathspace_jax import idioms, pieces
+from pathspace_jax import idioms, pieces, rewrites
 from pathspace_jax.atoms import ACT, CONST, PARAM, Val
 from pathspace_jax.graph import FROZEN
 from pathspace_jax.ir import Recorded
@@ -132,18 +132,22 @@ def rule_mul(w: Walker, eqn, ins):
     acts = [v for v in ins if v.kind == ACT]
     params = [v for v in ins if v.kind == PARAM]
     consts = [v for v in ins if v.kind == CONST]
-    if len(acts) == 1 and len(params) == 1 and eqn.primitive.name == "mul":
+    if len(acts) == 1 and len(params) == 1:
         if all(w.size(ax) == 1 for ax in params[0].axes):
             # a learned scalar (PReLU's slope, a gain): a coefficient of every unit alike, so x's units keep
             # their rescaling (and the scalar's gradient is invariant under it); the |w|^p network takes it raised
             w.mark_other(params[0], "a learned scalar coefficient (PReLU's slope, a gain)")
             out = w.ew(ACT, ins, w.broadcast(eqn, ins, unify=False))
             return w.record(eqn, ins, [out], coefficient=True)
-        if w.fully_pinned(acts[0]) and not params[0].scaled and idioms.one_product(w, eqn.outvars[0]):
+        if (
+            w.fully_pinned(acts[0])
+            and not params[0].scaled
+            and w.matched(rewrites.READ_ONCE_BY_A_PRODUCT, eqn.outvars[0])
+        ):
             return [w.ew(ACT, ins, w.broadcast(eqn, ins, unify=False), factors=(acts[0], params[0]))]
         if scaled := per_unit_scale(w, eqn, ins, *acts, *params):
             return scaled
-    if len(acts) == 2 and eqn.primitive.name == "mul" and (gate := gated(w, eqn, *acts)):
+    if len(acts) == 2 and (gate := gated(w, eqn, *acts)):
         return [gate]
     if len(acts) > 1:
         for v in acts:
@@ -158,7 +162,7 @@ def rule_mul(w: Walker, eqn, ins):
         if not params and all(map(w.fully_pinned, acts)):  # (a top-k router's weights spread by a one-hot)
             w.pin(out, "a product of pinned values and constants")
         return [out]
-    if len(params) == 1 and eqn.primitive.name == "mul" and not any(c.from_params for c in consts):
+    if len(params) == 1 and not any(c.from_params for c in consts):
         # a parameter times a fixed coefficient is still a view of that parameter
         axes = w.broadcast(eqn, params + consts, unify=False)
         return [w.ew(PARAM, ins, axes, leaf=params[0].leaf, scaled=params[0].scaled or bool(consts))]

@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from pathspace_jax import jaxpr as jx
-from pathspace_jax import pieces, rules_elementwise
-from pathspace_jax.atoms import ACT, CONST, PARAM, Val
+from pathspace_jax import pieces, rewrites, rules_elementwise
+from pathspace_jax.atoms import ACT, CONST, PARAM, Pieces, Val
 
 if TYPE_CHECKING:
     from pathspace_jax.tracer import Walker
@@ -88,9 +88,8 @@ def squeezed(v: Val, dimensions) -> Val:
 def rule_transpose(w: Walker, eqn, ins):
     v, perm = ins[0], jx.param(eqn, "permutation")
     if v.pieces is not None:  # (`pathspace_jax.pieces`)
-        k, per, flat, _ = v.pieces  # (its node axes no longer from one axis on: no bias of pieces after it)
-        per = [[axes[p] for p in perm] for axes in per]
-        v = dataclasses.replace(v, pieces=(list(perm).index(k), per, flat, None))
+        per = [[axes[p] for p in perm] for axes in v.pieces.per]  # (its node axes no longer from one axis on:
+        v = dataclasses.replace(v, pieces=Pieces(list(perm).index(v.pieces.axis), per, v.pieces.node))  # no bias)
     return [dataclasses.replace(v, axes=[v.axes[p] for p in perm])]
 
 
@@ -253,25 +252,13 @@ def rule_stack(w: Walker, eqn, ins):
     axis = jx.param(eqn, "axis")
     if (
         axis == 0
-        and _scanned_over(w, eqn.outvars[0])
+        and w.matched(rewrites.SCANNED_OVER, eqn.outvars[0])
         and all(v.kind == PARAM and not v.scaled and v.axes == w.leaf_axes[v.leaf] for v in ins)
     ):
         axes = [[w.atoms.new(len(ins))], *[[w.atoms.new(w.size(ax))] for ax in ins[0].axes]]
         return [Val(CONST, axes, from_params=True, layers=tuple(ins))]
     parts = [dataclasses.replace(v, axes=[*v.axes[:axis], [], *v.axes[axis:]]) for v in ins]
     return [_concatenate(w, parts, None, axis, eqn.outvars[0].aval.shape)]
-
-
-def _scanned_over(w: Walker, var) -> bool:
-    """Whether the jaxpr variable ``var`` is read only as the scanned operand (xs) of scans."""
-    uses = w.consumers[-1].get(var, [])
-    for u in uses:
-        if u is None or u.primitive.name != "scan":
-            return False
-        sc = jx.scan(u)
-        if any(x is var for x in u.invars[: sc.num_consts + sc.num_carry]):
-            return False
-    return bool(uses)
 
 
 def rule_tile(w: Walker, eqn, ins):

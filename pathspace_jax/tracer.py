@@ -1,28 +1,22 @@
-"""The abstract interpreter that finds a network's structure (`Interpreter`, run by `pathspace_jax.trace`).
+"""The walker that finds a network's structure (`Walker`, run by `pathspace_jax.trace`).
 
-Each primitive has one small rule saying how atoms flow (`pathspace_jax.rules` gives each its kind; the
-primitives that rearrange entries have theirs in `pathspace_jax.rules_shape`, `piece_rules` and `index_rules`):
+It runs a jaxpr on abstract values (`pathspace_jax.atoms.Val`: one list of axis labels, "atoms", per axis) and,
+for each equation, looks its `pathspace_jax.rules.Rule` up and calls the rule's tracing function, which unifies
+and pins atoms; it records every equation it runs (`pathspace_jax.ir.Recorder`): the flat program, in the same
+pass. The walker holds the state and nothing else; the rules, grouped by concern:
 
-* ``dot_general`` / ``conv_general_dilated`` with a parameter operand unify the contracted activation axis
-  with the parameter's input axis and give the result the parameter's output axis: an edge tensor between
-  two node groups (a convolution kernel's spatial axes are taps: each tap its own edge); a constant kernel that
-  selects one tap of one channel per output feature (``lax.conv_general_dilated_patches``, inside
-  ``nn.ConvLocal``) re-arranges atoms, any other constant kernel pins them; a batch axis of
-  the parameter (an ensemble's members, experts) or a grouped convolution's groups are part of the nodes on
-  both sides, the result's axis atoms of its own (`Walker.diagonal`; `pathspace_jax.trace` makes it a
-  position where a layer shares it);
-* ``add`` unifies the atoms of its operands: a parameter added to an activation is a bias, two activations
-  added together (a residual, a recurrence) tie their groups into one;
-* ReLU (``max(x, 0)``), leaky ReLU (``select_n``), pooling, reshape, transpose, slicing of positions and
-  concatenation keep or re-arrange atoms;
-* ``scan`` / ``while`` tie the carry to itself (recurrent kernels become edges from a group to itself);
-  calls (``pjit``, ``custom_jvp_call``, ``custom_vjp_call``, ``checkpoint``) and ``cond`` are entered;
-* a per-unit scale (LayerScale, a normalisation's scale: `rules_elementwise.per_unit_scale`) is a diagonal edge, and
-  a product with a fully pinned factor (a gate: `rules_elementwise.gated`; attention's weights summed with its
-  values: `rules_linear.weighted_sum`) keeps the other operand's atoms;
-* anything that is not positively homogeneous per node (``tanh``, ``exp``, ``rsqrt``, another product of
-  activations, adding a non-zero constant, a reduction over nodes, an unknown primitive) **pins** the atoms
-  it touches.
+* `pathspace_jax.rules_linear`: ``dot_general`` / ``conv_general_dilated`` with a parameter operand are edge
+  tensors between two node groups (a kernel's spatial axes are taps, a batch axis or a grouped convolution's
+  groups part of the nodes on both sides); constant kernels re-arrange atoms or pin them;
+* `pathspace_jax.rules_elementwise`: sums (a bias, a residual, a recurrence tie groups), products (a per-unit
+  scale is a diagonal edge, a product with a fully pinned factor a gate), ReLU's ``max(x, 0)``, selections, and the
+  families (relabellings, nonlinear functions that pin, degree-0 functions, sources, unknown primitives);
+* `pathspace_jax.rules_reduce`, `rules_shape`, `rules_index`, `pieces`: reductions and pooling, reshapes and
+  slices, gathers and scatters, a layer's output cut into pieces;
+* `pathspace_jax.rules_control`: ``scan`` / ``while`` tie the carry to itself (or run layers stacked in a leaf
+  once per layer), ``cond``'s branches are tied; calls are entered by the walker;
+* idioms that span equations (`pathspace_jax.idioms`, `pieces`) ask the patterns of `pathspace_jax.rewrites` how
+  a value is used, and the axis roles that depend on the whole walk are decided by `pathspace_jax.roles`.
 """
 
 from __future__ import annotations
@@ -33,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from pathspace_jax import idioms, rules, rules_elementwise
+from pathspace_jax import idioms, rewrites, rules, rules_elementwise
 from pathspace_jax import jaxpr as jx
 from pathspace_jax.atoms import ACT, CONST, PARAM, Atoms, Val
 from pathspace_jax.ir import Eqn, Recorded, Recorder
@@ -76,8 +70,9 @@ class Walker:
         # -> the atoms of the result's axis (`diagonal_ends`)
         self.diagonal: dict[tuple[int, tuple[int, ...]], list[int]] = {}
         self.scales: set[tuple[int, tuple[int, ...]]] = set()  # the keys of `diagonal` that are per-unit scales
-        # per jaxpr being run (innermost last): a variable -> the equations that read it (None: an output)
-        self.consumers: list[dict[Any, list]] = []
+        # the idioms' patterns matched on each jaxpr run (`pathspace_jax.rewrites`), innermost last, and per jaxpr
+        self.matches: list[rewrites.Matches] = []
+        self._matched: dict[int, tuple[jx.Jaxpr, rewrites.Matches]] = {}
 
     def reason(self, what: str = "") -> str:
         name = self.eqn.primitive.name if self.eqn is not None else "?"
@@ -147,13 +142,10 @@ class Walker:
             env[var] = val
         for var, val in zip(jaxpr.invars, args):
             env[var] = val
-        eqns = self.live(jaxpr)
-        consumers: dict[Any, list] = {}
-        for eqn, var in [(e, v) for e in eqns for v in e.invars] + [(None, v) for v in jaxpr.outvars]:
-            if not jx.is_literal(var):
-                consumers.setdefault(var, []).append(eqn)
-        self.consumers.append(consumers)
-        for eqn in eqns:
+        if id(jaxpr) not in self._matched:  # (a layer stack's body runs once per layer: matched once)
+            self._matched[id(jaxpr)] = jaxpr, rewrites.Matches(jaxpr, self.live(jaxpr))
+        self.matches.append(self._matched[id(jaxpr)][1])
+        for eqn in self.matches[-1].eqns:
             self.eqn = eqn
             self.step += 1
             ins = [self.read(env, x) for x in eqn.invars]
@@ -172,8 +164,12 @@ class Walker:
                 shape = getattr(var.aval, "shape", ())
                 assert len(val.axes) == len(shape), (eqn.primitive.name, val.axes, shape)
                 env[var] = val
-        self.consumers.pop()
+        self.matches.pop()
         return [self.read(env, x) for x in jaxpr.outvars]
+
+    def matched(self, pattern: rewrites.Pattern, var):
+        """What the idiom ``pattern`` says about the jaxpr variable ``var`` of the jaxpr being run (`rewrites`)."""
+        return self.matches[-1](pattern, var)
 
     @staticmethod
     def live(jaxpr: jx.Jaxpr) -> list:
