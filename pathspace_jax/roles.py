@@ -13,10 +13,12 @@ if TYPE_CHECKING:
 
 
 def settle(w: Walker) -> None:
-    """Decide the constants concatenated beside a layer's units (inputs, or pinned where a layer writes into them
-    too: `rules_shape.side_by_side`), the input positions (`input_positions`), the `defer`red atoms, in order (a
-    later one's source may be an earlier one's result), then the parameters reversed (views where along taps,
-    else "other": `rules_shape.rule_rev`)."""
+    """Decide, once the whole function has run: the axes a layer shares its weights along (`shared_along`), the
+    constants concatenated beside a layer's units (inputs, or pinned where a layer writes into them too:
+    `rules_shape.side_by_side`), the input positions (`input_positions`), the `defer`red atoms, in order (a later
+    one's source may be an earlier one's result), then the parameters reversed (views where along taps, else
+    "other": `rules_shape.rule_rev`)."""
+    _shared_positions(w)
     written, atoms = set(), w.atoms
     stack = [f for uses in w.uses for a, role, _, _ in uses if role == "out" for f in atoms.factors([a])]
     while stack:  # (an output axis unified with a concatenation's: the groups side by side in it too)
@@ -92,19 +94,25 @@ def shared_along(w: Walker, x: Val, read: Sequence[int], free: Sequence[int]) ->
     """A layer reads the axes ``read`` of ``x`` with weights shared along its ``free`` axes. Where a free axis
     and a read one were written by one kernel (its output axes: ``nn.DenseGeneral`` with two feature axes, an
     ``nn.vmap``'d layer's members), the free axis is a position: the nodes are shared along it, as the
-    weights are (the units of the read axis rescale alike at every entry of the free one)."""
-    atoms = w.atoms
+    weights are (the units of the read axis rescale alike at every entry of the free one). Noted, and decided
+    by `settle` once every kernel has been seen."""
     for k in free:
         shared_input(w, x.axes[k])
-    free = [  # the examples' axis and other input axes are not a kernel's (and the common case: no search)
-        k for k in free if w.size(x.axes[k]) > 1
-        and not all(atoms.input[f] or atoms.position[f] for f in atoms.factors(x.axes[k]))
-    ]  # fmt: skip
-    if not free:
-        return
-    for k in free:
-        if written_with(w, x.axes[k], [x.axes[j] for j in read]):
-            atoms.make_positions(x.axes[k])
+        w.shared_along.append((list(x.axes[k]), [list(x.axes[j]) for j in read]))
+
+
+def _shared_positions(w: Walker) -> None:
+    """The axes noted by `shared_along` that one kernel wrote with an axis read beside them: positions, until no
+    more turn out so (a position decided may leave another axis no kernel's)."""
+    atoms, changed = w.atoms, True
+    while changed:
+        changed = False
+        for axis, reads in w.shared_along:
+            fs = atoms.factors(axis)  # (the examples' axis and other input axes are no kernel's)
+            if all(atoms.input[f] or atoms.position[f] for f in fs) or not written_with(w, axis, reads):
+                continue
+            atoms.make_positions(axis)
+            changed = True
 
 
 def shared_input(w: Walker, axis: Sequence[int]) -> None:

@@ -108,7 +108,7 @@ def weighted_sum(w: Walker, ins, contracted, batch, free) -> Val | None:
     values): a's entries are coefficients that no rescaling changes, so x's units go on through the sum, along
     x's batch axes (the heads) and free axes, and the result scales with them. x's contracted axes (the keys)
     must be positions: where they turn out to be nodes, they are pinned (`settle`). a's free axes (the
-    queries) are its own where they are positions or input axes (w-attention's: the sequence's); where they
+    queries) are its own where they are positions or input axes (self-attention's: the sequence's); where they
     are nodes (learned queries, ``nn.MultiHeadDotProductAttention(probe, x)`` with a parameter ``probe``: the
     pinned nodes of fixed coefficients; the units of a pinned layer, in an outer product), the result's are
     positions of their own: each of its entries is x's unit times a coefficient, shared by the entries of that
@@ -121,8 +121,7 @@ def weighted_sum(w: Walker, ins, contracted, batch, free) -> Val | None:
     why = w.reason("sums nodes with coefficients computed from pinned values")
     kept = [x.axes[k] for k in (*batch[j], *free[j])]
     for k in contracted[j]:
-        if roles.written_with(w, x.axes[k], kept):  # a mixture's experts (nn.vmap'd): their units shared, as positions
-            w.atoms.make_positions(x.axes[k])
+        w.shared_along.append((list(x.axes[k]), kept))  # (a mixture's experts, nn.vmap'd: their units shared)
         w.defer(list(x.axes[k]), list(x.axes[k]), why)
     out = [list(x.axes[k]) for k in batch[j]]
     for v, fr in zip(ins, free, strict=True):

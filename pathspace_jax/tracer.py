@@ -55,6 +55,9 @@ class Walker:
         self.fixed: list[int] = []
         self.deferred: list[tuple[list[int], list[int], str, bool]] = []  # `defer`, settled by `settle`
         self.shared_inputs: set[int] = set()  # input atoms that a layer shares its weights along (`shared_along`)
+        # axes a layer shares its weights along, each with the axes read beside it (`roles.shared_along`): positions
+        # where one kernel wrote both (`roles.settle`, once every kernel has been seen)
+        self.shared_along: list[tuple[list[int], list[list[int]]]] = []
         # constants concatenated beside a layer's units, each with whether it is zeros (`settle`)
         self.beside: list[tuple[int, bool]] = []
         # parameters reversed along some axes, which must turn out to be a convolution's taps (`settle`)
