@@ -14,6 +14,7 @@ import numpy as np
 
 from pathspace_jax import jaxpr as jx
 from pathspace_jax.ir import Eqn, Program
+from pathspace_jax.rules import Op
 
 # ids of the values `cut_nodes` adds to a program: apart from the recorded ones (counted from 0 per recording)
 _NEW_IDS = itertools.count(1 << 48)
@@ -30,11 +31,7 @@ def cut_nodes(prog: Program, fresh: set[int]) -> dict[int, list[int]] | None:
     cuts = {n: prog.cut[n] for n in prog.nodes if n in prog.cut}
     if not cuts:
         return None
-    outs = {x for x in prog.out_ids if not isinstance(x, tuple)}
-    uses: dict[int, list[Eqn]] = {}
-    for e in prog.eqns:
-        for x in dict.fromkeys(x for x in e.ins if not isinstance(x, tuple)):
-            uses.setdefault(x, []).append(e)
+    outs, uses = {x for x in prog.out_ids if not isinstance(x, tuple)}, prog.uses
     eqns, renamed, dropped, joined = [], {}, set(), {}
     for e in prog.eqns:
         if id(e) in dropped:
@@ -43,7 +40,7 @@ def cut_nodes(prog: Program, fresh: set[int]) -> dict[int, list[int]] | None:
         for n in (n for n in e.outs if n in cuts):
             cut, aval = cuts[n], jx.result_avals(e.source)[e.outs.index(n)]
             if n not in fresh:  # an output computed from nodes
-                side_by_side = e.prim.name == "concatenate" and jx.param(e, "dimension") == cut.axis
+                side_by_side = e.rule.op is Op.CONCAT and jx.param(e, "dimension") == cut.axis
                 side_by_side &= cut.blocks == 1
                 ins = eqns[-1].ins  # (renamed)
                 if side_by_side and len(ins) == len(cut.sizes) and not any(isinstance(x, tuple) for x in ins):
@@ -63,7 +60,7 @@ def cut_nodes(prog: Program, fresh: set[int]) -> dict[int, list[int]] | None:
             us, along = uses.get(n, []), cut.blocks == 1  # (pieces that interleave are no slices)
             slices = {id(u): boxes.index(box) for u in us if (box := jx.slice_box(u.prim.name, u.params)) in boxes
                       and along}  # fmt: skip
-            unstacks = [u for u in us if u.prim.name == "unstack" and set(cut.sizes) == {1} and along
+            unstacks = [u for u in us if u.rule.op is Op.UNSTACK and set(cut.sizes) == {1} and along
                         and jx.param(u, "axis") % len(aval.shape) == cut.axis]  # fmt: skip
             if len(slices) + len(unstacks) == len(us) and n not in outs:  # read in pieces alone: they are the pieces
                 for u in us:

@@ -16,7 +16,7 @@ from pathspace_jax import jaxpr as jx
 from pathspace_jax import program as flat
 from pathspace_jax.ddp_inputs import batch_size, example_shapes, per_example
 from pathspace_jax.forward import run_program
-from pathspace_jax.rules import rule
+from pathspace_jax.rules import Op
 
 __all__ = ["second_order_exact", "outer_product_leaves"]
 
@@ -26,15 +26,10 @@ def outer_product_leaves(prog: flat.Program, shapes: dict) -> dict:
     None)}``: a dense kernel W used once, in ``a @ W`` with a (1, k) per example (gradient a ⊗ δ, δ the
     cotangent of the product: the tap), and a bias used once (after a reshape) in ``z + b`` with z of
     b's size per example (gradient δ at the sum). ``shapes``: the per-example shape of every value."""
-    uses: dict[int, list] = {}
-    for e in prog.eqns:
-        for x in e.ins:
-            if not isinstance(x, tuple):
-                uses.setdefault(x, []).append(e)
-    out = {}
+    uses, out = prog.uses, {}
     for j, p in enumerate(prog.in_ids[: prog.n_params]):
         v, size = p, int(np.prod(shapes[p], dtype=np.int64))
-        while len(uses.get(v, [])) == 1 and rule(uses[v][0].prim.name).same_entries and len(uses[v][0].outs) == 1:
+        while len(uses.get(v, [])) == 1 and uses[v][0].rule.same_entries and len(uses[v][0].outs) == 1:
             v = uses[v][0].outs[0]  # a relabelling of the same entries (a bias reshaped to (1, m))
         if len(uses.get(v, [])) != 1 or int(np.prod(shapes[v], dtype=np.int64)) != size:
             continue
@@ -43,10 +38,10 @@ def outer_product_leaves(prog: flat.Program, shapes: dict) -> dict:
         if len(e.ins) != 2 or len(other) != 1 or isinstance(other[0], tuple):
             continue
         a = other[0]
-        if e.prim.name == "dot_general" and e.ins[1] == v and shapes[v] == shapes[p] and len(shapes[p]) == 2:
+        if e.rule.op is Op.DOT and e.ins[1] == v and shapes[v] == shapes[p] and len(shapes[p]) == 2:
             if jx.is_plain_matmul(e.params) and shapes[a] == (1, shapes[p][0]):
                 out[j] = (e.outs[0], a)
-        elif e.prim.name in ("add", "add_any") and shapes[a] == shapes[v] == (1, size):
+        elif e.rule.op is Op.ADD and shapes[a] == shapes[v] == (1, size):
             out[j] = (e.outs[0], None)
     return out
 

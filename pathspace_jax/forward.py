@@ -19,6 +19,7 @@ import numpy as np
 from pathspace_jax import jaxpr as jx
 from pathspace_jax import program as flat
 from pathspace_jax.errors import DDPUnsupportedError
+from pathspace_jax.rules import Op
 
 __all__ = ["run_program", "forward", "scan_nodes", "conv", "unrolled"]
 
@@ -46,18 +47,18 @@ def run_program(prog: flat.Program, invals: list, want: Sequence, post=None, bat
             inner = [w[1] for w in want if isinstance(w, tuple) and w[0] == idx]
             outs, got_scan = _run_scan(e, vals, inner, batch)
             got.update({(idx, v): g for v, g in zip(inner, got_scan, strict=True)})
-        elif e.prim.name == "max" and prog.kinds[e.outs[0]] == "act" and _is_relu(e):
+        elif e.rule.relu and prog.kinds[e.outs[0]] == "act" and _is_relu(e):
             # a ReLU max(x, 0): use jax.nn.relu (derivative 0 at 0, as the user's model has)
             outs = [jax.nn.relu(vals[0] if isinstance(e.ins[1], tuple) else vals[1])]
         else:
-            outs = [conv(e, *vals)] if conv_vjp and e.prim.name == "conv_general_dilated" else flat.bind(e, vals)
+            outs = [conv(e, *vals)] if conv_vjp and e.rule.op is Op.CONV else flat.bind(e, vals)
         for o, v in zip(e.outs, outs, strict=False):
             env[o] = v = v if post is None else post(o, v, e)
             if o in boundary:  # a boundary value: downstream, an input of the homogeneous part
                 kept[o], env[o] = v, jax.lax.stop_gradient(v)
     outs = [jnp.asarray(x[1]) if isinstance(x, tuple) else env[x] for x in prog.out_ids]
     got = [got[w] if isinstance(w, tuple) else kept.get(w, env[w]) for w in want]
-    if any(e.prim.name == "scatter-max" for e in prog.eqns):
+    if any(e.rule.fills_neg_inf for e in prog.eqns):
         got = [_no_value_as_zero(z) for z in got]
     return outs, got
 
@@ -86,8 +87,9 @@ def scan_nodes(prog: flat.Program, which: str = "sinks") -> list:
 
 
 def _is_relu(e) -> bool:
+    """Whether a ``relu`` rule's equation of two operands is ``max(x, 0)``: one of them a literal scalar zero."""
     zero = [x for x in e.ins if isinstance(x, tuple)]
-    return len(zero) == 1 and not np.any(np.asarray(zero[0][1])) and np.ndim(zero[0][1]) == 0
+    return len(e.ins) == 2 and len(zero) == 1 and not np.any(np.asarray(zero[0][1])) and np.ndim(zero[0][1]) == 0
 
 
 def _run_scan(e, vals, inner: list, batch: int) -> tuple[list, list]:

@@ -9,10 +9,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from pathspace_jax import ir, rewrites, rules_elementwise, rules_shape
 from pathspace_jax import jaxpr as jx
-from pathspace_jax import rewrites, rules_elementwise, rules_shape
 from pathspace_jax.atoms import ACT, CONST, PARAM, Val
-from pathspace_jax.ir import Recorded
 
 if TYPE_CHECKING:
     from pathspace_jax.tracer import Walker
@@ -33,7 +32,7 @@ def reshaped_kernel(w: Walker, eqn, entry, ins: Sequence[Val]) -> Val | None:
     return dataclasses.replace(w.apply(eqn, [dataclasses.replace(v, factors=None)])[0], factors=(c, p))
 
 
-def normalised_scale(w: Walker, eqn, ins) -> Recorded | None:
+def normalised_scale(w: Walker, eqn, ins) -> ir.Recorded | None:
     """``n * (s * p)`` with ``n`` and ``s`` fully pinned and ``p`` a per-unit parameter (`Val.factors`): a
     LayerNorm's or BatchNorm's scale, which flax multiplies into the per-example ``rsqrt(var + eps)`` before
     the centred value. Recorded as ``(n * s) * p``: a diagonal edge from the normalised value's (pinned) group
@@ -53,25 +52,26 @@ def normalised_scale(w: Walker, eqn, ins) -> Recorded | None:
     return None
 
 
-def kernel_scale(w: Walker, eqn, ins: Sequence[Val]) -> Val | None:
+def kernel_scale(w: Walker, eqn, ins: Sequence[Val], *, divide: bool) -> Val | None:
     """A kernel ``c * p`` in the making: ``c`` coefficients computed from parameters and ``p`` a parameter that
     varies along some of c's axes only, the product read once, as the kernel of a ``dot_general`` or a
     convolution (`pathspace_jax.rewrites.READ_AS_A_KERNEL`). Held as its factors (`Val.factors`) for
     `scaled_kernel`, in any order the product is written: Flax's ``v / ‖v‖ * g`` (``nn.WeightNorm``) and
     ``g * (v / ‖v‖)``; ``g * v / ‖v‖`` (``c`` is then ``v``, and ``v / ‖v‖`` once divided); PyTorch's
     ``v * (g / ‖v‖)`` (``g / ‖v‖`` is ``(1 / ‖v‖) * g``). A held product times or over further coefficients
-    holds their product or quotient (recorded: the program computes ``c`` itself). None otherwise."""
-    name, shape = eqn.primitive.name, eqn.outvars[0].aval.shape
-    if name not in ("mul", "div") or len(ins) != 2 or any(v.kind == ACT for v in ins):
+    holds their product or quotient (recorded: the program computes ``c`` itself). ``divide``: ``eqn`` is a
+    quotient (else a product). None otherwise."""
+    shape = eqn.outvars[0].aval.shape
+    if len(ins) != 2 or any(v.kind == ACT for v in ins):
         return None
     if not w.matched(rewrites.READ_AS_A_KERNEL, eqn.outvars[0]):
         return None
     held = [v for v in ins if v.factors is not None]
     if held:  # (c·p)·x = (c·x)·p, (c·p)/x = (c/x)·p; (c·q)·g with q no gain and g one: (c·q)·g (v / ‖v‖ * g)
-        if len(held) != 1 or name == "div" and ins[1] is held[0]:
+        if len(held) != 1 or divide and ins[1] is held[0]:
             return None
         (c, p), x = held[0].factors, ins[1 - ins.index(held[0])]
-        if name == "mul" and not gain(w, p, shape) and x.kind == PARAM and gain(w, x, shape):
+        if not divide and not gain(w, p, shape) and x.kind == PARAM and gain(w, x, shape):
             p, x = x, p
         if not gain(w, p, shape, broadcast=False):
             return None
@@ -81,7 +81,7 @@ def kernel_scale(w: Walker, eqn, ins: Sequence[Val]) -> Val | None:
         c = w.ew(CONST, operands, w.broadcast(eqn, operands, unify=False), from_params=True)
         (c,) = w.record(eqn, operands, [c])
         return w.ew(CONST, ins, w.broadcast(eqn, ins, unify=False), from_params=True, factors=(c, p))
-    if name == "div":  # g / x = (1 / x)·g, g a gain if a product makes it one (`gain` there)
+    if divide:  # g / x = (1 / x)·g, g a gain if a product makes it one (`gain` there)
         p, x = ins
         if p.kind != PARAM or x.kind != CONST or not x.from_params or not gain(w, p, shape, broadcast=False):
             return None
@@ -113,7 +113,7 @@ def gain(w: Walker, p: Val, shape, *, broadcast: bool = True) -> bool:
                                  for k in varying)  # fmt: skip
 
 
-def scaled_kernel(w: Walker, eqn, ins: Sequence[Val]) -> Recorded | None:
+def scaled_kernel(w: Walker, eqn, ins: Sequence[Val], *, conv: bool) -> ir.Recorded | None:
     """A ``dot_general`` or convolution of an activation ``x`` with a kernel ``c * p`` held by `kernel_scale`,
     where p varies along output axes only: ``x·(c * p) = (x·c) * p``, recorded so. ``x·c`` is a product with
     fixed coefficients (new nodes, pinned: rescaling a unit that c reads changes ‖v‖), and p a learned per-unit
@@ -125,7 +125,7 @@ def scaled_kernel(w: Walker, eqn, ins: Sequence[Val]) -> Recorded | None:
     dtype = eqn.invars[k].aval.dtype
     if x.kind != ACT or eqn.outvars[0].aval.dtype != dtype or c.kind != CONST:
         return None  # (c a parameter: g·v read undivided)
-    if eqn.primitive.name == "dot_general":
+    if not conv:  # a dot_general
         (lc, rc), (lb, rb) = jx.param(eqn, "dimension_numbers")
         free = [[j for j in range(len(v.axes)) if j not in (lc, rc)[i] and j not in (lb, rb)[i]]
                 for i, v in enumerate(ins)]  # fmt: skip

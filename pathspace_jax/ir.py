@@ -11,6 +11,7 @@ network, the forward executor and DDP-Normalization run.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import itertools
 from typing import Any
@@ -20,6 +21,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from pathspace_jax import jaxpr as jx
+from pathspace_jax import rules
+
+
+class Role(enum.Enum):
+    """What a finished program made of one equation (`pathspace_jax.program`, once per program): the executors
+    dispatch on it, in this order of precedence."""
+
+    SCAN = enum.auto()  # a recurrence or a stack of layers kept rolled: its ``body`` a program of its own
+    CONST = enum.auto()  # its results are constants (they depend on no input and no parameter)
+    PARAM = enum.auto()  # its results are computed from parameters alone (a view of one, or a coefficient)
+    MASK = enum.auto()  # its result is an activation of degree 0 (`Program.masks`)
+    BOUNDARY = enum.auto()  # its results are boundary values (`Program.bnd`)
+    LOOKUP = enum.auto()  # an embedding lookup (`Program.lookups`)
+    ACT = enum.auto()  # any other operation on activations
 
 
 @dataclasses.dataclass
@@ -40,6 +55,14 @@ class Eqn:
     # a maximum over entries that different weights feed (maxout by a reshape, max pooling after nn.ConvLocal)
     exclusive: bool = False
     layers: bool = False  # a scan over layers that the program keeps rolled (`pathspace_jax.rolled`): never unrolled
+    # a custom_jvp/custom_vjp call that the finished program keeps whole (ReLU-like code: `program._kept_whole`)
+    whole: bool = False
+    role: Role | None = None  # what the finished program made of it (None while recorded)
+
+    @property
+    def rule(self) -> rules.Rule:
+        """The primitive's entry in the rule table (`pathspace_jax.rules`)."""
+        return rules.rule(self.prim.name)
 
     @property
     def where(self) -> str:
@@ -106,6 +129,29 @@ class Program:
     # of those, the pieces of a cut node concatenated back for a reader of the whole (`pathspace_jax.cut_nodes`)
     joins: set[int] = dataclasses.field(default_factory=set)
     into_sinks: set[int] = dataclasses.field(default_factory=set)  # sums a sink continues (`program._into_sinks`)
+    # `uses` and `made` of the equations as they are now (the list itself: rebuilt when ``eqns`` is replaced)
+    _index: tuple | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def uses(self) -> dict[int, list[Eqn]]:
+        """Each value's readers, in program order: one entry per operand that reads it (``x * x`` reads ``x``
+        twice). Built once per list of equations."""
+        return self._indexed()[0]
+
+    @property
+    def made(self) -> dict[int, Eqn]:
+        """The equation that computes each value."""
+        return self._indexed()[1]
+
+    def _indexed(self) -> tuple[dict, dict]:
+        if self._index is None or self._index[0] is not self.eqns:
+            uses: dict[int, list[Eqn]] = {}
+            for e in self.eqns:
+                for x in e.ins:
+                    if not isinstance(x, tuple):
+                        uses.setdefault(x, []).append(e)
+            self._index = (self.eqns, uses, {o: e for e in self.eqns for o in e.outs})
+        return self._index[1:]
 
     def edge_param(self, x) -> bool:
         """Whether operand ``x`` is a parameter as an edge tensor: a view of one params leaf, not a
@@ -115,7 +161,7 @@ class Program:
     def is_edge(self, e) -> bool:
         """Whether equation ``e`` is an edge product: a dot or convolution with an edge parameter operand, or a
         per-unit scale (``e.edge``)."""
-        edges = e.edge or e.prim.name in ("dot_general", "conv_general_dilated")
+        edges = e.edge or e.rule.linear_map
         return edges and any(map(self.edge_param, e.ins))
 
 

@@ -178,6 +178,12 @@ def result_avals(eqn) -> list:
     return [v.aval for v in eqn.outvars]
 
 
+def has_custom_derivative(eqn) -> bool:
+    """Whether ``eqn`` is a call with derivatives of its own (``custom_jvp_call``, ``custom_vjp_call``: ``jax.nn.relu``
+    is one), which the recording keeps as one equation beside its body's (`pathspace_jax.tracer.Walker.enter`)."""
+    return eqn.primitive.name.startswith("custom_")
+
+
 def call_body(eqn) -> ClosedJaxpr | None:
     """The jaxpr of a call-like equation (entered as if inlined), or None for every other primitive.
 

@@ -117,7 +117,9 @@ from pathspace_jax.frames import (
     to_canonical_frame,
 )
 from pathspace_jax.graph import PathSpace, check_path_space, compute_dtype
+from pathspace_jax.ir import Role
 from pathspace_jax.refusals import refuse_exclusive_branches, refuse_tying, refuse_undefined
+from pathspace_jax.rules import Op
 from pathspace_jax.squared import evaluate
 from pathspace_jax.squared_scan import Tap
 
@@ -233,9 +235,7 @@ def path_kappa(space: PathSpace, params, *, second_order: bool = True):
 def _param_product(prog: flat.Program, e) -> tuple[int, int] | None:
     """``(param operand, activation operand)`` of ``e`` when it is a product of an activation and a parameter
     that the |·|^p network evaluates as a product (not a boundary value or a lookup), else None."""
-    if e.prim.name not in ("dot_general", "conv_general_dilated") or len(e.ins) != 2:
-        return None
-    if e.outs[0] in prog.bnd or e.outs[0] in prog.lookups:
+    if not e.rule.linear_map or len(e.ins) != 2 or e.role is not Role.ACT:  # (not a boundary value)
         return None
     kinds = ["const" if isinstance(x, tuple) else prog.kinds[x] for x in e.ins]
     if sorted(kinds) != ["act", "param"]:
@@ -250,7 +250,7 @@ def _tap_sites(prog: flat.Program, param_pos: dict) -> dict:
     e.g. an RNN cell's input and recurrent kernels. ``shapes`` is filled by the first (abstract) evaluation."""
     sites = {}
     for idx, e in enumerate(prog.eqns):
-        if e.prim.name != "scan":
+        if e.role is not Role.SCAN:
             continue
         bp, nc = e.body, e.scan.num_consts
         outer = dict(zip(bp.in_ids[:nc], e.ins[:nc], strict=True))  # body const var -> the scan's operand
@@ -301,15 +301,10 @@ def _dense_sites(prog: flat.Program, param_pos: dict) -> dict:
     products of an activation and a params leaf, outside any scan, whose leaf the program uses nowhere else.
     Their κ⁽¹⁾ is ``(∂(x·W)/∂W)ᵀ ȳ``; for a dense layer (W 2-D, contracted on its first axis with x's last)
     whose x has one row, the outer product xᵀȳ (`RankOne`)."""
-    uses: dict = {}
-    for e in prog.eqns:
-        for x in e.ins:
-            if not isinstance(x, tuple):
-                uses[x] = uses.get(x, 0) + 1
     sites = {}
     for idx, e in enumerate(prog.eqns):
-        ops = _param_product(prog, e) if e.prim.name == "dot_general" else None
-        if ops is not None and e.ins[ops[0]] in param_pos and uses[e.ins[ops[0]]] == 1:
+        ops = _param_product(prog, e) if e.rule.op is Op.DOT else None
+        if ops is not None and e.ins[ops[0]] in param_pos and len(prog.uses[e.ins[ops[0]]]) == 1:
             sites[idx] = (*ops, param_pos[e.ins[ops[0]]])
     return sites
 
@@ -328,7 +323,7 @@ def kappa_canonical(space, leaves, second_order, factored=False):
     perts = {}
     if second_order:
         for idx, e in enumerate(prog.eqns):
-            if e.prim.name != "scan":
+            if e.role is not Role.SCAN:
                 continue
             bp = e.body
             nc, ncar = e.scan.num_consts, e.scan.num_carry

@@ -55,7 +55,7 @@ from pathspace_jax.forward import run_program
 from pathspace_jax.frames import node_sum, take
 from pathspace_jax.graph import PathSpace, check_path_space, reduced
 from pathspace_jax.refusals import refuse_undefined
-from pathspace_jax.rules import rule
+from pathspace_jax.rules import Op
 from pathspace_jax.skeleton import skeleton
 
 __all__ = ["ddp_normalize", "ddp_normalized_weights", "DDPNormalizationError"]
@@ -131,13 +131,12 @@ def _nodes(space: PathSpace, prog: flat.Program) -> dict[int, _Node]:
     for e in prog.eqns:
         if e.body is not None or kinds[e.outs[0]] != "act":
             continue
-        name = e.prim.name
         params = {leaf_of[x] for x in e.ins if not isinstance(x, tuple) and kinds[x] == "param" and x in leaf_of}
         acts = [x for x in e.ins if not isinstance(x, tuple) and kinds[x] == "act"]
-        if (name in ("dot_general", "conv_general_dilated") or e.edge) and params:
+        if (e.rule.linear_map or e.edge) and params:
             chain[e.outs[0]] = params
-        elif any(x in chain for x in acts) and rule(name).continues_node:
-            if name in ("add", "add_any", "sub") and any(x not in chain for x in acts):
+        elif any(x in chain for x in acts) and e.rule.continues_node:
+            if e.rule.elementwise_sum and any(x not in chain for x in acts):
                 where = e.where
                 raise DDPNormalizationError(
                     f"ddp_normalize: the sum at {where} adds an activation to a pre-activation without a parameter "
@@ -145,7 +144,7 @@ def _nodes(space: PathSpace, prog: flat.Program) -> dict[int, _Node]:
                     "node, which a fixed skip connection is not: it is implemented for networks without them"
                 )
             chain[e.outs[0]] = set().union(*(chain[x] for x in acts if x in chain)) | params
-        elif name == "split" and acts and acts[0] in chain:  # a layer cut into node groups (`pathspace_jax.cut_nodes`)
+        elif e.rule.op is Op.SPLIT and acts and acts[0] in chain:  # a layer cut into groups (`pathspace_jax.cut_nodes`)
             chain.update(dict.fromkeys(e.outs, chain[acts[0]]))
     out: dict[int, _Node] = {}
     for v in prog.nodes:

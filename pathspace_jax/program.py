@@ -29,9 +29,9 @@ import numpy as np
 from pathspace_jax import jaxpr as jx
 from pathspace_jax.cut_nodes import cut_nodes
 from pathspace_jax.graph import PathSpace
-from pathspace_jax.ir import Eqn, Frame, Program
+from pathspace_jax.ir import Eqn, Frame, Program, Role
 from pathspace_jax.rolled import all_eqns, rolled
-from pathspace_jax.rules import draws, rule
+from pathspace_jax.rules import Op, draws
 from pathspace_jax.trace import Cut, record
 
 # The scans that κ and γ² add run a recurrence step by step, often at a tiny size (Path-SGD's |·|^p network on
@@ -62,15 +62,15 @@ def nbytes(tree) -> int:
 
 # Why a program refuses a control-flow primitive (a scan only where ``allow_scan`` is off: DDP-Normalization).
 _UNSUPPORTED = {
-    "scan": (
+    Op.SCAN: (
         "a recurrence feeds its nodes through the same kernel at every step, while the normalisation divides each "
         "node's incoming weights by one statistic of that node: it is defined for feed-forward networks."
     ),
-    "while": (
+    Op.WHILE: (
         "the loop's number of steps is decided at run time (lax.while_loop, or lax.fori_loop with traced bounds), "
         "so its paths are not known from the program. Use lax.scan, or lax.fori_loop with Python int bounds."
     ),
-    "cond": (
+    Op.COND: (
         "the paths of the network depend on the branch taken (lax.cond, lax.switch, nn.cond). Choose the branch "
         "in Python (a static argument of the traced function: one network per branch)."
     ),
@@ -104,7 +104,7 @@ def _finish(
     ReLU-like ones are kept whole (`_kept_whole`). ``in_kinds`` overrides the kinds of the inputs (a scan
     body's), ``in_pinned`` their flags; ``numbers`` the integer inputs that are values where cast to floats (uint8
     pixels); ``int_inputs`` marks the inputs that are token ids (or boolean masks:
-    constants of the network too)."""
+    constants of the network too). Each equation of the result has its `pathspace_jax.ir.Role`."""
     eqns: list[Eqn] = []
     kinds: dict[int, str] = dict.fromkeys(frame.consts, "const")
     pinned: set[int] = set()
@@ -120,25 +120,25 @@ def _finish(
     def walk(raw: list[Eqn]) -> None:
         for e in raw:
             ks = [kind_of(x) for x in e.ins]
-            name = e.prim.name
+            op = e.rule.op
             if e.inner is not None and (inline_custom or not _kept_whole(e, ks)):
                 walk(e.inner)
                 continue
-            if name == "scan" and allow_scan:
+            if op is Op.SCAN and allow_scan:
                 eqns.append(_finish_scan(e, ks, kinds, pinned, flags, who, err, inline_custom))
                 continue
-            if name in _UNSUPPORTED:
-                raise err(f"{who}: {name} at {e.where} is not supported: {_UNSUPPORTED[name]}")
+            if op in _UNSUPPORTED:
+                raise err(f"{who}: {e.prim.name} at {e.where} is not supported: {_UNSUPPORTED[op]}")
             k = functools.reduce(_join, ks, "const")
             ins_ids = [x for x in e.ins if not isinstance(x, tuple)]
-            if name == "convert_element_type" and ins_ids and ins_ids[0] in number_ids:
+            if op is Op.CAST and ins_ids and ins_ids[0] in number_ids:
                 if jnp.issubdtype(jx.cast_dtype(e.params), jnp.floating):
                     k = "act"  # integer features read as numbers (uint8 pixels cast to float): the input's values
             from_tokens = any(x in tokens for x in ins_ids)
-            lookup = from_tokens and name == "gather" and ks[0] == "param"
+            lookup = from_tokens and op is Op.GATHER and ks[0] == "param"
             if lookup:
                 k = "act"  # an embedding lookup: the one-hot input times the table (`pathspace_jax.squared`)
-            if draws(name):
+            if draws(e.prim.name):
                 k = "act"  # random numbers: a value of the inputs alone (their keys), a gate (`_input_gates`)
             for i in e.outs:
                 kinds[i] = k
@@ -154,7 +154,7 @@ def _finish(
                     lookups.add(i)
                 elif from_tokens and k == "const":
                     tokens.add(i)
-            eqns.append(e if e.inner is None else dataclasses.replace(e, inner=None))  # a custom call kept whole
+            eqns.append(e if e.inner is None else dataclasses.replace(e, inner=None, whole=True))  # a call kept whole
 
     for j, i in enumerate(in_ids):
         kinds[i] = in_kinds[j] if in_kinds is not None else "param" if j < n_params else "act"
@@ -169,7 +169,13 @@ def _finish(
     eqns = _live(eqns, frame.out_ids)
     prog = Program(eqns, n_params, in_ids, frame.out_ids, frame.consts, kinds, [], [], who, err, pinned,
                    lookups=lookups, fixed=fixed, cut=cut)  # fmt: skip
-    body = in_kinds is not None
+    _mark(prog, body=in_kinds is not None)
+    return prog
+
+
+def _mark(prog: Program, body: bool) -> None:
+    """Mark a program's gates and masks, its nodes (cut into their groups where those are pinned in part) and its
+    boundary, then give each equation its `Role` (`_role`). ``body``: a scan's body."""
     _input_gates(prog, body)
     prog.masks = _masks(prog)
     fresh = _find_nodes(prog, body=body)
@@ -181,7 +187,22 @@ def _finish(
         prog.nodes = [v for v in prog.nodes if v not in joined] + [p for p in pieces if p not in prog.nodes]
         prog.outputs = [v for v in prog.outputs if v not in joined]
     _find_boundary(prog, fresh, body=body)
-    return prog
+    prog.eqns = [dataclasses.replace(e, role=_role(prog, e)) for e in prog.eqns]
+
+
+def _role(prog: Program, e: Eqn) -> Role:
+    """What the finished program ``prog`` made of its equation ``e`` (`pathspace_jax.ir.Role`), from its kinds and
+    the values it marked: what the executors dispatch on."""
+    kind = prog.kinds[e.outs[0]]
+    if e.body is not None:
+        return Role.SCAN
+    if kind in ("const", "param"):
+        return Role.CONST if kind == "const" else Role.PARAM
+    if e.outs[0] in prog.masks:
+        return Role.MASK
+    if all(o in prog.bnd for o in e.outs):
+        return Role.BOUNDARY
+    return Role.LOOKUP if e.outs[0] in prog.lookups else Role.ACT
 
 
 def _live(eqns: list[Eqn], out_ids) -> list[Eqn]:
@@ -204,7 +225,7 @@ def _kept_whole(e: Eqn, ks) -> bool:
     return (
         "param" not in ks
         and all(not isinstance(o, tuple) and o in made for o in e.outs)
-        and all(rule(x.prim.name).as_is and not rule(x.prim.name).sums for x in all_eqns(e.inner) if x.inner is None)
+        and all(x.rule.as_is and not x.rule.sums for x in all_eqns(e.inner) if x.inner is None)
     )
 
 
@@ -236,25 +257,20 @@ def _finish_scan(e: Eqn, ks, kinds, pinned, flags, who, err, inline_custom) -> E
 def _find_nodes(prog: Program, body: bool = False) -> set[int]:
     """Mark the node pre-activations (see the module docstring); returns the linear accumulations. In a
     scan ``body``, the nodes are its pre-activations at one step of the unrolled network."""
-    kinds = prog.kinds
-    uses: dict[int, list[Eqn]] = {}
-    for e in prog.eqns:
-        for x in e.ins:
-            if not isinstance(x, tuple):
-                uses.setdefault(x, []).append(e)
+    kinds, uses = prog.kinds, prog.uses
     fresh: set[int] = set()
 
     def cut(e: Eqn) -> bool:  # a split that is its operand's only use: its pieces are the nodes (`cut_nodes`)
-        return e.prim.name == "split" and uses.get(e.ins[0]) == [e]
+        return e.rule.op is Op.SPLIT and uses.get(e.ins[0]) == [e]
 
     def concatenated(e: Eqn) -> bool:  # pre-activations side by side, each read there alone: one node where read
         acts = [x for x in e.ins if not isinstance(x, tuple) and kinds[x] == "act"]
-        if e.prim.name != "concatenate" or e.outs[0] in prog.joins:  # (not the pieces of a cut node joined back)
+        if e.rule.op is not Op.CONCAT or e.outs[0] in prog.joins:  # (not the pieces of a cut node joined back)
             return False
         return all(x in fresh and uses[x] == [e] for x in acts)
 
     for e in prog.eqns:
-        name, ids = e.prim.name, [x for x in e.ins if not isinstance(x, tuple)]
+        ids = [x for x in e.ins if not isinstance(x, tuple)]
         if kinds[e.outs[0]] != "act":
             continue
         if prog.is_edge(e) or e.outs[0] in prog.lookups:
@@ -263,7 +279,7 @@ def _find_nodes(prog: Program, body: bool = False) -> set[int]:
             fresh.update(e.outs)
         elif concatenated(e):  # (a residual added to it: the sum is the node, as with one kernel per piece)
             fresh.add(e.outs[0])
-        elif rule(name).continues_node and not any(x in prog.masks for x in ids):  # a gate ends it, as ReLU does
+        elif e.rule.continues_node and not any(x in prog.masks for x in ids):  # a gate ends it, as ReLU does
             # (a pre-activation read by anything else is a node there, and what it goes on to is no node again)
             if any(x in fresh and all(u is e for u in uses[x]) for x in ids):
                 fresh.add(e.outs[0])
@@ -279,8 +295,8 @@ def _find_nodes(prog: Program, body: bool = False) -> set[int]:
                 continue
             if v not in fresh:
                 continue
-            merged = len(us) == 1 and (rule(us[0].prim.name).continues_node or cut(us[0]) or concatenated(us[0]))
-            if merged and us[0].prim.name in ("mul", "div"):  # by constant factors, or a gate (a pinned value)
+            merged = len(us) == 1 and (us[0].rule.continues_node or cut(us[0]) or concatenated(us[0]))
+            if merged and us[0].rule.scales:  # by constant factors, or a gate (a pinned value)
                 other = [x for x in us[0].ins if x != v]
                 merged = all(isinstance(x, tuple) or kinds[x] == "const" or x in prog.pinned for x in other)
             if not merged:
@@ -312,7 +328,7 @@ def _find_boundary(prog: Program, fresh: set[int], body: bool = False) -> None:
     for e in prog.eqns:
         if e.outs[0] in gates:
             continue
-        if e.prim.name == "scan":
+        if e.body is not None:  # a scan
             body_bnd = e.body.bnd | set(e.body.sinks)
             for j, o in enumerate(e.outs):
                 x = e.body.out_ids[j]
@@ -331,7 +347,7 @@ def _find_boundary(prog: Program, fresh: set[int], body: bool = False) -> None:
                 and any(x in bnd for x in act_ins)
             ):
                 bnd.add(o)  # computed from boundary values only (and values of the inputs alone: an additive mask)
-                if e.prim.name in ("add", "add_any", "sub") and any(map(prog.edge_param, e.ins)):
+                if e.rule.elementwise_sum and any(map(prog.edge_param, e.ins)):
                     sinks.append(o)  # a bias edge enters a boundary node (an offset without a scale)
             elif o in pinned and o in node_set:
                 sinks.append(o)  # the paths of the homogeneous part end here
@@ -351,27 +367,17 @@ def _into_sinks(prog: Program, fresh: set[int]) -> set[int]:
     """The sums that a sink continues as its node (a residual ``x + f(x)`` reshaped, its only use, into the pinned
     node): only the paths of the homogeneous part end at the sink, so the sum's boundary operands (``x``, 1 in the
     |·|^p network) are left out there, as where the sum itself is the sink."""
-    made = {o: e for e in prog.eqns for o in e.outs}
-    uses: dict[int, int] = {}
-    for e in prog.eqns:
-        for x in {x for x in e.ins if not isinstance(x, tuple)}:
-            uses[x] = uses.get(x, 0) + 1
+    made, uses = prog.made, prog.uses
     found, todo = set(), list(prog.sinks)
     while todo:
         e = made.get(todo.pop())
-        if e is None or prog.is_edge(e) or not rule(e.prim.name).continues_node:
+        if e is None or prog.is_edge(e) or not e.rule.continues_node:
             continue
         for x in e.ins:
-            if not isinstance(x, tuple) and x in fresh and uses[x] == 1 and x not in found:
+            if not isinstance(x, tuple) and x in fresh and len({id(u) for u in uses[x]}) == 1 and x not in found:
                 found.add(x)
                 todo.append(x)
-    return {x for x in found if made[x].prim.name in ("add", "add_any", "sub")}
-
-
-# what the |·|^p network evaluates besides the primitives whose rule is ``as_is`` (`pathspace_jax.squared`)
-_EVALUATED = frozenset(
-    {"mul", "div", "sub", "neg", "abs", "stop_gradient", "dot_general", "conv_general_dilated", "scan"}
-)
+    return {x for x in found if made[x].rule.elementwise_sum}
 
 
 def _masks(prog: Program) -> set[int]:
@@ -391,7 +397,7 @@ def _masks(prog: Program) -> set[int]:
             continue
         if not acts or e.body is not None or any(kinds[x] == "param" for x in ids):
             continue
-        if rule(e.prim.name).structure in ("compare", "degree0") or all(x in masks for x in acts):
+        if e.rule.structure in ("compare", "degree0") or all(x in masks for x in acts):
             masks.update(o for o in e.outs if kinds[o] == "act")
     return masks
 
@@ -414,7 +420,7 @@ def _input_gates(prog: Program, body: bool = False) -> set[int]:
             gates.update(e.outs)
             drawn.update(e.outs)
             continue
-        if any(x in drawn for x in acts) and any(map(prog.edge_param, ids)) and rule(e.prim.name).multiplicative:
+        if any(x in drawn for x in acts) and any(map(prog.edge_param, ids)) and e.rule.multiplicative:
             if not prog.is_edge(e):
                 raise prog.err(
                     f"{prog.who}: {e.prim.name} at {e.where} multiplies parameters by random numbers (DropConnect, "
@@ -423,9 +429,8 @@ def _input_gates(prog: Program, body: bool = False) -> set[int]:
                 )
         if not acts or any(kinds[x] == "param" for x in ids) or not all(x in plain or x in gates for x in acts):
             continue
-        name = e.prim.name
-        product = name in ("mul", "div", "dot_general", "conv_general_dilated") and len(acts) > 1
-        known = (rule(name).as_is or name in _EVALUATED) and not product and not any(x in gates for x in acts)
+        product = e.rule.multiplicative and len(acts) > 1
+        known = e.rule.evaluated and not product and not any(x in gates for x in acts)
         (plain if known else gates).update(o for o in e.outs if kinds[o] == "act")
         if any(x in drawn for x in acts):
             drawn.update(o for o in e.outs if kinds[o] == "act")

@@ -8,6 +8,7 @@ from pathspace_jax import jaxpr as jx
 from pathspace_jax.graph import PathSpace
 from pathspace_jax.ir import Program
 from pathspace_jax.program import live
+from pathspace_jax.rules import Op
 
 
 def refuse_undefined(space: PathSpace, who: str, err: type) -> None:
@@ -34,17 +35,15 @@ def refuse_tying(prog: Program, space: PathSpace, who: str, what: str) -> None:
     other = {i for i, leaf in zip(prog.in_ids[: prog.n_params], space.leaves, strict=True) if leaf.kind == "other"}
     todo = [(set(prog.in_ids[: prog.n_params]) - other, prog, "")]
     for e in prog.eqns:
-        if e.prim.name == "scan":
+        if e.body is not None:  # a scan
             bp = e.body
             p_ids = {i for i, x in zip(bp.in_ids, e.ins, strict=True) if bp.kinds[i] == "param" and x not in other}
             todo.append((p_ids, bp, f" (scan body at {e.where})"))
     for p_ids, pr, where in todo:
-        uses: dict[int, list] = {}
-        for e in live(pr.eqns, pr.out_ids):
-            for x in {x for x in e.ins if not isinstance(x, tuple)}:
-                if x in p_ids:
-                    uses.setdefault(x, []).append(e)
-        for es in uses.values():
+        kept = {id(e): e for e in live(pr.eqns, pr.out_ids)}
+        ids = (x for e in kept.values() for x in {x for x in e.ins if not isinstance(x, tuple)} if x in p_ids)
+        for x in dict.fromkeys(ids):  # (in the order of their first uses)
+            es = list({id(e): e for e in pr.uses[x] if id(e) in kept}.values())  # each reader once
             if len(es) > 1 and not _disjoint_slices(es) and (where or _on_one_path(pr, es)):
                 raise prog.err(
                     f"{who}: a parameter is used by several operations{where} (weight tying, at {es[0].where} "
@@ -83,13 +82,13 @@ def refuse_exclusive_branches(prog: Program, space: PathSpace, what: str) -> Non
                     ups[nc : nc + ncar] = carry
                 reach.update(zip(e.outs, carry + outs[ncar:], strict=True))
                 continue
-            which, cases = (ups[0], ups[1:]) if e.prim.name == "select_n" else (frozenset([data]), ups)
+            which, cases = (ups[0], ups[1:]) if e.rule.op is Op.SELECT else (frozenset([data]), ups)
             acts = {r for r in cases if data in r}
             if e.exclusive and data in ups[0] and e.ins[0] not in pr.pinned:  # (`Eqn.exclusive`)
                 op, which = "a maximum over pieces", "pieces that different weights feed (a maxout unit, max pooling "
                 which, instead = which + "after nn.ConvLocal)", "."
-            elif e.prim.name in ("max", "select_n") and data in which and len(acts) > 1:
-                op = "a max" if e.prim.name == "max" else "a jnp.where on a condition computed from the inputs"
+            elif e.rule.op in (Op.MAX, Op.SELECT) and data in which and len(acts) > 1:
+                op = "a max" if e.rule.op is Op.MAX else "a jnp.where on a condition computed from the inputs"
                 which = "activations that different parameters feed (a maxout unit, or a branch)"
                 instead = ", or choose the branch in Python."
             else:

@@ -8,7 +8,7 @@ per jaxpr (a layer stack's body, run once per layer, is matched once), each answ
 ``walker.matched(PATTERN, var)`` and decides the rest from the abstract values it holds (`pathspace_jax.idioms`,
 `pathspace_jax.pieces`, `pathspace_jax.rules_shape.rule_stack`).
 
-Patterns name primitives by their rules (`pathspace_jax.rules`), never by name.
+Patterns name primitives by their rules' families (`pathspace_jax.rules.Op`), never by name.
 """
 
 from __future__ import annotations
@@ -58,24 +58,23 @@ def _rule(eqn) -> rules.Rule:
 
 def _read_once_by_a_product(uses: Uses, var) -> bool:
     u = uses.only(var)
-    return u is not None and _rule(u).trace is rules.rule("mul").trace
+    return u is not None and _rule(u).op is rules.Op.MUL
 
 
 def _read_as_a_kernel(uses: Uses, var) -> bool:
     u = uses.only(var)
     if u is None:
         return False
-    r, cast, broadcast = _rule(u), rules.rule("convert_element_type"), rules.rule("broadcast_in_dim")
-    through = r in (cast, broadcast) or r.trace is rules.rule("mul").trace
-    if through or r.trace is rules.rule("div").trace and u.invars[0] is var:
+    op, ops = _rule(u).op, rules.Op
+    if op in (ops.CAST, ops.BROADCAST, ops.MUL) or op is ops.DIV and u.invars[0] is var:
         return _read_as_a_kernel(uses, u.outvars[0])
-    return r.trace in (rules.rule("dot_general").trace, rules.rule("conv_general_dilated").trace)
+    return op in (ops.DOT, ops.CONV)
 
 
 def _scanned_over(uses: Uses, var) -> bool:
     readers = uses(var)
     for u in readers:
-        if u is None or _rule(u).trace is not rules.rule("scan").trace:
+        if u is None or _rule(u).op is not rules.Op.SCAN:
             return False
         sc = jx.scan(u)
         if any(x is var for x in u.invars[: sc.num_consts + sc.num_carry]):
@@ -85,13 +84,13 @@ def _scanned_over(uses: Uses, var) -> bool:
 
 def _through_a_bias(uses: Uses, var):
     u = uses.only(var)
-    return u.outvars[0] if u is not None and _rule(u).sums and _rule(u).merges_node else None
+    return u.outvars[0] if u is not None and _rule(u).op is rules.Op.ADD else None
 
 
 def _reads_through_transposes(uses: Uses, var, perm: tuple | None = None) -> tuple:
     out = []
     for u in uses(var) or [None]:
-        if u is not None and _rule(u).trace is rules.rule("transpose").trace:
+        if u is not None and _rule(u).op is rules.Op.TRANSPOSE:
             p = tuple(jx.param(u, "permutation"))
             composed = p if perm is None else tuple(perm[j] for j in p)
             out += _reads_through_transposes(uses, u.outvars[0], composed)

@@ -20,6 +20,7 @@ read in `pathspace_jax.jaxpr`.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Callable
 
 from pathspace_jax import pieces
@@ -30,7 +31,7 @@ from pathspace_jax import rules_linear as linear
 from pathspace_jax import rules_reduce as reduce
 from pathspace_jax import rules_shape as shape
 
-__all__ = ["Rule", "rule", "register", "is_random", "draws", "STRUCTURES"]
+__all__ = ["Rule", "Op", "rule", "register", "names", "is_random", "draws", "STRUCTURES"]
 
 # the families of primitives whose tracing function is one of these (``Rule(structure=...)``)
 _FAMILIES = {
@@ -41,6 +42,32 @@ _FAMILIES = {
     "source": elementwise.source,
 }
 STRUCTURES = tuple(_FAMILIES)
+
+
+class Op(enum.Enum):
+    """The family of a primitive, for the code that tells operations apart by what their operands are (a dot's
+    kernel, a quotient's numerator, a choice's condition), never by their names: `Rule.op`."""
+
+    PLAIN = enum.auto()  # none that the library tells apart
+    DOT = enum.auto()  # ``dot_general``: a linear map, its kernel an operand
+    CONV = enum.auto()  # ``conv_general_dilated``: a linear map, its kernel an operand
+    MUL = enum.auto()  # an elementwise product
+    DIV = enum.auto()  # an elementwise quotient (the numerator first)
+    ADD = enum.auto()  # an elementwise sum (``add``, ``add_any``)
+    SUB = enum.auto()  # an elementwise difference
+    SIGN_FREE = enum.auto()  # at most its operand's sign changed (``neg``, ``abs``; ``stop_gradient``)
+    MAX = enum.auto()  # an elementwise maximum of its operands
+    SELECT = enum.auto()  # ``select_n``: its first operand chooses among the others, entry by entry
+    CAST = enum.auto()  # a dtype conversion
+    BROADCAST = enum.auto()  # its operand copied along new axes (``broadcast_in_dim``)
+    TRANSPOSE = enum.auto()  # its operand's axes permuted
+    GATHER = enum.auto()  # entries gathered by indices (an embedding lookup by token ids)
+    SPLIT = enum.auto()  # its operand cut into pieces along an axis
+    UNSTACK = enum.auto()  # its operand cut into its slices along an axis
+    CONCAT = enum.auto()  # its operands side by side along an axis
+    SCAN = enum.auto()  # a loop over a fixed number of steps, or over layers
+    WHILE = enum.auto()  # a loop whose number of steps is decided at run time
+    COND = enum.auto()  # a choice between branches at run time
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,8 +97,22 @@ class Rule:
     - ``sums``: it adds values (a custom call made of ``as_is`` primitives without sums is kept whole);
     - ``keeps_ones``: maps an all-ones operand to all ones (the all-ones input's shortcuts);
     - ``same_entries``: a relabelling of the same entries (a bias reshaped to (1, m)), for DDP's outer products;
-    - ``breaks_linearity``: makes a scan body non-linear in its carry (κ⁽²⁾ needs it linear; ReLU's
-      ``max(x, 0)`` is allowed).
+    - ``breaks_linearity``: makes a scan body non-linear in its carry (κ⁽²⁾ needs it linear; a ``relu`` is
+      allowed);
+    - ``view``: moves, copies or negates its operands' entries without combining them (a reshape, a slice, a
+      concatenation): |·|^p of its result computed from parameters is the same operation on their |·|^p (its
+      constant operands zero), where anything else computed from parameters alone is a coefficient computed
+      from them as they are (`pathspace_jax.squared`);
+    - ``relu``: the identity on non-negative values, a ReLU: a one-operand primitive always, a ``max`` where its
+      other operand is a zero constant (``max(x, 0)``); the |·|^p network passes its operand on, a scan body
+      stays linear through it, and DDP's forward pass differentiates ``max(x, 0)`` as ``jax.nn.relu``;
+    - ``zero_only``: positively homogeneous only where its constant operands are zero (``max``, ``min``, a
+      scatter of zeros): the |·|^p network refuses a non-zero one;
+    - ``fills_neg_inf``: fills the entries it writes nothing into with −∞ (a segment max that no message
+      reaches): no path there, 0 in the |·|^p network and in DDP's statistics.
+
+    ``op`` (`Op`): the family the executors tell it apart by (a dot, a product, a sum, a choice, a loop).
+    Derived from these: ``continues_node``, ``evaluated``, ``linear_map``, ``scales``, ``elementwise_sum``.
     """
 
     structure: str | None = None
@@ -83,12 +124,38 @@ class Rule:
     keeps_ones: bool = False
     same_entries: bool = False
     breaks_linearity: bool = False
+    op: Op = Op.PLAIN
+    view: bool = False
+    relu: bool = False
+    zero_only: bool = False
+    fills_neg_inf: bool = False
     trace: Callable | None = None
 
     @property
     def continues_node(self) -> bool:
         """A pre-activation's expression goes on through it (``passes_node`` or ``merges_node``)."""
         return self.passes_node or self.merges_node
+
+    @property
+    def evaluated(self) -> bool:
+        """The |·|^p network computes it: as it is (``as_is``), or rewritten (a product with its constant factors
+        raised, a difference as a sum, a sign dropped, a loop step by step)."""
+        return self.as_is or self.op in _REWRITTEN
+
+    @property
+    def linear_map(self) -> bool:
+        """A dot or a convolution: a linear map whose kernel is one of its operands."""
+        return self.op in (Op.DOT, Op.CONV)
+
+    @property
+    def scales(self) -> bool:
+        """An elementwise product or quotient."""
+        return self.op in (Op.MUL, Op.DIV)
+
+    @property
+    def elementwise_sum(self) -> bool:
+        """An elementwise sum or difference: a constant operand is an offset."""
+        return self.op in (Op.ADD, Op.SUB)
 
     def __post_init__(self):
         if self.structure is None:
@@ -104,6 +171,8 @@ class Rule:
         object.__setattr__(self, "trace", _FAMILIES[self.structure])
 
 
+# the families the |·|^p network evaluates rewritten (`Rule.evaluated`)
+_REWRITTEN = frozenset({Op.MUL, Op.DIV, Op.SUB, Op.SIGN_FREE, Op.DOT, Op.CONV, Op.SCAN})
 _TABLE: dict[str, Rule] = {}
 _UNKNOWN = Rule()
 _RANDOM_PREFIXES = ("random_", "threefry", "rng_")
@@ -129,6 +198,11 @@ def draws(name: str) -> bool:
     return name in _DRAWS
 
 
+def names() -> frozenset[str]:
+    """The primitives that have an entry."""
+    return frozenset(_TABLE)
+
+
 def register(name: str, entry: Rule, *, replace: bool = False) -> None:
     """Add the rule of the primitive ``name`` (``replace=True`` to change an existing entry).
 
@@ -149,64 +223,65 @@ def _group(entry: Rule, *names: str) -> None:
 
 # ---------------------------------------------------------------------------- the table
 
-_SHAPE = dict(as_is=True, passes_node=True, keeps_ones=True, same_entries=True)
+_SHAPE = dict(as_is=True, passes_node=True, keeps_ones=True, same_entries=True, view=True)
 _group(Rule(trace=shape.rule_reshape, **_SHAPE), "reshape")
 _group(Rule(trace=shape.rule_squeeze, **_SHAPE), "squeeze")
-_group(Rule(trace=shape.rule_broadcast_in_dim, **_SHAPE), "broadcast_in_dim")
+_group(Rule(trace=shape.rule_broadcast_in_dim, op=Op.BROADCAST, **_SHAPE), "broadcast_in_dim")
 _group(Rule(None, **_SHAPE), "expand_dims")
-_group(Rule("relabel", **_SHAPE), "convert_element_type")
-_group(Rule("relabel", as_is=True, passes_node=True, keeps_ones=True), "copy", "copy_p")
-_group(Rule("relabel", as_is=True, passes_node=True), "reduce_precision")
-_group(Rule(trace=shape.rule_transpose, as_is=True, passes_node=True), "transpose")
-_group(Rule("relabel", passes_node=True), "neg")
+_group(Rule("relabel", op=Op.CAST, **_SHAPE), "convert_element_type")
+_group(Rule("relabel", as_is=True, passes_node=True, keeps_ones=True, view=True), "copy", "copy_p")
+_group(Rule("relabel", as_is=True, passes_node=True, view=True), "reduce_precision")
+_group(Rule(trace=shape.rule_transpose, as_is=True, passes_node=True, view=True, op=Op.TRANSPOSE), "transpose")
+_group(Rule("relabel", passes_node=True, op=Op.SIGN_FREE, view=True), "neg")
 # stop_gradient of an activation: the same values (the network's function does not see it); the |·|^p network
 # computes it as the identity, so that κ counts the paths through it, while DDP's forward pass keeps it, as the
-# user's gradient does. Of a pinned value or parameters: a constant of the structure (`elementwise.rule_stop_gradient`)
-_group(
-    Rule(trace=elementwise.rule_stop_gradient, passes_node=True, keeps_ones=True, same_entries=True), "stop_gradient"
-)
-_group(Rule("relabel"), "device_put", "optimization_barrier", "pvary", "real", "sharding_constraint")
+# user's gradient does. Of a pinned value or parameters: a constant of the structure (`rule_stop_gradient`)
+_group(Rule(trace=elementwise.rule_stop_gradient, passes_node=True, keeps_ones=True, same_entries=True,
+            op=Op.SIGN_FREE), "stop_gradient")  # fmt: skip
+_group(Rule("relabel", view=True), "device_put", "optimization_barrier", "pvary", "sharding_constraint")
+_group(Rule("relabel"), "real")
 
-_group(Rule(trace=elementwise.rule_add, as_is=True, merges_node=True, sums=True), "add", "add_any")
-_group(Rule(trace=elementwise.rule_add, merges_node=True), "sub")
-_group(Rule(trace=elementwise.rule_mul, merges_node=True, multiplicative=True), "mul")
-_group(Rule(trace=elementwise.rule_div, merges_node=True, multiplicative=True), "div")
-_group(Rule(trace=linear.rule_dot_general, multiplicative=True), "dot_general")
-_group(Rule(trace=linear.rule_conv_general_dilated, multiplicative=True), "conv_general_dilated")
+_group(Rule(trace=elementwise.rule_add, as_is=True, merges_node=True, sums=True, op=Op.ADD), "add", "add_any")
+_group(Rule(trace=elementwise.rule_add, merges_node=True, op=Op.SUB), "sub")
+_group(Rule(trace=elementwise.rule_mul, merges_node=True, multiplicative=True, op=Op.MUL), "mul")
+_group(Rule(trace=elementwise.rule_div, merges_node=True, multiplicative=True, op=Op.DIV), "div")
+_group(Rule(trace=linear.rule_dot_general, multiplicative=True, op=Op.DOT), "dot_general")
+_group(Rule(trace=linear.rule_conv_general_dilated, multiplicative=True, op=Op.CONV), "conv_general_dilated")
 _group(Rule(trace=reduce.rule_reduce_sum, as_is=True, sums=True), "reduce_sum")
 _group(Rule(trace=reduce.rule_pool_sum, as_is=True, sums=True), "reduce_window_sum")
 _group(Rule(trace=index.rule_scatter_add, as_is=True, sums=True), "scatter-add")
 _group(Rule(trace=reduce.rule_cumulative, as_is=True, sums=True), "cumsum")
-_group(Rule(trace=shape.rule_concatenate, as_is=True), "concatenate")
-_group(Rule(trace=shape.rule_stack, as_is=True), "stack")
-_group(Rule(trace=shape.rule_tile, as_is=True), "tile")
-_group(Rule(trace=shape.rule_dynamic_slice, as_is=True), "dynamic_slice")
-_group(Rule(trace=index.rule_gather, as_is=True), "gather")
-_group(Rule(trace=shape.rule_pad, as_is=True), "pad")
-_group(Rule(trace=shape.rule_rev, as_is=True), "rev")
-_group(Rule(trace=shape.rule_slice, as_is=True), "slice")
-_group(Rule(trace=pieces.rule_split, as_is=True), "split")
-_group(Rule(trace=pieces.rule_unstack, as_is=True), "unstack")
-_group(Rule(trace=index.rule_scatter, as_is=True, passes_node=True), "scatter")  # x.at[ids].set(0): set to zero
+_group(Rule(trace=shape.rule_stack, as_is=True, view=True), "stack")
+_group(Rule(trace=shape.rule_tile, as_is=True, view=True), "tile")
+_group(Rule(trace=shape.rule_dynamic_slice, as_is=True, view=True), "dynamic_slice")
+_group(Rule(trace=shape.rule_pad, as_is=True, view=True), "pad")
+_group(Rule(trace=shape.rule_rev, as_is=True, view=True), "rev")
+_group(Rule(trace=shape.rule_slice, as_is=True, view=True), "slice")
+_group(Rule(trace=shape.rule_concatenate, as_is=True, view=True, op=Op.CONCAT), "concatenate")
+_group(Rule(trace=index.rule_gather, as_is=True, view=True, op=Op.GATHER), "gather")
+_group(Rule(trace=pieces.rule_split, as_is=True, view=True, op=Op.SPLIT), "split")
+_group(Rule(trace=pieces.rule_unstack, as_is=True, view=True, op=Op.UNSTACK), "unstack")
+_group(Rule(trace=index.rule_scatter, as_is=True, passes_node=True, zero_only=True), "scatter")  # x.at[ids].set(0)
 
-_group(Rule(trace=elementwise.rule_max, as_is=True, breaks_linearity=True), "max")
-_group(Rule(trace=reduce.rule_reduce_max, as_is=True, breaks_linearity=True), "reduce_max")
-_group(Rule(trace=reduce.rule_pool_max, as_is=True, breaks_linearity=True), "reduce_window_max")
-_group(Rule(trace=index.rule_scatter_max, as_is=True, breaks_linearity=True), "scatter-max")
-_group(Rule(trace=elementwise.rule_select_n, as_is=True, breaks_linearity=True), "select_n")
-_group(Rule(trace=reduce.rule_cumulative, as_is=True, breaks_linearity=True), "cummax")
+_CHOICE = dict(as_is=True, breaks_linearity=True)
+_group(Rule(trace=elementwise.rule_max, **_CHOICE, op=Op.MAX, relu=True, zero_only=True), "max")
+_group(Rule(trace=reduce.rule_reduce_max, **_CHOICE), "reduce_max")
+_group(Rule(trace=reduce.rule_pool_max, **_CHOICE), "reduce_window_max")
+_group(Rule(trace=reduce.rule_cumulative, **_CHOICE), "cummax")
+_group(Rule(trace=index.rule_scatter_max, **_CHOICE, fills_neg_inf=True), "scatter-max")
+_group(Rule(trace=elementwise.rule_select_n, **_CHOICE, op=Op.SELECT, view=True), "select_n")
 _group(Rule(trace=reduce.rule_argmax, breaks_linearity=True), "argmax")
-_group(Rule(trace=elementwise.rule_max, breaks_linearity=True), "min")
 _group(Rule(trace=reduce.rule_reduce_max, breaks_linearity=True), "reduce_min")
+_group(Rule(trace=elementwise.rule_max, breaks_linearity=True, zero_only=True), "min")
 _group(Rule(None, breaks_linearity=True), "sort")
-_group(Rule(trace=elementwise.rule_abs), "abs")
 _group(Rule(trace=reduce.rule_argmax), "argmin")
 _group(Rule(trace=reduce.rule_cumulative), "cummin")
 _group(Rule(trace=shape.rule_dynamic_update_slice), "dynamic_update_slice")
 _group(Rule(trace=reduce.rule_pool_max), "reduce_window_min")
-_group(Rule(trace=control.rule_scan), "scan")
-_group(Rule(trace=control.rule_while), "while")
-_group(Rule(trace=control.rule_cond), "cond")
+_group(Rule(trace=elementwise.rule_abs, op=Op.SIGN_FREE, view=True), "abs")
+_group(Rule(trace=control.rule_scan, op=Op.SCAN), "scan")
+_group(Rule(trace=control.rule_while, op=Op.WHILE), "while")
+_group(Rule(trace=control.rule_cond, op=Op.COND), "cond")
 
 _group(Rule("compare", as_is=True), "eq", "ne", "lt", "le", "gt", "ge")
 _group(Rule("degree0", as_is=True), "not")

@@ -7,9 +7,9 @@ import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from pathspace_jax import ir
 from pathspace_jax import jaxpr as jx
 from pathspace_jax.atoms import ACT, CONST, PARAM, Val
-from pathspace_jax.ir import LayerStack, Recorded
 
 if TYPE_CHECKING:
     from pathspace_jax.tracer import Walker
@@ -91,7 +91,7 @@ def _layer_stack(w: Walker, sc, consts, init, xs, counter: int | None = None):
                 w.atoms.unify(a0, b, w.reason("stacked over the layers of a scan"))
         ys.append(dataclasses.replace(vals[0], id=w.rec.stack([v.id for v in vals], a.shape, a.dtype)))
     plain = counter is None and all(v.layers is None for v in xs)
-    frame.stacks.append(LayerStack(eqn, tuple(w.callers), sc, [v.id for v in init], [v.id for v in xs], spans,
+    frame.stacks.append(ir.LayerStack(eqn, tuple(w.callers), sc, [v.id for v in init], [v.id for v in xs], spans,
                                    body_ins, body_outs, [v.id for v in ys], plain))  # fmt: skip
     return carry, ys
 
@@ -131,7 +131,7 @@ def rule_scan(w: Walker, eqn, ins):
         ys = outs[nk:]
     time = [w.atoms.new(sc.length, position=True)]
     ys = [dataclasses.replace(v, axes=[list(time)] + v.axes, kind=v.kind if v.kind != PARAM else CONST) for v in ys]
-    return Recorded(carry + ys) if layers else w.record(eqn, ins, carry + ys, scan=sc, body=body)
+    return ir.Recorded(carry + ys) if layers else w.record(eqn, ins, carry + ys, scan=sc, body=body)
 
 
 def rule_while(w: Walker, eqn, ins):

@@ -6,10 +6,9 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from pathspace_jax import idioms, pieces, rewrites
+from pathspace_jax import idioms, ir, pieces, rewrites
 from pathspace_jax.atoms import ACT, CONST, PARAM, Val
 from pathspace_jax.graph import FROZEN
-from pathspace_jax.ir import Recorded
 
 if TYPE_CHECKING:
     from pathspace_jax.tracer import Walker
@@ -125,7 +124,7 @@ def rule_add(w: Walker, eqn, ins):
 
 
 def rule_mul(w: Walker, eqn, ins):
-    if (held := idioms.kernel_scale(w, eqn, ins)) is not None:
+    if (held := idioms.kernel_scale(w, eqn, ins, divide=False)) is not None:
         return [held]
     if any(v.factors is not None for v in ins) and (scaled := idioms.normalised_scale(w, eqn, ins)):
         return scaled
@@ -186,7 +185,7 @@ def gated(w: Walker, eqn, a: Val, b: Val) -> Val | None:
     return w.ew(ACT, [x, g], w.broadcast(eqn, [x, g], unify=False))
 
 
-def per_unit_scale(w: Walker, eqn, ins, x: Val, p: Val, as_=None) -> Recorded | None:
+def per_unit_scale(w: Walker, eqn, ins, x: Val, p: Val, as_=None) -> ir.Recorded | None:
     """``x * p`` with ``p`` a parameter that varies along some of ``x``'s axes only (a learned per-unit scale:
     LayerScale, a gain after a ReLU, a normalisation's scale): a diagonal edge, entry c from node c of x's
     group (pinned or not) to node c of a group of its own (`diagonal_ends`), the other axes broadcast. None
@@ -213,7 +212,7 @@ def per_unit_scale(w: Walker, eqn, ins, x: Val, p: Val, as_=None) -> Recorded | 
 
 
 def rule_div(w: Walker, eqn, ins):
-    if (held := idioms.kernel_scale(w, eqn, ins)) is not None:
+    if (held := idioms.kernel_scale(w, eqn, ins, divide=True)) is not None:
         return [held]
     ins = idioms.unscaled(w, ins)
     num, den = ins

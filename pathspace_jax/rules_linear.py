@@ -30,7 +30,7 @@ def rule_dot_general(w: Walker, eqn, ins):
     if zeros := zero_product(w, eqn, ins):
         return zeros
     if any(v.factors is not None for v in ins):
-        if (scaled := idioms.scaled_kernel(w, eqn, ins)) is not None:
+        if (scaled := idioms.scaled_kernel(w, eqn, ins, conv=False)) is not None:
             return scaled
         ins = idioms.unscaled(w, ins)
     lhs, rhs = ins
@@ -138,7 +138,7 @@ def rule_conv_general_dilated(w: Walker, eqn, ins):
     if zeros := zero_product(w, eqn, ins):
         return zeros
     if any(v.factors is not None for v in ins):
-        if (scaled := idioms.scaled_kernel(w, eqn, ins)) is not None:
+        if (scaled := idioms.scaled_kernel(w, eqn, ins, conv=True)) is not None:
             return scaled
         ins = idioms.unscaled(w, ins)
     lhs, rhs = ins

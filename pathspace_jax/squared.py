@@ -23,8 +23,9 @@ import numpy as np
 
 from pathspace_jax import jaxpr as jx
 from pathspace_jax.exact import V, align, is_float, ldexp, power_v, raise_power, renorm
+from pathspace_jax.ir import Role
 from pathspace_jax.program import Eqn, Program, bind
-from pathspace_jax.rules import rule
+from pathspace_jax.rules import Op
 from pathspace_jax.squared_scan import eval_scan, sum_v
 
 # ----------------------------------------------------------------------------- evaluation
@@ -43,74 +44,72 @@ def _squared_op(e: Eqn, ks: Sequence[str], vals: list, out_kind: str, power: flo
     Linear coefficients that are constants (average pooling's 1/k, a fixed scale) are raised to ``power``
     (parameters arrive already raised, and so do coefficients computed from them: kind ``"raised"``), and so is a
     constant offset c (an input's ``x - mean``: a bias of fixed weight c from the bias node, |c|^p, whatever its sign);
-    ``sub``/``neg``/``abs``/``stop_gradient`` become ``add``/identity; ReLU, max pooling and the other ops whose
-    rule is ``as_is`` (`pathspace_jax.rules`) are applied as they are. Anything else raises ``err``.
+    a difference becomes a sum, and a sign dropped (``neg``, ``abs``, ``stop_gradient``) the identity; ReLU, max
+    pooling and the other ops whose rule is ``as_is`` (`pathspace_jax.rules`), and the custom calls kept whole around
+    such code (`Eqn.whole`), are applied as they are. Anything else raises ``err``.
     """
-    name = e.prim.name
+    r = e.rule
     if out_kind == "const":
         return bind(e, vals)
-    if name in ("mul", "div") and sum(k not in ("const", "raised") for k in ks) == 1:
+    if r.scales and sum(k not in ("const", "raised") for k in ks) == 1:
         vals = [v if k != "const" else raise_power(v, power) for v, k in zip(vals, ks, strict=False)]
         return bind(e, vals)
     ks = ["param" if k == "raised" else k for k in ks]  # a coefficient computed from parameters, raised already
     if e.edge or e.coefficient:  # a per-unit scale or a learned scalar, as the trace recorded it: raised already
         return bind(e, vals)
-    if name in ("dot_general", "conv_general_dilated"):
+    if r.linear_map:
         if ks.count("const") == 0 and "act" in ks and "param" in ks or ks.count("const") == 1:
             vals = [v if k != "const" else raise_power(v, power) for v, k in zip(vals, ks, strict=False)]
             return bind(e, vals)
         raise err(
-            f"{who}: {name} at {e.where} multiplies two activations (or two parameters); the network "
+            f"{who}: {e.prim.name} at {e.where} multiplies two activations (or two parameters); the network "
             "is not a ReLU network of the form path norms are defined for."
         )
-    if name in ("add", "add_any", "sub") and "act" in ks:  # a constant offset: a bias of fixed weight c, |c|^p
+    if r.elementwise_sum and "act" in ks:  # a constant offset: a bias of fixed weight c, |c|^p
         vals = [raise_power(v, power) if k == "const" else v for v, k in zip(vals, ks, strict=True)]
-    if name == "sub":
+    if r.op is Op.SUB:
         return [jnp.add(*vals)]
-    if name in ("neg", "abs", "stop_gradient"):
+    if r.op is Op.SIGN_FREE:
         return [vals[0]]
-    if rule(name).as_is or name.startswith("custom_"):  # custom_*: kept whole only around ReLU-like code
-        if name == "scatter-max" and ks[0] == "const":  # −∞ where no update lands: no path, 0 here
+    if r.as_is or e.whole:
+        if r.fills_neg_inf and ks[0] == "const":  # −∞ where no update lands: no path, 0 here
             vals = [jnp.maximum(vals[0], 0), *vals[1:]]
-        if name in ("max", "min", "scatter") and "act" in ks:  # (an offset is a bias of fixed weight: above)
+        if r.zero_only and "act" in ks:  # (an offset is a bias of fixed weight: above)
             for k, v in zip(ks, vals, strict=True):
                 if k == "const" and _nonzero(v):
-                    raise err(f"{who}: {name} with a non-zero constant at {e.where} (not positively homogeneous)")
+                    why = "not positively homogeneous"
+                    raise err(f"{who}: {e.prim.name} with a non-zero constant at {e.where} ({why})")
         return bind(e, vals)
     raise err(
-        f"{who}: primitive {name!r} at {e.where} is not positively homogeneous (or not supported by "
+        f"{who}: primitive {e.prim.name!r} at {e.where} is not positively homogeneous (or not supported by "
         "the γ² recursion); it is defined here for ReLU networks only."
     )
 
 
-# Primitives that move, copy or negate a parameter's entries without combining them: |·|^p of the result is the
-# same operation on the raised operands (constant operands zero: a zero padding). Anything else computed from
-# parameters alone (weight normalisation's g·v/‖v‖, a merged low-rank update w + a·b) is evaluated on the raw
-# parameters and raised where the |·|^p network reads it (`evaluate`'s ``raw``).
-_VIEWS = frozenset({
-    "reshape", "squeeze", "broadcast_in_dim", "expand_dims", "convert_element_type", "copy", "copy_p",
-    "reduce_precision", "transpose", "neg", "abs", "concatenate", "stack", "tile", "dynamic_slice", "gather", "pad",
-    "rev", "slice", "split", "unstack", "select_n", "device_put", "optimization_barrier", "pvary",
-    "sharding_constraint",
-})  # fmt: skip
-
-
 def _raised_view(e: Eqn, ks: Sequence[str], vals: list) -> bool:
-    """Whether an equation computing from parameters gives its |·|^p from its operands' |·|^p: a view (`_VIEWS`)
-    whose floating-point constant operands are zero, or a product of one parameter and constants (raised by
-    `_squared_op`; a quotient with the parameter in the numerator; a kernel applied to a constant input)."""
-    name = e.prim.name
-    if name in ("mul", "div"):
-        return ks.count("param") == 1 and (name == "mul" or ks[0] == "param")
-    if name in ("dot_general", "conv_general_dilated"):  # a layer with a constant input: paths from that input
+    """Whether an equation computing from parameters gives its |·|^p from its operands' |·|^p: a view (`Rule.view`:
+    it moves, copies or negates a parameter's entries without combining them) whose floating-point constant
+    operands are zero (a zero padding), or a product of one parameter and constants (raised by `_squared_op`; a
+    quotient with the parameter in the numerator; a kernel applied to a constant input). Anything else computed
+    from parameters alone (weight normalisation's g·v/‖v‖, a merged low-rank update w + a·b) is evaluated on the
+    raw parameters and raised where the |·|^p network reads it (`_Evaluation.raw_coefficient`)."""
+    r = e.rule
+    if r.scales:
+        return ks.count("param") == 1 and (r.op is Op.MUL or ks[0] == "param")
+    if r.linear_map:  # a layer with a constant input: paths from that input
         return sorted(ks) == ["const", "param"]
     consts = [v for v, k in zip(vals, ks, strict=True) if k == "const" and is_float(v)]
-    return name in _VIEWS and not any(isinstance(v, jax.core.Tracer) or _nonzero(v) for v in consts)
+    return r.view and not any(isinstance(v, jax.core.Tracer) or _nonzero(v) for v in consts)
 
 
 def _is_relu(e, ks, vals) -> int | None:
-    """Index of the activation operand of ``max(x, 0)`` (identity on non-negative values), else None."""
-    if e.prim.name != "max" or len(vals) != 2 or sorted(ks) != ["act", "const"]:
+    """Index of the activation operand of a ReLU (`Rule.relu`: one operand, or ``max(x, 0)``), the identity on
+    non-negative values, else None."""
+    if not e.rule.relu:
+        return None
+    if len(vals) == 1:
+        return 0 if list(ks) == ["act"] else None
+    if len(vals) != 2 or sorted(ks) != ["act", "const"]:
         return None
     c = vals[ks.index("const")]
     if isinstance(c, jax.core.Tracer) or np.any(np.asarray(c)):
@@ -163,118 +162,156 @@ def evaluate(
     them and raised to ``power`` where the network reads it; no gradient reaches ``invals`` through it (its leaves
     are no edges: "other"). Without ``raw`` (inside a scan body) such a coefficient raises ``prog.err``.
     """
-    kinds = prog.kinds
-    env: dict[int, Any] = dict(prog.consts)
-    raw_env: dict[int, Any] = {} if raw is None else dict(zip(prog.in_ids[: prog.n_params], raw, strict=True))
-    raw_only: set[int] = set()  # parameter-kind values known only raw (`_raised_view`)
-    tracked = any(isinstance(v, V) and v.e is not None for v in invals[: prog.n_params])
-    inputs = zip(prog.in_ids[prog.n_params :], invals[prog.n_params :], strict=True)
-    ones_ids = {i for i, v in inputs if kinds[i] == "act" and is_float(v.m)} if ones else set()
-    for i, v in zip(prog.in_ids, invals, strict=True):
-        env[i] = v.m if kinds[i] == "const" and isinstance(v, V) else v  # token ids
-        if post is not None and kinds[i] != "const":
-            env[i] = post(i, env[i])
+    run = _Evaluation(prog, invals, power, post=post, hooks=hooks, record=record, sinks=sinks, scan_posts=scan_posts,
+                      taps=taps, unroll=unroll, ones=ones, raw=raw)  # fmt: skip
+    for idx, e in enumerate(prog.eqns):
+        run.step(idx, e)
+    return [run.read(x) for x in prog.out_ids]
 
-    def rd(x):
+
+class _Evaluation:
+    """The state of one `evaluate`: the values computed so far (``env``; ``raw_env``, the parameter-kind values as
+    they are, and ``raw_only``, those known only so), and its options. `step` evaluates one equation, by its
+    `pathspace_jax.ir.Role`."""
+
+    def __init__(self, prog: Program, invals: list, power: float, *, post, hooks, record, sinks, scan_posts, taps,
+                 unroll: bool, ones: bool, raw):  # fmt: skip
+        self.prog, self.power, self.unroll, self.raw = prog, power, unroll, raw
+        self.post, self.hooks, self.record = post, hooks, record
+        self.sinks, self.scan_posts, self.taps = sinks, scan_posts, taps
+        kinds = prog.kinds
+        self.env: dict[int, Any] = dict(prog.consts)
+        self.raw_env: dict[int, Any] = {} if raw is None else dict(zip(prog.in_ids[: prog.n_params], raw, strict=True))
+        self.raw_only: set[int] = set()  # parameter-kind values known only raw (`_raised_view`)
+        self.tracked = any(isinstance(v, V) and v.e is not None for v in invals[: prog.n_params])
+        inputs = zip(prog.in_ids[prog.n_params :], invals[prog.n_params :], strict=True)
+        self.ones_ids = {i for i, v in inputs if kinds[i] == "act" and is_float(v.m)} if ones else set()
+        for i, v in zip(prog.in_ids, invals, strict=True):
+            self.env[i] = v.m if kinds[i] == "const" and isinstance(v, V) else v  # token ids
+            if self.post is not None and kinds[i] != "const":
+                self.env[i] = self.post(i, self.env[i])
+        self.sink_set = set(prog.sinks)
+        self.boundary = prog.bnd | self.sink_set
+        self.spread = set(prog.joins)  # values whose pinned groups' entries are boundary values (`_joined_boundary`)
+
+    def read(self, x):
+        """The value of operand ``x`` (a literal, or an id), a coefficient known only raw raised where first read."""
         if isinstance(x, tuple):
             return jnp.asarray(x[1])
-        if x in raw_only and x not in env:  # a coefficient computed from parameters, raised where it is read
-            env[x] = power_v(raw_env[x], power) if tracked else V(raise_power(raw_env[x], power), None)
-        return env[x]
+        if x in self.raw_only and x not in self.env:  # a coefficient computed from parameters, raised where read
+            w = self.raw_env[x]
+            self.env[x] = power_v(w, self.power) if self.tracked else V(raise_power(w, self.power), None)
+        return self.env[x]
 
-    def raw_coefficient(e: Eqn, ks: list) -> bool:
+    def raw_coefficient(self, e: Eqn, ks: list) -> bool:
         """Compute a parameter-kind equation's raw results; True where its results are known only raw."""
-        if raw is not None:
-            ins = [raw_env[x] if k in ("param", "raised") else rd(x) for x, k in zip(e.ins, ks, strict=True)]
-            raw_env.update(zip(e.outs, bind(e, ins), strict=True))
-        derived = any(x in raw_only for x in e.ins if not isinstance(x, tuple))
-        if derived or not _raised_view(e, ks, [rd(x) for x in e.ins]):
-            if raw is None:
-                raise prog.err(
-                    f"{prog.who}: {e.prim.name} at {e.where} computes a coefficient from parameters other than as a "
-                    "view of one (weight normalisation, a merged low-rank update) inside a recurrence; compute it "
+        if self.raw is not None:
+            raw = [k in ("param", "raised") for k in ks]
+            ins = [self.raw_env[x] if r else self.read(x) for x, r in zip(e.ins, raw, strict=True)]
+            self.raw_env.update(zip(e.outs, bind(e, ins), strict=True))
+        derived = any(x in self.raw_only for x in e.ins if not isinstance(x, tuple))
+        if derived or not _raised_view(e, ks, [self.read(x) for x in e.ins]):
+            if self.raw is None:
+                raise self.prog.err(
+                    f"{self.prog.who}: {e.prim.name} at {e.where} computes a coefficient from parameters other than as "
+                    "a view of one (weight normalisation, a merged low-rank update) inside a recurrence; compute it "
                     "outside the scan"
                 )
-            raw_only.update(e.outs)
+            self.raw_only.update(e.outs)
             return True
         return False
 
-    sink_set = set(prog.sinks)
-    boundary = prog.bnd | sink_set
-    spread = set(prog.joins)  # values whose pinned groups' entries are boundary values (`_joined_boundary`)
-    for idx, e in enumerate(prog.eqns):
-        ks = [("const" if isinstance(x, tuple) else kinds[x]) for x in e.ins]
-        ks = ["raised" if k == "param" and x in raw_only else k for k, x in zip(ks, e.ins, strict=True)]
-        if e.prim.name in ("dot_general", "mul") and ks == ["act", "act"] and len(set(e.ins) & boundary) == 1:
-            ks = ["const" if x in boundary else k for k, x in zip(ks, e.ins, strict=True)]  # attention's weights: 1
-        if e.prim.name == "mul" and ks == ["act", "act"] and len(set(e.ins) & prog.masks) == 1:
+    def operand_kinds(self, e: Eqn) -> list[str]:
+        """The kinds of ``e``'s operands as the |·|^p network reads them: ``"raised"`` for a coefficient computed
+        from parameters, and ``"const"`` (1) for the boundary operand of a product of two activations (attention's
+        weights) and for the mask of a gate (``h * (h > 0)``)."""
+        prog = self.prog
+        ks = [("const" if isinstance(x, tuple) else prog.kinds[x]) for x in e.ins]
+        ks = ["raised" if k == "param" and x in self.raw_only else k for k, x in zip(ks, e.ins, strict=True)]
+        if e.rule.op in (Op.DOT, Op.MUL) and ks == ["act", "act"] and len(set(e.ins) & self.boundary) == 1:
+            ks = ["const" if x in self.boundary else k for k, x in zip(ks, e.ins, strict=True)]  # attention's weights
+        if e.rule.op is Op.MUL and ks == ["act", "act"] and len(set(e.ins) & prog.masks) == 1:
             ks = ["const" if x in prog.masks else k for k, x in zip(ks, e.ins, strict=True)]  # a gate: h * (h > 0)
-        out_kind = kinds[e.outs[0]]
-        if out_kind == "param" and e.prim.name != "scan" and raw_coefficient(e, ks):
-            continue
-        if any(prog.edge_param(x) and x in raw_only for x in e.ins) and prog.is_edge(e):  # the trace disagrees
+        return ks
+
+    def step(self, idx: int, e: Eqn) -> None:
+        """Evaluate equation ``idx``, ``e``, and store its results."""
+        prog, ks = self.prog, self.operand_kinds(e)
+        out_kind = prog.kinds[e.outs[0]]
+        if e.role is Role.PARAM and self.raw_coefficient(e, ks):
+            return
+        if any(prog.edge_param(x) and x in self.raw_only for x in e.ins) and prog.is_edge(e):  # the trace disagrees
             raise prog.err(f"{prog.who}: the edge parameter of {e.prim.name} at {e.where} is computed from parameters "
                            "other than as a view of one; path sums are not defined for it")  # fmt: skip
-        vals = [rd(x) for x in e.ins]
-        if e.outs[0] in sink_set or e.outs[0] in prog.into_sinks:  # only the paths of the homogeneous part end at
-            # a sink (not a constant offset, not the boundary values of a sum that the sink continues)
-            offset = e.prim.name in ("add", "add_any", "sub")
-            vals = [V(jnp.zeros_like(v.m), v.e) if not isinstance(x, tuple) and x in boundary
+        vals = [self.read(x) for x in e.ins]
+        if e.outs[0] in self.sink_set or e.outs[0] in prog.into_sinks:  # only the paths of the homogeneous part end
+            # at a sink (not a constant offset, not the boundary values of a sum that the sink continues)
+            offset = e.rule.elementwise_sum
+            vals = [V(jnp.zeros_like(v.m), v.e) if not isinstance(x, tuple) and x in self.boundary
                     else jnp.zeros_like(v) if offset and k == "const" else v
                     for x, v, k in zip(e.ins, vals, ks, strict=True)]  # fmt: skip
-        elif spread and e.outs[0] in prog.cut:
-            vals = _joined_into_paths(prog, e, ks, vals, spread, boundary)
-        if e.prim.name == "scan":
-            pert = None if hooks is None else hooks.get(idx)
-            tap = None if taps is None else taps.get(idx)
-            post_t = (scan_posts or {}).get(idx)
-            outs = eval_scan(e, vals, power, pert, record, idx, sinks, post_t, tap, unroll, evaluate=evaluate)
-        elif out_kind == "const":
-            outs = bind(e, vals)
-        elif e.outs[0] in prog.masks:  # (`pathspace_jax.program._masks`): evaluated as it is, with no exponent
-            outs = [V(m, None) for m in bind(e, align(vals)[0])]
-        elif all(o in prog.bnd for o in e.outs):
-            outs = _boundary_op(prog, e, ks, vals)
-        elif e.outs[0] in prog.lookups:
-            outs = [_lookup(prog, e, vals)]
-        elif (r := _is_relu(e, ks, vals)) is not None:
-            outs = [vals[r]]
-        else:
-            if e.prim.name == "concatenate" and "act" in ks:  # a constant beside activations: inputs, 1 (0 if zeros)
-                vals = _as_inputs(e, ks, vals, prog.cut.get(e.outs[0]), tracked)
-            if rule(e.prim.name).multiplicative:
-                es = [v.e for v in vals if isinstance(v, V) and v.e is not None]
-                top = functools.reduce(lambda a, b: a + b, es) if es else None
-                ms = [v.m if isinstance(v, V) else v for v in vals]
-            else:
-                ms, top = align(vals)
-            tap = None if taps is None else taps.get(idx)
-            if tap is not None:  # the parameter's gradient is taken from x and ȳ (`Tap`)
-                ms = [jax.lax.stop_gradient(m) if j == tap.param else m for j, m in enumerate(ms)]
-            of_ones = not isinstance(e.ins[0], tuple) and e.ins[0] in ones_ids
-            res = _dense_of_ones(e, ks, ms) if of_ones else None
-            res = res or _squared_op(e, ks, ms, out_kind, power, prog.who, prog.err)
-            if of_ones and rule(e.prim.name).keeps_ones and e.outs[0] not in sink_set:
-                ones_ids.add(e.outs[0])
-            if tap is not None:
-                tap.seen.append(ms[tap.act])
-                res = [res[0] + tap.pert if tap.pert is not None else res[0]]
-                tap.shapes[idx] = jax.ShapeDtypeStruct(jnp.shape(res[0]), res[0].dtype)
-            norm = renorm if _rescales(rule(e.prim.name)) else (lambda v: v)
-            outs = [norm(V(m, top if is_float(m) else None)) for m in res]
-            if any(o in prog.bnd for o in e.outs):  # the pinned pieces of a value cut into groups: 1
-                outs = [_ones(v) if o in prog.bnd else v for o, v in zip(e.outs, outs, strict=True)]
-        if spread and out_kind == "act" and e.prim.name != "scan" and e.outs[0] not in prog.masks:
-            outs = _joined_boundary(prog, e, ks, outs, spread, boundary)
+        elif self.spread and e.outs[0] in prog.cut:
+            vals = _joined_into_paths(prog, e, ks, vals, self.spread, self.boundary)
+        outs = self.results(idx, e, ks, vals, out_kind)
+        if self.spread and out_kind == "act" and e.role not in (Role.SCAN, Role.MASK):
+            outs = _joined_boundary(prog, e, ks, outs, self.spread, self.boundary)
         for o, v in zip(e.outs, outs, strict=True):
-            if post is not None and out_kind != "const":
-                v = post(o, v)
-            if o in sink_set:
-                if sinks is not None:
-                    sinks.append(V(jnp.sum(v.m), v.e))  # `total` aligns them: no renormalisation
+            if self.post is not None and out_kind != "const":
+                v = self.post(o, v)
+            if o in self.sink_set:
+                if self.sinks is not None:
+                    self.sinks.append(V(jnp.sum(v.m), v.e))  # `total` aligns them: no renormalisation
                 v = _ones(v)
-            env[o] = v
-    return [rd(x) for x in prog.out_ids]
+            self.env[o] = v
+
+    def results(self, idx: int, e: Eqn, ks: list, vals: list, out_kind: str) -> list:
+        """The results of equation ``idx``, ``e``, on its operands ``vals``, by its role."""
+        prog = self.prog
+        if e.role is Role.SCAN:
+            hooks, taps, posts = self.hooks or {}, self.taps or {}, self.scan_posts or {}
+            return eval_scan(e, vals, self.power, hooks.get(idx), self.record, idx, self.sinks, posts.get(idx),
+                             taps.get(idx), self.unroll, evaluate=evaluate)  # fmt: skip
+        if e.role is Role.CONST:
+            return bind(e, vals)
+        if e.role is Role.MASK:  # (`pathspace_jax.program._masks`): evaluated as it is, with no exponent
+            return [V(m, None) for m in bind(e, align(vals)[0])]
+        if e.role is Role.BOUNDARY:
+            return _boundary_op(prog, e, ks, vals)
+        if e.role is Role.LOOKUP:
+            return [_lookup(prog, e, vals)]
+        if (r := _is_relu(e, ks, vals)) is not None:
+            return [vals[r]]
+        return self.computed(idx, e, ks, vals, out_kind)
+
+    def computed(self, idx: int, e: Eqn, ks: list, vals: list, out_kind: str) -> list:
+        """The results of an operation of the |·|^p network (`_squared_op`), in the exponent of its operands' (their
+        sum for a product), renormalised where they can change magnitudes."""
+        prog, r = self.prog, e.rule
+        if r.op is Op.CONCAT and "act" in ks:  # a constant beside activations: inputs, 1 (0 if zeros)
+            vals = _as_inputs(e, ks, vals, prog.cut.get(e.outs[0]), self.tracked)
+        if r.multiplicative:
+            es = [v.e for v in vals if isinstance(v, V) and v.e is not None]
+            top = functools.reduce(lambda a, b: a + b, es) if es else None
+            ms = [v.m if isinstance(v, V) else v for v in vals]
+        else:
+            ms, top = align(vals)
+        tap = None if self.taps is None else self.taps.get(idx)
+        if tap is not None:  # the parameter's gradient is taken from x and ȳ (`Tap`)
+            ms = [jax.lax.stop_gradient(m) if j == tap.param else m for j, m in enumerate(ms)]
+        of_ones = not isinstance(e.ins[0], tuple) and e.ins[0] in self.ones_ids
+        res = _dense_of_ones(e, ks, ms) if of_ones else None
+        res = res or _squared_op(e, ks, ms, out_kind, self.power, prog.who, prog.err)
+        if of_ones and r.keeps_ones and e.outs[0] not in self.sink_set:
+            self.ones_ids.add(e.outs[0])
+        if tap is not None:
+            tap.seen.append(ms[tap.act])
+            res = [res[0] + tap.pert if tap.pert is not None else res[0]]
+            tap.shapes[idx] = jax.ShapeDtypeStruct(jnp.shape(res[0]), res[0].dtype)
+        norm = renorm if _rescales(r) else (lambda v: v)
+        outs = [norm(V(m, top if is_float(m) else None)) for m in res]
+        if any(o in prog.bnd for o in e.outs):  # the pinned pieces of a value cut into groups: 1
+            outs = [_ones(v) if o in prog.bnd else v for o, v in zip(e.outs, outs, strict=True)]
+        return outs
 
 
 def _joined_boundary(prog: Program, e: Eqn, ks, outs: list, spread: set, boundary: set) -> list:
@@ -355,7 +392,7 @@ def _dense_of_ones(e: Eqn, ks, ms) -> list | None:
     """``x @ W`` of a dense layer whose input x is all ones, as the column sums of W broadcast to the result, or
     None for any other product: one fused reduction over W, where XLA:CPU writes ``W²`` into a buffer of its own
     before a matrix-vector product."""
-    if e.prim.name != "dot_general" or list(ks) != ["act", "param"]:
+    if e.rule.op is not Op.DOT or list(ks) != ["act", "param"]:
         return None
     if not jx.contracts_last_with_first(e.params, jnp.ndim(ms[0])) or jnp.ndim(ms[1]) != 2:
         return None

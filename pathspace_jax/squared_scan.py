@@ -15,7 +15,7 @@ import numpy as np
 
 from pathspace_jax.exact import V, align, is_float, ldexp, raise_power, renorm
 from pathspace_jax.program import Eqn, Program, is_key, nbytes, scan_unroll
-from pathspace_jax.rules import rule
+from pathspace_jax.rules import Op
 
 
 @dataclasses.dataclass
@@ -62,67 +62,65 @@ def to_v(x, power: float, stable: bool, dtype) -> V:
     return renorm(V(m, jnp.zeros((), jnp.int32) if stable else None))
 
 
-def eval_scan(e: Eqn, vals, power, pert, record, idx, sinks=None, body_post=None, taps=None, unroll=True, *, evaluate):
-    bp = e.body
-    nc, ncar, length, reverse = e.scan.num_consts, e.scan.num_carry, e.scan.length, e.scan.reverse
-    bk = [bp.kinds[i] for i in bp.in_ids]
-    stable = any(isinstance(v, V) and v.e is not None for v in vals)
-    fdt = next((v.m.dtype for v in vals if isinstance(v, V) and is_float(v.m)), jnp.float32)
-    consts = vals[:nc]
-    init = [to_v(v, power, stable, fdt) if bk[nc + j] != "const" else v for j, v in enumerate(vals[nc : nc + ncar])]
-    xs = vals[nc + ncar :]
-    xs_m = [v.m if isinstance(v, V) else v for v in xs]
-    carry_out_ids = bp.out_ids[:ncar]
-    act_carry = [j for j in range(ncar) if bk[nc + j] != "const"]
-    shapes = [jnp.shape(init[j].m) for j in act_carry]
-    sizes = [int(np.prod(s, dtype=np.int64)) for s in shapes]
+class _Carries(NamedTuple):
+    """A scan's activation carries (the others are constants: a loop counter, a key) as one flat vector, the
+    perturbation and carry-to-carry Jacobian of κ⁽²⁾."""
 
-    def flat(cs):
-        return jnp.concatenate([jnp.ravel(c) for c in cs]) if cs else jnp.zeros((0,), fdt)
+    act: list[int]  # their positions among the carries
+    shapes: list[tuple]
+    dtype: Any
 
-    def unflat(vec):
+    @property
+    def size(self) -> int:
+        return sum(int(np.prod(s, dtype=np.int64)) for s in self.shapes)
+
+    def flat(self, cs: list):
+        return jnp.concatenate([jnp.ravel(c) for c in cs]) if cs else jnp.zeros((0,), self.dtype)
+
+    def unflat(self, vec) -> list:
         out, o = [], 0
-        for s, n in zip(shapes, sizes, strict=True):
+        for s in self.shapes:
+            n = int(np.prod(s, dtype=np.int64))
             out.append(vec[o : o + n].reshape(s))
             o += n
         return out
 
+
+def eval_scan(e: Eqn, vals, power, pert, record, idx, sinks=None, body_post=None, taps=None, unroll=True, *, evaluate):
+    """A ``scan`` equation of the |·|^p network evaluated step by step (`pathspace_jax.squared.evaluate`, handed in
+    as ``evaluate``, runs its body; its arguments of the same names are this scan's: ``pert`` its ``hooks`` entry,
+    ``body_post`` its ``scan_posts`` entry, ``taps`` its `Tap`s by body equation). Returns its results as `V`s."""
+    bp = e.body
+    nc, ncar = e.scan.num_consts, e.scan.num_carry
+    bk = [bp.kinds[i] for i in bp.in_ids]
+    stable = any(isinstance(v, V) and v.e is not None for v in vals)
+    fdt = next((v.m.dtype for v in vals if isinstance(v, V) and is_float(v.m)), jnp.float32)
+    consts, xs = vals[:nc], vals[nc + ncar :]
+    init = [to_v(v, power, stable, fdt) if bk[nc + j] != "const" else v for j, v in enumerate(vals[nc : nc + ncar])]
+    xs_m = [v.m if isinstance(v, V) else v for v in xs]
+    act = [j for j in range(ncar) if bk[nc + j] != "const"]
+    carries = _Carries(act, [jnp.shape(init[j].m) for j in act], fdt)
     if pert is not None:
         _check_linear_body(bp)
-
     collect = sinks is not None and _collects(bp)
-
-    def body_out(carry_v, x_m, perturb_vec=None, found=None, post=None, taps_t=None):
-        x_v = [V(m, v.e) if isinstance(v, V) else m for m, v in zip(x_m, xs, strict=True)]
-        perturb = None
-        if perturb_vec is not None:
-            perturb = dict(zip([carry_out_ids[j] for j in act_carry], unflat(perturb_vec), strict=True))
-        return _eval_body(evaluate, bp, list(consts) + list(carry_v) + x_v, power, perturb, found, post, taps_t)
-
     data, make_post = body_post if body_post is not None else (None, None)
     tap_perts = None if taps is None else {k: t.pert for k, t in taps.items()}
 
     def step(carry, x):
         x_m, p_t, d_t, tp_t = x
         carry_v = [V(*c) if isinstance(c, tuple) else c for c in carry]
+        x_v = [V(m, v.e) if isinstance(v, V) else m for m, v in zip(x_m, xs, strict=True)]
+        perturb = None if p_t is None else dict(zip([bp.out_ids[j] for j in act], carries.unflat(p_t), strict=True))
         found = [] if collect else None
         taps_t = None
         if taps is not None:
             taps_t = {k: Tap(t.param, t.act, None if tp_t is None else tp_t[k], [], t.shapes) for k, t in taps.items()}
-        outs = body_out(carry_v, x_m, p_t, found, None if make_post is None else make_post(d_t), taps_t)
-        new = []
-        for j in range(ncar):
-            o = outs[j]
-            if bk[nc + j] != "const":
-                o = to_v(o, power, stable, fdt)
-                new.append(tuple(o))
-            else:
-                new.append(o)
-        ys = []
-        for o in outs[ncar:]:
-            ys.append(tuple(o) if isinstance(o, V) else (o, None))
+        post = None if make_post is None else make_post(d_t)
+        outs = _eval_body(evaluate, bp, list(consts) + carry_v + x_v, power, perturb, found, post, taps_t)
+        new = [tuple(to_v(o, power, stable, fdt)) if bk[nc + j] != "const" else o for j, o in enumerate(outs[:ncar])]
+        ys = [tuple(o) if isinstance(o, V) else (o, None) for o in outs[ncar:]]
         if p_t is not None:
-            ys.append((jax.lax.stop_gradient(flat([carry_v[j].m for j in act_carry])), None))
+            ys.append((jax.lax.stop_gradient(carries.flat([carry_v[j].m for j in act])), None))
         if collect:
             s = sum_v(found)
             ys.append((s.m.astype(fdt), s.e))
@@ -135,9 +133,9 @@ def eval_scan(e: Eqn, vals, power, pert, record, idx, sinks=None, body_post=None
         step,
         init_c,
         (xs_m, pert, data, tap_perts),
-        length=length,
-        reverse=reverse,
-        unroll=scan_unroll(length, nbytes(init_c)) if unroll and not e.layers else 1,
+        length=e.scan.length,
+        reverse=e.scan.reverse,
+        unroll=scan_unroll(e.scan.length, nbytes(init_c)) if unroll and not e.layers else 1,
     )
     outs = [V(*c) if isinstance(c, tuple) else c for c in carry]
     if taps is not None:
@@ -151,43 +149,52 @@ def eval_scan(e: Eqn, vals, power, pert, record, idx, sinks=None, body_post=None
             top = jnp.max(s_e)
             sinks.append(renorm(V(jnp.sum(ldexp(s_m, s_e - top)), top)))
     if pert is not None:
-        cin = ys.pop()[0]
-        # the constant carries as the probes of `_recurrent_entries` need them, known: a literal start (a loop
-        # counter, `lax.fori_loop`'s) as its value (under jit, ``jnp.asarray`` of it is traced)
-        cv = [np.asarray(x[1]) if isinstance(x, tuple) else v for x, v in zip(e.ins[nc : nc + ncar], init, strict=True)]
-        for j, v in enumerate(cv):
-            if j not in act_carry and isinstance(v, jax.core.Tracer) and is_key(v.dtype):
-                with jax.ensure_compile_time_eval():  # what it draws is 1 in the |·|^p network: any key will do
-                    cv[j] = jnp.zeros(jnp.shape(v), v.dtype)
-            elif j not in act_carry and isinstance(v, jax.core.Tracer):
-                raise bp.err(
-                    f"{bp.who}(second_order=True): the scan at {e.where} carries a value computed at run time besides "
-                    f"its activations (carry #{j}); the exact κ⁽²⁾ probes the recurrence with that value known (use "
-                    "second_order=False)"
-                )
-        x0 = [jax.lax.stop_gradient(m[0]) for m in xs_m]
+        _record_recurrence(e, evaluate, power, consts, init, xs, xs_m, carries, ys.pop()[0], record, idx)
+    return outs + [_stacked(y_m, y_e) for y_m, y_e in ys]
 
-        def carry_map(vec, cs, xv):
-            body_in = list(cv)
-            for j, c in zip(act_carry, unflat(vec), strict=True):
-                body_in[j] = V(c, None)
-            xv = [V(m, None) if isinstance(v, V) else m for m, v in zip(xv, xs, strict=True)]
-            o = evaluate(bp, list(cs) + body_in + xv, power)
-            return flat([o[j].m if isinstance(o[j], V) else jnp.asarray(o[j], fdt) for j in act_carry])
 
-        n = sum(sizes)
-        cs = [jax.lax.stop_gradient(c) for c in consts]  # A carries no gradient
-        a = jax.jacfwd(carry_map)(jnp.zeros((n,), fdt), cs, x0)
-        record[idx] = ScanRecord(cin, a)
-        record[("entries", idx)] = _recurrent_entries(e, bp, consts, xs_m, act_carry, carry_map, n, fdt)
-    for y_m, y_e in ys:
-        if y_e is None:
-            outs.append(V(y_m, None) if is_float(y_m) else y_m)
-            continue
-        top = jnp.max(y_e)
-        shift = (y_e - top).reshape((-1,) + (1,) * (jnp.ndim(y_m) - 1))
-        outs.append(renorm(V(ldexp(y_m, shift), top)))
-    return outs
+def _stacked(m, e):
+    """Values stacked over a scan's steps, each step's mantissa ``m[t]`` at its exponent ``e[t]`` (None: not
+    tracked), as one `V` (an integer array as it is)."""
+    if e is None:
+        return V(m, None) if is_float(m) else m
+    top = jnp.max(e)
+    return renorm(V(ldexp(m, (e - top).reshape((-1,) + (1,) * (jnp.ndim(m) - 1))), top))
+
+
+def _record_recurrence(e: Eqn, evaluate, power, consts, init, xs, xs_m, carries: _Carries, cin, record, idx) -> None:
+    """Record what κ⁽²⁾ needs from a scan in ``record``: under ``idx``, a `ScanRecord` (``cin``: the carries entering
+    every step; the squared body's carry-to-carry Jacobian), under ``("entries", idx)`` its recurrent entries
+    (`_recurrent_entries`)."""
+    bp, nc, ncar, act, fdt = e.body, e.scan.num_consts, e.scan.num_carry, carries.act, carries.dtype
+    # the constant carries as the probes of `_recurrent_entries` need them, known: a literal start (a loop counter,
+    # `lax.fori_loop`'s) as its value (under jit, ``jnp.asarray`` of it is traced)
+    cv = [np.asarray(x[1]) if isinstance(x, tuple) else v for x, v in zip(e.ins[nc : nc + ncar], init, strict=True)]
+    for j, v in enumerate(cv):
+        if j not in act and isinstance(v, jax.core.Tracer) and is_key(v.dtype):
+            with jax.ensure_compile_time_eval():  # what it draws is 1 in the |·|^p network: any key will do
+                cv[j] = jnp.zeros(jnp.shape(v), v.dtype)
+        elif j not in act and isinstance(v, jax.core.Tracer):
+            raise bp.err(
+                f"{bp.who}(second_order=True): the scan at {e.where} carries a value computed at run time besides "
+                f"its activations (carry #{j}); the exact κ⁽²⁾ probes the recurrence with that value known (use "
+                "second_order=False)"
+            )
+    x0 = [jax.lax.stop_gradient(m[0]) for m in xs_m]
+
+    def carry_map(vec, cs, xv):
+        body_in = list(cv)
+        for j, c in zip(act, carries.unflat(vec), strict=True):
+            body_in[j] = V(c, None)
+        xv = [V(m, None) if isinstance(v, V) else m for m, v in zip(xv, xs, strict=True)]
+        o = evaluate(bp, list(cs) + body_in + xv, power)
+        return carries.flat([o[j].m if isinstance(o[j], V) else jnp.asarray(o[j], fdt) for j in act])
+
+    n = carries.size
+    cs = [jax.lax.stop_gradient(c) for c in consts]  # A carries no gradient
+    a = jax.jacfwd(carry_map)(jnp.zeros((n,), fdt), cs, x0)
+    record[idx] = ScanRecord(cin, a)
+    record[("entries", idx)] = _recurrent_entries(e, bp, consts, xs_m, act, carry_map, n, fdt)
 
 
 def _collects(prog: Program) -> bool:
@@ -227,15 +234,16 @@ def _check_linear_body(bp: Program) -> None:
     for e in bp.eqns:
         if bp.kinds[e.outs[0]] == "const" or all(o in bp.bnd for o in e.outs):
             continue  # (a boundary value is 1 in the |·|^p network: a random draw, a sample of a pinned output)
-        if e.prim.name == "scan":
+        if e.body is not None:  # a scan
             raise bp.err(
                 f"{bp.who}(second_order=True): nested scan at {e.where}; the exact κ⁽²⁾ is implemented for one level "
                 "of recurrence (use second_order=False for κ⁽¹⁾)"
             )
-        if rule(e.prim.name).breaks_linearity:
+        if e.rule.breaks_linearity:
             zero = any(isinstance(x, tuple) and not np.any(np.asarray(x[1])) for x in e.ins)
+            relu = e.rule.relu and (len(e.ins) == 1 or zero)  # max(x, 0)
             gate = not isinstance(e.ins[0], tuple) and e.ins[0] in bp.masks  # where(h > 0, h, 0): one case a step
-            if not (e.prim.name == "max" and zero or e.prim.name == "select_n" and gate):
+            if not (relu or e.rule.op is Op.SELECT and gate):
                 raise bp.err(
                     f"{bp.who}(second_order=True): {e.prim.name} at {e.where} makes the squared recurrent body "
                     "non-linear in its carry; the exact κ⁽²⁾ needs a ReLU cell (use second_order=False)"

@@ -245,7 +245,7 @@ class Walker:
     def enter(self, eqn, sub: jx.ClosedJaxpr, ins: list[Val]) -> Recorded:
         """A call, inlined. A ``custom_jvp``/``custom_vjp`` call is also recorded as one equation holding its
         body's equations (`pathspace_jax.program` keeps ReLU-like ones whole where their derivative matters)."""
-        if not eqn.primitive.name.startswith("custom_"):
+        if not jx.has_custom_derivative(eqn):
             return Recorded(self.run_closed(sub, ins))
         frame = self.rec.push(consts_of_caller=True)
         outs = self.run_closed(sub, ins)
