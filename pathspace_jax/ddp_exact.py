@@ -103,9 +103,11 @@ def second_order_exact(prog, leaves, xs, axes, want, zs, nus, moment, conv_vjp=F
             (d_eps,) = vjp([jnp.broadcast_to(c.reshape(z.shape[1:]), z.shape).astype(z.dtype)
                             for c, z in zip(parts, zs, strict=True)])  # fmt: skip
             sq, mean_sq = acc
-            sq = [s + weights[o] * d.reshape(n, -1) ** 2 for s, d in zip(sq, d_eps, strict=True)]
+            # (in the accumulators' dtypes: the weights ν may be wider, float64 under x64 for float32 params)
+            sq = [(s + weights[o] * d.reshape(n, -1) ** 2).astype(s.dtype) for s, d in zip(sq, d_eps, strict=True)]
             if moment == "variance":  # Σ_i (g_i − ḡ)² = Σ_i g_i² − n ḡ²
-                mean_sq = {j: m + weights[o] * n * mean_grad(j, d_eps) ** 2 for j, m in mean_sq.items()}
+                mean_sq = {j: (m + weights[o] * n * mean_grad(j, d_eps) ** 2).astype(m.dtype)
+                           for j, m in mean_sq.items()}  # fmt: skip
             return (sq, mean_sq), None
 
         init = ([jnp.zeros((n, int(np.prod(shapes[t], dtype=np.int64))), dtypes[t]) for t in taps],

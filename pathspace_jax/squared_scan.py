@@ -54,9 +54,11 @@ def sum_v(parts: list) -> V:
 
 
 def to_v(x, power: float, stable: bool, dtype) -> V:
-    """A constant entering a non-constant slot (a scan's zero initial carry): raise it to ``power``."""
+    """A scan's carry as a `V`: a constant entering a non-constant slot (a zero initial carry) raised to ``power``;
+    with ``stable``, its exponent tracked (a carry whose value the body computes from untracked values alone, a
+    decoder's feedback, would otherwise change the carry's structure from one step to the next)."""
     if isinstance(x, V):
-        return x
+        return renorm(V(x.m, jnp.zeros((), jnp.int32))) if stable and x.e is None and is_float(x.m) else x
     x = jnp.asarray(x)
     m = raise_power(x if is_float(x) else x.astype(dtype), power)
     return renorm(V(m, jnp.zeros((), jnp.int32) if stable else None))

@@ -66,6 +66,31 @@ def test_example_traces_and_rescaling_keeps_its_function(name):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("name", NAMES)
+def test_example_path_norm_is_finite_and_unchanged_by_rescaling(name):
+    """The path norm of every example (seq2seq's decoder feeds back a sampled token: a carry its |·|^2 network
+    computes from values without a tracked exponent, which once changed the scan's carry from one step to the next)
+    is finite and positive, and random power-of-two rescalings leave it unchanged."""
+    case, space = _case(name), _space(name)
+    norm = float(pj.path_norm(space, case.params))
+    assert np.isfinite(norm) and norm > 0, norm
+    rescaled = pj.random_rescale(space, case.params, jax.random.key(1))
+    np.testing.assert_allclose(float(pj.path_norm(space, rescaled)), norm, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_exact_ddp_kappa_of_float32_params_with_x64_enabled():
+    """DDP's exact estimator on float32 params while float64 is enabled (the tests' setting): its per-entry
+    weights may be float64, its sums stay in the params' dtype (they once changed a scan's carry dtype)."""
+    case = _case("vae")
+    x = case.inputs[0] if len(case.inputs) == 1 else case.inputs
+    kappa = pj.ddp_kappa(_space("vae"), case.params, x, alpha=0.5, key=jax.random.key(0),
+                         batch_axes=case.batch_axes())  # fmt: skip
+    for k, p in zip(jax.tree.leaves(kappa), jax.tree.leaves(case.params), strict=True):
+        assert k.dtype == p.dtype and bool(np.all(np.isfinite(k))) and bool(np.all(k >= 0))
+
+
+@pytest.mark.slow
 @pytest.mark.optimised
 @pytest.mark.parametrize("optimiser", list(OPTIMISERS))
 @pytest.mark.parametrize("name", NAMES)
