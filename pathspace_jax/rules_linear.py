@@ -107,7 +107,7 @@ def weighted_sum(w: Walker, ins, contracted, batch, free) -> Val | None:
     """A ``dot_general`` of a fully pinned ``a`` and an activation ``x`` that is not (attention's weights times its
     values): a's entries are coefficients that no rescaling changes, so x's units go on through the sum, along
     x's batch axes (the heads) and free axes, and the result scales with them. x's contracted axes (the keys)
-    must be positions: where they turn out to be nodes, they are pinned (`settle`). a's free axes (the
+    must be positions: where they turn out to be nodes, they are pinned (`roles.settle`). a's free axes (the
     queries) are its own where they are positions or input axes (self-attention's: the sequence's); where they
     are nodes (learned queries, ``nn.MultiHeadDotProductAttention(probe, x)`` with a parameter ``probe``: the
     pinned nodes of fixed coefficients; the units of a pinned layer, in an outer product), the result's are

@@ -53,17 +53,17 @@ class Walker:
         # atoms of values that fixed coefficients produce (pinned, though not always a node group): the |·|^p
         # network and DDP treat those values as boundaries (`pathspace_jax.trace.record`)
         self.fixed: list[int] = []
-        self.deferred: list[tuple[list[int], list[int], str, bool]] = []  # `defer`, settled by `settle`
-        self.shared_inputs: set[int] = set()  # input atoms that a layer shares its weights along (`shared_along`)
+        self.deferred: list[tuple[list[int], list[int], str, bool]] = []  # `defer`, settled by `roles.settle`
+        self.shared_inputs: set[int] = set()  # input atoms that a layer shares its weights along (`roles.shared_along`)
         # axes a layer shares its weights along, each with the axes read beside it (`roles.shared_along`): positions
         # where one kernel wrote both (`roles.settle`, once every kernel has been seen)
         self.shared_along: list[tuple[list[int], list[list[int]]]] = []
-        # constants concatenated beside a layer's units, each with whether it is zeros (`settle`)
+        # constants concatenated beside a layer's units, each with whether it is zeros (`roles.settle`)
         self.beside: list[tuple[int, bool]] = []
-        # parameters reversed along some axes, which must turn out to be a convolution's taps (`settle`)
+        # parameters reversed along some axes, which must turn out to be a convolution's taps (`roles.settle`)
         self.reversed: list[tuple[Val, list[int], str]] = []
         # the atoms of axes along which a parameter or an activation is copied (`rules_shape.rule_broadcast_in_dim`)
-        # and those of a sum it enters so, with why: units of a layer there are pinned (`settle`)
+        # and those of a sum it enters so, with why: units of a layer there are pinned (`roles.settle`)
         self.copies: set[int] = set()
         self.copied_into: list[tuple[list[int], str]] = []
         # layer i's slice of a params leaf that a scan slices (`layer_slice`): a leaf of its own, after the real ones
@@ -121,7 +121,7 @@ class Walker:
         """New atoms made from ``source`` (a slice of it, or fixed coefficients applied along it): positions if
         ``source`` turns out to be positions (time, space: a convolution or a scan may say so later), otherwise
         new nodes, pinned with ``why`` (and, with ``fixed``, values that fixed coefficients produce or read, which
-        the |·|^p network takes as boundaries). `settle` decides once the whole function has run."""
+        the |·|^p network takes as boundaries). `roles.settle` decides once the whole function has run."""
         self.deferred.append((new, source, why, fixed))
 
     def all_atoms(self, v: Val) -> list[int]:
