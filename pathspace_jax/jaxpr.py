@@ -466,6 +466,11 @@ def static_row(eqn, row: int) -> tuple[tuple[Any, dict], tuple[Any, dict]]:
 
 
 @functools.lru_cache(maxsize=256)
+def primitive_and_params(eqn) -> tuple[Any, dict]:
+    """``(primitive, params)`` of a jaxpr equation, as a recorded equation holds them (`pathspace_jax.ir.Eqn`)."""
+    return eqn.primitive, dict(eqn.params)
+
+
 def reshape(shape: tuple, new_shape: tuple, dtype) -> tuple[Any, dict]:
     """``(primitive, params)`` of the ``reshape`` of a ``shape`` array of ``dtype`` to ``new_shape`` (the same
     number of entries), as the installed JAX writes it."""

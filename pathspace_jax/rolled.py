@@ -156,6 +156,6 @@ def _roll(frame: Frame, flags: dict, st: LayerStack, dep: dict, readers: dict):
         return None
     body = Frame(free + st.ins[0], first, body_consts, st.outs[0][:nk] + [st.outs[0][nk + j] for j in ys_read])
     scan = jx.Scan(len(outer), nk, length, st.scan.reverse, None)  # (no jaxpr of its own: no κ⁽²⁾ term)
-    eqn = Eqn(st.eqn.primitive, dict(st.eqn.params), outer + st.init + st.xs, last[:nk] + [st.ys[j] for j in ys_read],
+    eqn = Eqn(*jx.primitive_and_params(st.eqn), outer + st.init + st.xs, last[:nk] + [st.ys[j] for j in ys_read],
               st.eqn, st.callers, scan=scan, body=body, layers=True)  # fmt: skip
     return eqn, group

@@ -1,6 +1,7 @@
 """The package's layout rules, checked on its sources (`docs/contributing.md`): primitive names are read in
 `pathspace_jax.rules` and `pathspace_jax.jaxpr` alone (everything else dispatches on `Rule` fields and on the
-program's `pathspace_jax.ir.Role`s), no file is over 600 lines and no function over 100."""
+program's `pathspace_jax.ir.Role`s), JAX's equations by the jaxpr reader and the walker alone, no file is over 600
+lines and no function over 100."""
 
 from __future__ import annotations
 
@@ -78,6 +79,26 @@ def test_the_scan_finds_a_name_compared_or_tabled():
     source = 'def f(e):\n    """max: docstrings are prose."""\n'
     source += '    return e.prim.name == "max" or e in {"dot_general"}\n'
     assert primitive_names_in(source, names) == [(3, "dot_general"), (3, "max")]
+
+
+# The modules that read JAX's equations: the jaxpr reader and the walker with its rules; everything else reads the
+# recorded program (`pathspace_jax.ir`).
+_EQUATION_READERS = {
+    "jaxpr.py", "tracer.py", "rewrites.py", "idioms.py", "pieces.py", "rules_elementwise.py", "rules_linear.py",
+    "rules_reduce.py", "rules_shape.py", "rules_index.py", "rules_control.py",
+}  # fmt: skip
+_EQUATION_FIELDS = {"primitive", "invars", "outvars", "constvars"}
+
+
+def test_jax_equations_are_read_by_the_jaxpr_reader_and_the_walker_alone():
+    found = []
+    for path in _sources():
+        if path.name in _EQUATION_READERS:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in _EQUATION_FIELDS:
+                found.append(f"{path.name}:{node.lineno}: .{node.attr}")
+    assert not found, f"JAX's equations read outside jaxpr.py and the walker (read the recorded ir.Eqn): {found}"
 
 
 def _too_long(path: pathlib.Path) -> list[str]:
