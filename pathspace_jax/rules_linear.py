@@ -26,13 +26,22 @@ def zero_product(w: Walker, eqn, ins) -> list[Val] | None:
     return None
 
 
-def rule_dot_general(w: Walker, eqn, ins):
+def _zero_or_scaled(w: Walker, eqn, ins, *, conv: bool):
+    """A product with zeros (`zero_product`), or with a kernel held by `idioms.kernel_scale` (`idioms.scaled_kernel`):
+    ``(its results, ins)``; else ``(None, ins)``, a held kernel no longer held (`idioms.unscaled`)."""
     if zeros := zero_product(w, eqn, ins):
-        return zeros
+        return zeros, ins
     if any(v.factors is not None for v in ins):
-        if (scaled := idioms.scaled_kernel(w, eqn, ins, conv=False)) is not None:
-            return scaled
+        if (scaled := idioms.scaled_kernel(w, eqn, ins, conv=conv)) is not None:
+            return scaled, ins
         ins = idioms.unscaled(w, ins)
+    return None, ins
+
+
+def rule_dot_general(w: Walker, eqn, ins):
+    done, ins = _zero_or_scaled(w, eqn, ins, conv=False)
+    if done is not None:
+        return done
     lhs, rhs = ins
     (lc, rc), (lb, rb) = jx.param(eqn, "dimension_numbers")
     lfree = [k for k in range(len(lhs.axes)) if k not in lc and k not in lb]
@@ -135,12 +144,9 @@ def weighted_sum(w: Walker, ins, contracted, batch, free) -> Val | None:
 
 
 def rule_conv_general_dilated(w: Walker, eqn, ins):
-    if zeros := zero_product(w, eqn, ins):
-        return zeros
-    if any(v.factors is not None for v in ins):
-        if (scaled := idioms.scaled_kernel(w, eqn, ins, conv=True)) is not None:
-            return scaled
-        ins = idioms.unscaled(w, ins)
+    done, ins = _zero_or_scaled(w, eqn, ins, conv=True)
+    if done is not None:
+        return done
     lhs, rhs = ins
     dn = jx.param(eqn, "dimension_numbers")
     lspec, rspec, ospec = dn.lhs_spec, dn.rhs_spec, dn.out_spec
