@@ -84,10 +84,6 @@ def _A_from_coords(sk: Skeleton, c_in, b):
     return a
 
 
-def get_flat(x, idx):
-    return jnp.reshape(x, (-1,))[idx]
-
-
 def _map_edge_leaves(space: PathSpace, tree, leaves, ct, value, gauge):
     """Per edge leaf x (in ``ct``): ``value(x, leaf_index)``, with ``gauge(x)`` at the gauge entries; back in the
     leaf's dtype and in ``tree``'s structure. Leaves of kind ``"other"`` pass through."""

@@ -53,13 +53,19 @@ def _gather_plan(space: PathSpace, which: str):
     return tuple(per_leaf), perm
 
 
+def get_flat(x, idx):
+    """``x.ravel()[idx]`` for a static index array, gathered from ``x`` as it is: a sharded leaf is not gathered whole
+    to be flattened (each device gathers the entries it holds, and the O(idx) results are summed)."""
+    return x[np.unravel_index(idx, np.shape(x))] if np.ndim(x) != 1 else x[idx]
+
+
 def node_gather(space, leaves, which, dtype):
     """Node vector of the in/out skeleton weights (1 at boundary nodes), from a list of leaves."""
     per_leaf, perm = _gather_plan(space, which)
     parts = [jnp.ones((1,), dtype)]
     for leaf, idx in zip(leaves, per_leaf):
         if idx.size:
-            parts.append(jnp.reshape(leaf, (-1,))[idx].astype(dtype))
+            parts.append(get_flat(leaf, idx).astype(dtype))
     return replicated(jnp.concatenate(parts)[perm])
 
 

@@ -21,11 +21,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pathspace_jax.coords import get_flat, node_factors, to_coords
+from pathspace_jax.coords import node_factors, to_coords
 from pathspace_jax.frames import (
     edge_products,
     finite,
     frame_k,
+    get_flat,
     jit_when_eager,
     materialize,
     node_sum,

@@ -31,7 +31,8 @@ class RNN(nn.Module):
         return nn.Dense(2)(nn.relu(nn.Dense(16)(h[:, -1])))
 
 MODELS = {
-    "mlp": (nn.Sequential([nn.Dense(16), nn.relu, nn.Dense(8), nn.relu, nn.Dense(2)]), (16, 4)),
+    # (a 16x16 kernel: FSDP splits it along its output axis, which flattening it would gather)
+    "mlp": (nn.Sequential([nn.Dense(16), nn.relu, nn.Dense(16), nn.relu, nn.Dense(2)]), (16, 4)),
     "rnn": (RNN(), (16, 5, 3)),
 }
 
@@ -107,12 +108,14 @@ def test_explicit_mesh_data_parallel_matches_one_device():
 @pytest.mark.parametrize("model", ["mlp", "rnn"])  # a process each: the longest test of the suite, split
 def test_fsdp_keeps_node_vectors_whole(model):
     """FSDP-style sharding with automatic axes and no mesh in context: the same params as one device, and no
-    collective-permute in the compiled step (nor in the public functions' programs). Node vectors (one number per
-    node) sliced at each leaf's offsets were split by XLA at boundaries of their own, with a halo exchange at every
-    slice (72 collective-permutes in G-SGD's step on a 784-512-512-10 MLP); `pathspace_jax.frames.replicated` keeps
-    them whole on the params' mesh. The public functions called outside a trace give results sharded like the
-    params (before, `coord_scales` and `path_kappa` gave them whole on every device). The RNN runs the optimisers
-    whose step differs through a recurrence (κ⁽²⁾'s lag sums, DDP's statistics per step); the MLP runs them all."""
+    collective-permute in the compiled step (nor in the public functions' programs), and G-SGD's chart gathering
+    no more than a node vector (it gathered whole kernels to flatten them, `frames.get_flat`). Node vectors (one
+    number per node) sliced at each leaf's offsets were split by XLA at boundaries of their own, with a halo
+    exchange at every slice (72 collective-permutes in G-SGD's step on a 784-512-512-10 MLP);
+    `pathspace_jax.frames.replicated` keeps them whole on the params' mesh. The public functions called outside a
+    trace give results sharded like the params (before, `coord_scales` and `path_kappa` gave them whole on every
+    device). The RNN runs the optimisers whose step differs through a recurrence (κ⁽²⁾'s lag sums, DDP's statistics
+    per step); the MLP runs them all."""
     _run(
         """
         mesh = jax.make_mesh((4,), ("data",), axis_types=(AxisType.Auto,))
@@ -133,6 +136,10 @@ def test_fsdp_keeps_node_vectors_whole(model):
             state = jax.tree_util.tree_map(lambda a: jax.device_put(a, fsdp(a)), tx.init(ps))
             hlo = step.lower(ps, state, xs).compile().as_text()
             assert "collective-permute" not in hlo, (name, hlo.count("collective-permute"))
+            for line in hlo.splitlines() if __model__ == "mlp" else ():  # G-SGD's chart gathers node vectors, no
+                if " all-gather(" in line and "_chart_step" in line:  # kernel (flattened for its skeleton, it was)
+                    dims = line.split("=", 1)[1].split("[", 1)[1].split("]", 1)[0]
+                    assert np.prod([int(d) for d in dims.split(",") if d]) <= space.num_nodes, (name, line[:160])
             assert_close(two_steps(step, tx, ps, xs), two_steps(step, tx, p, x))
         public = {  # called directly inside a jit: they enter the params' mesh too
             "to_coords": lambda p: pj.to_coords(space, p),
