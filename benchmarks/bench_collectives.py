@@ -1,9 +1,10 @@
-"""What each optimiser communicates per step, counted from the compiled programs on a mesh of 4 devices.
+"""What each optimiser communicates per step, counted from the compiled programs on a mesh of N CPU devices.
 
-The train step (`common.make_step`) of every optimiser is compiled for 4 CPU devices under two shardings:
+The train step (`common.make_step`) of every optimiser is compiled for N CPU devices (4, or the first argument)
+under two shardings:
 
 * **data parallel**: params and optimizer state replicated, the batch's rows sharded over ``data``;
-* **FSDP-style**: every leaf sharded along its largest axis divisible by 4 over ``data`` (replicated where none
+* **FSDP-style**: every leaf sharded along its largest axis divisible by N over ``data`` (replicated where none
   is), the batch's rows too.
 
 and the collectives in XLA's optimised HLO (``all-reduce``, ``all-gather``, ``reduce-scatter``,
@@ -12,16 +13,19 @@ receives per step, up to the algorithm XLA's runtime uses for each. An operation
 once. ``extra_x``: bytes beyond SGD's under the same sharding, in units of the params' bytes. The GPU and TPU
 compilers may fuse or split collectives differently; the CPU program shows what the algorithm needs.
 
-Run: python benchmarks/bench_collectives.py   -> results/<platform>-jax<version>/collectives.json
+Run: python benchmarks/bench_collectives.py [N]   -> results/<platform>-jax<version>/collectives.json (N = 4),
+collectives_<N>dev.json otherwise
 """
 
 from __future__ import annotations
 
 import re
+import sys
 
 import jax
 
-jax.config.update("jax_num_cpu_devices", 4)  # before the backend starts
+DEVICES = int(sys.argv[1]) if len(sys.argv) > 1 else 4
+jax.config.update("jax_num_cpu_devices", DEVICES)  # before the backend starts
 
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
@@ -54,11 +58,11 @@ def collectives(hlo: str) -> dict[str, list[int]]:
 
 
 def main() -> None:
-    mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    mesh = jax.make_mesh((DEVICES,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     replicated = NamedSharding(mesh, P())
 
     def fsdp(a):
-        axes = [k for k in np.argsort(a.shape)[::-1] if a.shape[k] % 4 == 0]
+        axes = [k for k in np.argsort(a.shape)[::-1] if a.shape[k] % DEVICES == 0]
         spec = [None] * a.ndim
         if axes:
             spec[axes[0]] = "data"
@@ -102,7 +106,7 @@ def main() -> None:
                     **{op: c for op, (c, _) in counts.items() if c},
                 }
                 print(model_name, name, sharding_name, rows[f"{model_name}, {name}, {sharding_name}"], flush=True)
-    print(write_results("collectives", rows))
+    print(write_results("collectives" if DEVICES == 4 else f"collectives_{DEVICES}dev", rows))
 
 
 if __name__ == "__main__":

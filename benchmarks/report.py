@@ -15,7 +15,10 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
-ORDER = tuple("scale peers gsgd path_sgd ddp kernels buffers eager ddp_norm trace depth memory collectives".split())
+ORDER = tuple(
+    "scale peers gsgd path_sgd ddp kernels buffers eager ddp_norm trace depth memory collectives "
+    "collectives_8dev".split()
+)
 CAPTIONS = {
     "scale": "Every optimiser on the shapes users train (`bench_scale.py`): step time as a ratio to `optax.sgd` "
     "and to `optax.adam` in the same rounds, optimizer state, and the compiled step's peak memory as a ratio "
@@ -49,6 +52,7 @@ CAPTIONS = {
     "plain counterpart's (Adam for G-Adam); `host_peak_mb` the library's Python/numpy allocations; set-up seconds.",
     "collectives": "Collectives per train step in the compiled program on 4 devices, data parallel and FSDP-style "
     "(`bench_collectives.py`): count, MB of results, and `extra_x` the bytes beyond SGD's in units of the params'.",
+    "collectives_8dev": "The same on 8 devices (`bench_collectives.py 8`).",
 }
 
 
