@@ -56,7 +56,7 @@ def _gather_plan(space: PathSpace, which: str):
 def get_flat(x, idx):
     """``x.ravel()[idx]`` for a static index array, gathered from ``x`` as it is: a sharded leaf is not gathered whole
     to be flattened (each device gathers the entries it holds, and the O(idx) results are summed)."""
-    return x[np.unravel_index(idx, np.shape(x))] if np.ndim(x) != 1 else x[idx]
+    return x[np.unravel_index(idx, np.shape(x))] if np.ndim(x) > 1 else jnp.reshape(x, (-1,))[idx]
 
 
 def node_gather(space, leaves, which, dtype):

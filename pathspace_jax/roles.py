@@ -1,5 +1,5 @@
 """Axis roles decided from the whole walk: which atoms are positions, inputs or pinned once every equation has
-run (`settle`), and the facts the rules consult about what a kernel wrote (`written_with`, `weighted_along`)."""
+run (`settle`), and the facts the rules consult about what a kernel wrote (`split_from_units`, `weighted_along`)."""
 
 from __future__ import annotations
 
@@ -102,17 +102,19 @@ def shared_along(w: Walker, x: Val, read: Sequence[int], free: Sequence[int]) ->
 
 
 def _shared_positions(w: Walker) -> None:
-    """The axes noted by `shared_along` that one kernel wrote with an axis read beside them: positions, until no
-    more turn out so (a position decided may leave another axis no kernel's)."""
-    atoms, changed = w.atoms, True
-    while changed:
-        changed = False
-        for axis, reads in w.shared_along:
-            fs = atoms.factors(axis)  # (the examples' axis and other input axes are no kernel's)
-            if all(atoms.input[f] or atoms.position[f] for f in fs) or not written_with(w, axis, reads):
-                continue
+    """The axes noted by `shared_along` that one kernel wrote with an axis read beside them (`_written_with`):
+    positions. One pass decides: which kernel wrote what is fixed once the walk is over, and an axis made positions
+    needs nothing more."""
+    atoms = w.atoms
+    outs: dict[int, set[int]] = {}  # per leaf, the factors of the axes its kernel writes
+    for leaf, uses in enumerate(w.uses):
+        for a, role, _, _ in uses:
+            if role == "out":
+                outs.setdefault(leaf, set()).update(atoms.factors([a]))
+    for axis, reads in w.shared_along:
+        fs = atoms.factors(axis)  # (the examples' axis and other input axes are no kernel's)
+        if not all(atoms.input[f] or atoms.position[f] for f in fs) and _written_with(w, axis, reads, outs.values()):
             atoms.make_positions(axis)
-            changed = True
 
 
 def shared_input(w: Walker, axis: Sequence[int]) -> None:
@@ -122,17 +124,12 @@ def shared_input(w: Walker, axis: Sequence[int]) -> None:
         w.shared_inputs.update(fs)
 
 
-def written_with(w: Walker, axis: Sequence[int], others: Sequence[Sequence[int]]) -> bool:
-    """Whether ``axis`` and one of ``others`` (atom lists) were written by one kernel, as two of its output
-    axes (``nn.DenseGeneral`` with two feature axes, an ``nn.vmap``'d layer's members and units). Axes of one
-    entry say nothing (a batch of one example, a power iteration's row vector)."""
+def _written_with(w: Walker, axis: Sequence[int], others: Sequence[Sequence[int]], outs) -> bool:
+    """Whether ``axis`` and one of ``others`` (atom lists) were written by one kernel (``outs``: each kernel's output
+    factors), as two of its output axes (``nn.DenseGeneral`` with two feature axes, an ``nn.vmap``'d layer's members
+    and units). Axes of one entry say nothing (a batch of one example, a power iteration's row vector)."""
     others = [o for o in others if w.size(o) > 1]
     if w.size(axis) == 1 or not others:
         return False
-    atoms, outs = w.atoms, {}
-    for leaf, uses in enumerate(w.uses):
-        for a, role, _, _ in uses:
-            if role == "out":
-                outs.setdefault(leaf, set()).update(atoms.factors([a]))
-    f, fs = set(atoms.factors(axis)), [set(atoms.factors(o)) for o in others]
-    return any(f <= own and any(r and r <= own for r in fs) for own in outs.values())
+    f, fs = set(w.atoms.factors(axis)), [set(w.atoms.factors(o)) for o in others]
+    return any(f <= own and any(r and r <= own for r in fs) for own in outs)

@@ -213,7 +213,8 @@ def collecting(into: list):
 
 def space_fingerprint(space) -> str:
     """`PathSpace.fingerprint`, computed as it is but from the groups with their reasons normalised (`norm`), and
-    the treedef's repr normalised."""
+    the treedef's repr normalised. A copy on purpose: the goldens hash with code of their own, so that a change to
+    the library's hashing cannot make them follow it."""
     import jax
 
     from pathspace_jax.graph import reduced
